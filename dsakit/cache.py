@@ -1,0 +1,268 @@
+"""Paged cache: one uint8 pool [P, page_bytes] of a given entry format, a page allocator and block tables.
+
+Byte layout of a page: see :mod:`dsakit.formats`. A *slot* is a global entry index: page = slot // 64,
+entry = slot % 64. A sequence owns a list of pages (its block table); its i-th entry lives at
+slot = block_table[i // 64] * 64 + i % 64.
+
+The low-level functions (:func:`write_entries`, :func:`read_entries`, :func:`sequence_slots`) work on a raw
+pool tensor, like the kernels do; :class:`PagedCache` adds allocation and bookkeeping on top. Every check
+runs before the first byte is written, so bad input leaves the pool unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation helpers (shared by the reference ops and the kernel wrappers)
+# --------------------------------------------------------------------------------------------------
+
+
+def check_pool(pool: torch.Tensor, fmt: EntryFormat, what: str = "pool") -> None:
+    if not isinstance(pool, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, got {type(pool).__name__}")
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != fmt.page_bytes:
+        raise ValueError(f"{what} must be uint8 [P, {fmt.page_bytes}] for format {fmt.name}, "
+                         f"got {pool.dtype} {list(pool.shape)}")
+    if not pool.is_contiguous():
+        raise ValueError(f"{what} must be contiguous (cache writes never go through a silent copy)")
+
+
+def check_slots(slots: torch.Tensor, num_slots: int, what: str = "slots", allow_padding: bool = True) -> torch.Tensor:
+    """Validate int slots [N] against a pool of ``num_slots`` entries; negative = padding (if allowed)."""
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
+        raise ValueError(f"{what} must be a 1-D integer tensor, got "
+                         f"{list(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__}")
+    if slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what} must be int32 or int64, got {slots.dtype}")
+    cpu = slots.detach().cpu().long()
+    if cpu.numel():
+        bad = cpu >= num_slots
+        if not allow_padding:
+            bad |= cpu < 0
+        if bool(bad.any()):
+            first = int(cpu[bad][0])
+            raise ValueError(f"{what} out of range: slot {first} (pool holds slots 0..{num_slots - 1}"
+                             f"{', negative = padding' if allow_padding else ''})")
+        real = cpu[cpu >= 0]
+        if real.numel() != torch.unique(real).numel():
+            values, counts = torch.unique(real, return_counts=True)
+            raise ValueError(f"{what} contains duplicate slot {int(values[counts > 1][0])}")
+    return cpu
+
+
+def num_slots(pool: torch.Tensor) -> int:
+    return pool.shape[0] * ENTRIES_PER_PAGE
+
+
+# --------------------------------------------------------------------------------------------------
+# Raw pool access
+# --------------------------------------------------------------------------------------------------
+
+
+def _byte_index(fmt: EntryFormat, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    value_start, scale_start = fmt.byte_offsets(slots)
+    values = value_start.unsqueeze(1) + torch.arange(fmt.value_bytes)
+    scales = scale_start.unsqueeze(1) + torch.arange(fmt.scale_bytes)
+    return values, scales
+
+
+def write_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor, values: torch.Tensor,
+                  scales: torch.Tensor) -> None:
+    """Write encoded entries (values uint8 [N, value_bytes], scales uint8 [N, scale_bytes]) at slots [N].
+
+    Negative slots are padding and are skipped. Validates everything before writing.
+    """
+    check_pool(pool, fmt)
+    slots = check_slots(slots, num_slots(pool))
+    n = slots.shape[0]
+    if values.shape != (n, fmt.value_bytes) or scales.shape != (n, fmt.scale_bytes):
+        raise ValueError(f"values/scales must be [{n}, {fmt.value_bytes}] / [{n}, {fmt.scale_bytes}], "
+                         f"got {list(values.shape)} / {list(scales.shape)}")
+    keep = slots >= 0
+    if not bool(keep.any()):
+        return
+    value_idx, scale_idx = _byte_index(fmt, slots[keep])
+    flat = pool.view(-1)
+    flat[value_idx.reshape(-1).to(pool.device)] = values[keep].reshape(-1).to(pool.device)
+    if fmt.scale_bytes:
+        flat[scale_idx.reshape(-1).to(pool.device)] = scales[keep].reshape(-1).to(pool.device)
+
+
+def read_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encoded bytes of the entries at slots [N] (all >= 0): (values [N, value_bytes], scales [N, scale_bytes])."""
+    check_pool(pool, fmt)
+    slots = check_slots(slots, num_slots(pool), allow_padding=False) if slots.numel() else slots.long().cpu()
+    value_idx, scale_idx = _byte_index(fmt, slots)
+    flat = pool.view(-1).cpu()
+    return flat[value_idx], flat[scale_idx]
+
+
+def dequantize_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, head_dim] of the entries at slots [N]."""
+    values, scales = read_entries(pool, fmt, slots)
+    if slots.numel() == 0:
+        return torch.zeros(0, fmt.head_dim)
+    return fmt.dequantize(values, scales)
+
+
+def sequence_slots(block_table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """Slots int64 [length] of a sequence's first ``length`` entries, from its block-table row [max_pages]."""
+    pages_needed = (length + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
+    row = block_table_row.detach().cpu().long()
+    if pages_needed > row.numel():
+        raise ValueError(f"sequence of {length} entries needs {pages_needed} pages, block table row has {row.numel()}")
+    if pages_needed and bool((row[:pages_needed] < 0).any()):
+        raise ValueError(f"block table row has an unassigned page (-1) among the first {pages_needed} pages")
+    i = torch.arange(length)
+    return row[i // ENTRIES_PER_PAGE] * ENTRIES_PER_PAGE + i % ENTRIES_PER_PAGE
+
+
+# --------------------------------------------------------------------------------------------------
+# PagedCache: allocator + block tables
+# --------------------------------------------------------------------------------------------------
+
+
+class PagedCache:
+    """A page pool of one format with a free-list allocator and per-sequence block tables.
+
+    >>> cache = PagedCache(KeyFormat.FP8, num_pages=10)
+    >>> seq = cache.add_sequence(); slots = cache.append(seq, 100)   # reserves 2 pages
+    >>> cache.write(slots, torch.randn(100, 128)); cache.gather(seq).shape
+    torch.Size([100, 128])
+    """
+
+    def __init__(self, fmt: "EntryFormat | str", num_pages: int, device: "str | torch.device" = "cpu"):
+        fmt = KeyFormat.parse(fmt) if isinstance(fmt, str) else fmt
+        if not isinstance(fmt, EntryFormat):
+            raise ValueError(f"fmt must be an EntryFormat or a key format name, got {fmt!r}")
+        if not isinstance(num_pages, int) or num_pages <= 0:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        self.fmt = fmt
+        self.pool = torch.zeros(num_pages, fmt.page_bytes, dtype=torch.uint8, device=device)
+        self._free = list(range(num_pages - 1, -1, -1))  # stack: pops the lowest page first
+        self._tables: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+        self._next_id = 0
+
+    # -- capacity -----------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.pool.shape[0]
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def bytes_per_token(self, compress_ratio: int = 1) -> float:
+        """Cache bytes per context token: entry bytes / compress_ratio (page padding included)."""
+        return bytes_per_token(self.fmt, compress_ratio)
+
+    # -- sequences ----------------------------------------------------------------------------------
+    def add_sequence(self) -> int:
+        seq_id = self._next_id
+        self._next_id += 1
+        self._tables[seq_id] = []
+        self._lengths[seq_id] = 0
+        return seq_id
+
+    def _check_seq(self, seq_id: int) -> None:
+        if seq_id not in self._tables:
+            raise ValueError(f"unknown sequence id {seq_id!r}; live sequences: {sorted(self._tables)}")
+
+    @property
+    def sequences(self) -> list[int]:
+        return sorted(self._tables)
+
+    def length(self, seq_id: int) -> int:
+        self._check_seq(seq_id)
+        return self._lengths[seq_id]
+
+    def append(self, seq_id: int, n: int) -> torch.Tensor:
+        """Reserve n more entries for a sequence; returns their slots int64 [n]. All or nothing."""
+        self._check_seq(seq_id)
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"number of entries to append must be a non-negative int, got {n!r}")
+        old = self._lengths[seq_id]
+        new = old + n
+        table = self._tables[seq_id]
+        pages_needed = (new + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE - len(table)
+        if pages_needed > len(self._free):
+            raise ValueError(f"page pool exhausted: sequence {seq_id} needs {pages_needed} more pages for "
+                             f"{n} entries, {len(self._free)} of {self.num_pages} are free")
+        for _ in range(pages_needed):
+            table.append(self._free.pop())
+        self._lengths[seq_id] = new
+        return self.slots(seq_id, old, new)
+
+    def free_sequence(self, seq_id: int) -> None:
+        self._check_seq(seq_id)
+        self._free.extend(reversed(self._tables.pop(seq_id)))
+        del self._lengths[seq_id]
+
+    def slots(self, seq_id: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Slots int64 [end - start] of a sequence's entries start..end-1."""
+        self._check_seq(seq_id)
+        length = self._lengths[seq_id]
+        end = length if end is None else end
+        if not 0 <= start <= end <= length:
+            raise ValueError(f"entry range {start}..{end} outside sequence {seq_id} of length {length}")
+        table = torch.tensor(self._tables[seq_id], dtype=torch.long)
+        return sequence_slots(table, end)[start:]
+
+    def block_table(self, seq_ids: Sequence[int] | None = None, width: int | None = None) -> torch.Tensor:
+        """int32 [B, max_pages] page ids per sequence (rows padded with -1), on the pool's device."""
+        seq_ids = self.sequences if seq_ids is None else list(seq_ids)
+        for s in seq_ids:
+            self._check_seq(s)
+        widest = max((len(self._tables[s]) for s in seq_ids), default=0)
+        width = widest if width is None else width
+        if width < widest:
+            raise ValueError(f"block table width {width} is smaller than the longest table ({widest} pages)")
+        out = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
+        for row, s in enumerate(seq_ids):
+            pages = self._tables[s]
+            out[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return out.to(self.pool.device)
+
+    def entry_counts(self, seq_ids: Sequence[int] | None = None) -> torch.Tensor:
+        """int32 [B] number of entries of each sequence, on the pool's device."""
+        seq_ids = self.sequences if seq_ids is None else list(seq_ids)
+        return torch.tensor([self.length(s) for s in seq_ids], dtype=torch.int32, device=self.pool.device)
+
+    # -- data (reference path) -----------------------------------------------------------------------
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Quantize fp32 entries x [N, head_dim] with the reference codec and store them at slots [N]."""
+        x = self.fmt.check_entries(x)
+        if slots.dim() != 1 or slots.shape[0] != x.shape[0]:
+            raise ValueError(f"slots must be [N] with N = {x.shape[0]} rows of x, got {list(slots.shape)}")
+        check_slots(slots, num_slots(self.pool))
+        values, scales = self.fmt.quantize(x)
+        write_entries(self.pool, self.fmt, slots, values, scales)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 [N, head_dim] dequantized entries at slots [N]."""
+        return dequantize_entries(self.pool, self.fmt, slots)
+
+    def gather(self, seq_id: int) -> torch.Tensor:
+        """fp32 [length, head_dim]: a sequence's entries back in order, dequantized."""
+        return self.read(self.slots(seq_id))
+
+
+def bytes_per_token(fmt: EntryFormat, compress_ratio: int = 1) -> float:
+    """Cache bytes per context token of one layer: page_bytes / 64 / compress_ratio."""
+    if compress_ratio < 1:
+        raise ValueError(f"compress_ratio must be >= 1, got {compress_ratio}")
+    return fmt.page_bytes / ENTRIES_PER_PAGE / compress_ratio
+
+
+def tokens_that_fit(fmt: EntryFormat, nbytes: int, compress_ratio: int = 1) -> int:
+    """Context tokens whose entries fit in ``nbytes`` of whole pages (one layer)."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return (int(nbytes) // fmt.page_bytes) * ENTRIES_PER_PAGE * compress_ratio

@@ -1,0 +1,376 @@
+"""Cache entry formats: index keys (bf16, fp8, fp4) and V4 main-attention KV (fp8+bf16 rope, bf16).
+
+Every format stores entries in pages of ``ENTRIES_PER_PAGE = 64``. Inside a page the value bytes of all 64
+entries come first, then the scale bytes of all 64 entries (then padding, for the attention-KV page)::
+
+    page p:  [ values of entry 0 | values of entry 1 | ... | values of entry 63 ]
+             [ scales of entry 0 | ... | scales of entry 63 ] [ pad ]
+    entry e of page p: values at p * page_bytes + e * value_bytes
+                       scales at p * page_bytes + 64 * value_bytes + e * scale_bytes
+    global slot s: page s // 64, entry s % 64
+
+Index-key formats (one entry = one 128-dim key; SPEC.md section 4):
+
+    ===========  =====================================  ===========  ==========  ==========
+    format       values                                 scales       bytes/entry page bytes
+    ===========  =====================================  ===========  ==========  ==========
+    bf16         128 x bf16 little endian (256 B)       none           256        16384
+    fp8          128 x e4m3fn (128 B)                   1 x fp32 LE    132         8448
+    fp8-ue8m0    same, scale rounded up to 2^n          1 x fp32 LE    132         8448
+    fp4          64 B e2m1, byte i = elems (2i, 2i+1),  4 x ue8m0      68          4352
+                 low nibble = even element; ties of
+                 the thresholds go to the smaller code
+    fp4-rne      same, round half to even code          4 x ue8m0      68          4352
+    ===========  =====================================  ===========  ==========  ==========
+
+The fp8 layout is byte-identical to what DeepGEMM's paged fp8 logits kernel and SGLang read
+([pages, 64, 1, 132] viewed as bytes).
+
+Quantization rules (the reference defines them; kernels must match byte for byte):
+
+* fp8 scale = max(amax, 1e-4) / 448 with amax the largest finite |x| of the entry (fp32, correctly rounded
+  division). ``ue8m0`` rounds that scale up to a power of two (biased exponent + 1 unless the mantissa is 0).
+  value = clamp(x / scale, -448, 448) cast to e4m3fn with round-to-nearest-even.
+* fp4 scale per 32 elements = 2^ceil(log2(max(amax, 1e-4) / 6)), stored as the ue8m0 byte (exponent + 127).
+  Magnitude |x| / scale is coded to {0, .5, 1, 1.5, 2, 3, 4, 6} by thresholds .25 .75 1.25 1.75 2.5 3.5 5;
+  ``threshold`` sends a value equal to a threshold to the smaller magnitude (DeepGEMM, SGLang), ``rne`` to
+  the even code (DeepSeek's QAT reference). Sign bit (bit 3) = x < 0.
+* Non-finite input (quantized formats): NaN elements encode as 0, +-Inf saturate to the largest code
+  (+-448 * scale, +-6 * scale) and do not enter amax. An all-zero or all-non-finite entry gets the scale
+  of the 1e-4 floor. So finite input never produces a NaN byte, and non-finite input never does either.
+  bf16 is a plain round-to-nearest-even cast: NaN and Inf are kept as they are.
+
+Attention-KV formats (one entry = one token's 512-dim shared K = V of V4 main attention; SPEC.md 4.3):
+
+* ``fp8-rope-bf16`` (584 B/token): 448 e4m3fn no-rope values with 7 ue8m0 scales (one per 64 values,
+  same rounding as ``fp8-ue8m0``), then the 64 rope dims as bf16 (128 B): 576 data bytes; scale part is the
+  7 scale bytes + 1 zero pad byte. Page = 64 x 576 + 64 x 8 = 37376 bytes padded to a multiple of 576:
+  37440 bytes.
+* ``bf16`` (1024 B/token): 512 x bf16.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+ENTRIES_PER_PAGE = 64
+INDEX_HEAD_DIM = 128
+ATTENTION_HEAD_DIM = 512
+ATTENTION_ROPE_DIM = 64
+SCALE_FLOOR = 1e-4
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+FP4_BLOCK = 32
+ATTENTION_FP8_BLOCK = 64
+
+# e2m1 magnitudes by 3-bit code, and the decision thresholds between consecutive codes.
+FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Elementwise codecs (fp32 in, codes out). Shared by every format below.
+# --------------------------------------------------------------------------------------------------
+
+
+def _finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """Largest finite |x| along the last dim (0 if none), fp32 [..]."""
+    finite = torch.isfinite(x)
+    return torch.where(finite, x.abs(), torch.zeros_like(x)).amax(dim=-1)
+
+
+def _sanitize(x: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """NaN -> 0, +-Inf -> +-limit (broadcast), everything else unchanged."""
+    x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
+    return torch.where(torch.isinf(x), torch.sign(x) * limit, x)
+
+
+def ue8m0_exponent_ceil(s: torch.Tensor) -> torch.Tensor:
+    """Biased exponent (int32) of the smallest power of two >= s, for positive normal fp32 s.
+
+    Exact bit arithmetic rather than ceil(log2(s)), which can misround next to powers of two:
+    biased exponent of s, plus one unless the mantissa bits are all zero.
+    """
+    bits = s.float().contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    return exponent + (mantissa != 0).to(torch.int32)
+
+
+def ue8m0_to_float(byte: torch.Tensor) -> torch.Tensor:
+    """ue8m0 byte (uint8) -> fp32 power of two 2^(byte - 127)."""
+    return torch.exp2(byte.to(torch.float32) - 127.0)
+
+
+def fp8_scale(amax: torch.Tensor, scale_fmt: str) -> torch.Tensor:
+    """fp32 scale for e4m3 from amax [..]: max(amax, 1e-4) / 448, optionally rounded up to 2^n."""
+    scale = torch.clamp(amax.float(), min=SCALE_FLOOR) / FP8_MAX
+    if scale_fmt == "ue8m0":
+        scale = ue8m0_to_float(ue8m0_exponent_ceil(scale).to(torch.uint8))
+    return scale
+
+
+def encode_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 x [.., n], scale [..] -> e4m3fn bytes uint8 [.., n]."""
+    scale = scale.unsqueeze(-1)
+    x = _sanitize(x.float(), torch.tensor(float("inf")))
+    v = torch.clamp(x / scale, -FP8_MAX, FP8_MAX)  # Inf / scale -> Inf -> clamped to +-448
+    return v.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
+    """e4m3fn bytes uint8 [..] -> fp32 [..]."""
+    return codes.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def encode_e2m1(v: torch.Tensor, rounding: str) -> torch.Tensor:
+    """Scaled fp32 values [..] (|v| <= 6 after sanitizing) -> 4-bit codes uint8 [..] (sign in bit 3)."""
+    mag = v.abs()
+    thresholds = torch.tensor(FP4_THRESHOLDS, dtype=torch.float32)
+    # threshold mode: code = number of thresholds strictly below |v| (ties go to the smaller code)
+    code = (mag.unsqueeze(-1) > thresholds).sum(dim=-1).to(torch.uint8)
+    if rounding == "rne":
+        # a tie sits exactly on a threshold: go up when the upper code is even
+        is_tie = (mag.unsqueeze(-1) == thresholds).any(dim=-1)
+        code = torch.where(is_tie & (code % 2 == 1), code + 1, code)
+    sign = (v < 0).to(torch.uint8) << 3
+    return code | sign
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes uint8 [..] -> fp32 [..] (unscaled)."""
+    table = torch.tensor(FP4_MAGNITUDES, dtype=torch.float32)
+    mag = table[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+# --------------------------------------------------------------------------------------------------
+# Formats
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EntryFormat(ABC):
+    """Byte layout of one cache entry and of a page of 64 entries (see module docstring)."""
+
+    name: str
+    head_dim: int
+    value_bytes: int
+    scale_bytes: int
+    page_bytes: int
+    entries_per_page: ClassVar[int] = ENTRIES_PER_PAGE
+
+    @property
+    def bytes_per_entry(self) -> int:
+        return self.value_bytes + self.scale_bytes
+
+    @property
+    def scale_offset_in_page(self) -> int:
+        return self.entries_per_page * self.value_bytes
+
+    @abstractmethod
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 [N, head_dim] -> (values uint8 [N, value_bytes], scales uint8 [N, scale_bytes])."""
+
+    @abstractmethod
+    def dequantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """(values uint8 [N, value_bytes], scales uint8 [N, scale_bytes]) -> fp32 [N, head_dim]."""
+
+    # -- shared ---------------------------------------------------------------------------------------
+    def check_entries(self, x: torch.Tensor, what: str = "x") -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2 or x.shape[1] != self.head_dim:
+            raise ValueError(f"{what} must have shape [N, {self.head_dim}] for format {self.name}, "
+                             f"got {list(x.shape)}")
+        if not x.is_floating_point():
+            raise ValueError(f"{what} must be a floating tensor, got {x.dtype}")
+        return x.detach().to("cpu", torch.float32)
+
+    def entry_bytes(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 [N, head_dim] -> uint8 [N, bytes_per_entry]: values then scales of each entry."""
+        values, scales = self.quantize(x)
+        return torch.cat([values, scales], dim=1)
+
+    def quantize_pages(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 [P * 64, head_dim] -> uint8 [P, page_bytes] in the page layout (padding bytes 0)."""
+        x = self.check_entries(x)
+        n = x.shape[0]
+        if n % self.entries_per_page:
+            raise ValueError(f"quantize_pages needs a multiple of {self.entries_per_page} entries, got {n}")
+        pages = n // self.entries_per_page
+        values, scales = self.quantize(x)
+        out = torch.zeros(pages, self.page_bytes, dtype=torch.uint8)
+        out[:, : self.scale_offset_in_page] = values.reshape(pages, -1)
+        end = self.scale_offset_in_page + self.entries_per_page * self.scale_bytes
+        out[:, self.scale_offset_in_page: end] = scales.reshape(pages, -1)
+        return out
+
+    def split_pages(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 [P, page_bytes] -> (values [P * 64, value_bytes], scales [P * 64, scale_bytes])."""
+        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != self.page_bytes:
+            raise ValueError(f"pages must be uint8 [P, {self.page_bytes}] for format {self.name}, "
+                             f"got {pages.dtype} {list(pages.shape)}")
+        end = self.scale_offset_in_page + self.entries_per_page * self.scale_bytes
+        values = pages[:, : self.scale_offset_in_page].reshape(-1, self.value_bytes)
+        scales = pages[:, self.scale_offset_in_page: end].reshape(-1, self.scale_bytes)
+        return values, scales
+
+    def dequantize_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """uint8 [P, page_bytes] -> fp32 [P * 64, head_dim]."""
+        values, scales = self.split_pages(pages.cpu())
+        return self.dequantize(values, scales)
+
+    def byte_offsets(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat byte offsets of the first value byte and first scale byte of each global slot [N]."""
+        slots = slots.long()
+        page = slots // self.entries_per_page
+        entry = slots % self.entries_per_page
+        base = page * self.page_bytes
+        return base + entry * self.value_bytes, base + self.scale_offset_in_page + entry * self.scale_bytes
+
+    def tokens_per_bytes(self, nbytes: int) -> int:
+        return int(nbytes) // self.bytes_per_entry
+
+
+@dataclass(frozen=True)
+class KeyFormat(EntryFormat):
+    """Index-key format for 128-dim keys. Use the constants ``KeyFormat.BF16`` ... or ``KeyFormat.parse``."""
+
+    kind: str = "bf16"  # "bf16" | "fp8" | "fp4"
+    scale_fmt: str = "fp32"  # fp8 only: "fp32" | "ue8m0"
+    rounding: str = "threshold"  # fp4 only: "threshold" | "rne"
+
+    BF16: ClassVar["KeyFormat"]
+    FP8: ClassVar["KeyFormat"]
+    FP8_UE8M0: ClassVar["KeyFormat"]
+    FP4: ClassVar["KeyFormat"]
+    FP4_RNE: ClassVar["KeyFormat"]
+
+    @staticmethod
+    def parse(name: "str | KeyFormat") -> "KeyFormat":
+        """'bf16' | 'fp8' | 'fp8-ue8m0' | 'fp4' | 'fp4-rne' (or a KeyFormat) -> KeyFormat."""
+        if isinstance(name, KeyFormat):
+            return name
+        found = KEY_FORMATS.get(str(name).lower())
+        if found is None:
+            raise ValueError(f"unknown key format {name!r}; choose one of {sorted(KEY_FORMATS)}")
+        return found
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.check_entries(x)
+        n = x.shape[0]
+        if self.kind == "bf16":
+            values = x.to(torch.bfloat16).view(torch.uint8).reshape(n, self.value_bytes)
+            return values, torch.zeros(n, 0, dtype=torch.uint8)
+        if self.kind == "fp8":
+            scale = fp8_scale(_finite_amax(x), self.scale_fmt)  # [N]
+            values = encode_e4m3(x, scale)
+            scales = scale.reshape(n, 1).contiguous().view(torch.uint8).reshape(n, 4)
+            return values, scales
+        # fp4: blocks of 32 elements, one ue8m0 byte each
+        blocks = x.reshape(n, self.head_dim // FP4_BLOCK, FP4_BLOCK)
+        amax = torch.clamp(_finite_amax(blocks), min=SCALE_FLOOR)
+        exponent = ue8m0_exponent_ceil(amax / FP4_MAX)  # [N, 4]
+        scale = ue8m0_to_float(exponent.to(torch.uint8))
+        v = _sanitize(blocks, torch.tensor(float("inf"))) / scale.unsqueeze(-1)
+        v = torch.clamp(v, -FP4_MAX, FP4_MAX)
+        codes = encode_e2m1(v, self.rounding).reshape(n, self.head_dim)
+        values = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        return values.contiguous(), exponent.to(torch.uint8).contiguous()
+
+    def dequantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        values = values.cpu()
+        scales = scales.cpu()
+        n = values.shape[0]
+        if self.kind == "bf16":
+            return values.contiguous().view(torch.bfloat16).reshape(n, self.head_dim).float()
+        if self.kind == "fp8":
+            scale = scales.contiguous().view(torch.float32).reshape(n, 1)
+            return decode_e4m3(values) * scale
+        codes = torch.stack([values & 0xF, values >> 4], dim=-1).reshape(n, self.head_dim)
+        scale = ue8m0_to_float(scales).repeat_interleave(FP4_BLOCK, dim=1)
+        return decode_e2m1(codes) * scale
+
+
+def _key_format(name: str, kind: str, value_bytes: int, scale_bytes: int, **kw) -> KeyFormat:
+    return KeyFormat(name=name, head_dim=INDEX_HEAD_DIM, value_bytes=value_bytes, scale_bytes=scale_bytes,
+                     page_bytes=ENTRIES_PER_PAGE * (value_bytes + scale_bytes), kind=kind, **kw)
+
+
+KeyFormat.BF16 = _key_format("bf16", "bf16", 256, 0)
+KeyFormat.FP8 = _key_format("fp8", "fp8", 128, 4, scale_fmt="fp32")
+KeyFormat.FP8_UE8M0 = _key_format("fp8-ue8m0", "fp8", 128, 4, scale_fmt="ue8m0")
+KeyFormat.FP4 = _key_format("fp4", "fp4", 64, 4, rounding="threshold")
+KeyFormat.FP4_RNE = _key_format("fp4-rne", "fp4", 64, 4, rounding="rne")
+KEY_FORMATS: dict[str, KeyFormat] = {f.name: f for f in (KeyFormat.BF16, KeyFormat.FP8, KeyFormat.FP8_UE8M0,
+                                                          KeyFormat.FP4, KeyFormat.FP4_RNE)}
+
+
+@dataclass(frozen=True)
+class AttentionKVFormat(EntryFormat):
+    """V4 main-attention KV entry (shared K = V, head_dim 512). ``AttentionKVFormat.FP8_ROPE_BF16`` / ``BF16``."""
+
+    kind: str = "bf16"  # "bf16" | "fp8-rope-bf16"
+    rope_dim: int = ATTENTION_ROPE_DIM
+
+    FP8_ROPE_BF16: ClassVar["AttentionKVFormat"]
+    BF16: ClassVar["AttentionKVFormat"]
+
+    @staticmethod
+    def parse(name: "str | AttentionKVFormat") -> "AttentionKVFormat":
+        if isinstance(name, AttentionKVFormat):
+            return name
+        found = ATTENTION_KV_FORMATS.get(str(name).lower())
+        if found is None:
+            raise ValueError(f"unknown attention KV format {name!r}; choose one of {sorted(ATTENTION_KV_FORMATS)}")
+        return found
+
+    @property
+    def nope_dim(self) -> int:
+        return self.head_dim - self.rope_dim
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.check_entries(x)
+        n = x.shape[0]
+        if self.kind == "bf16":
+            return x.to(torch.bfloat16).view(torch.uint8).reshape(n, -1), torch.zeros(n, 0, dtype=torch.uint8)
+        nope = x[:, : self.nope_dim].reshape(n, -1, ATTENTION_FP8_BLOCK)  # [N, 7, 64]
+        scale = fp8_scale(_finite_amax(nope), "ue8m0")  # [N, 7], powers of two
+        nope_codes = encode_e4m3(nope, scale).reshape(n, self.nope_dim)
+        rope = x[:, self.nope_dim:].to(torch.bfloat16).view(torch.uint8).reshape(n, 2 * self.rope_dim)
+        exponent = ue8m0_exponent_ceil(scale).to(torch.uint8)  # exact: scale is already 2^k
+        scales = torch.cat([exponent, torch.zeros(n, 1, dtype=torch.uint8)], dim=1)
+        return torch.cat([nope_codes, rope], dim=1).contiguous(), scales.contiguous()
+
+    def dequantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        values = values.cpu()
+        scales = scales.cpu()
+        n = values.shape[0]
+        if self.kind == "bf16":
+            return values.contiguous().view(torch.bfloat16).reshape(n, self.head_dim).float()
+        blocks = self.nope_dim // ATTENTION_FP8_BLOCK
+        nope = decode_e4m3(values[:, : self.nope_dim]).reshape(n, blocks, ATTENTION_FP8_BLOCK)
+        nope = nope * ue8m0_to_float(scales[:, :blocks]).unsqueeze(-1)
+        rope = values[:, self.nope_dim:].contiguous().view(torch.bfloat16).float()
+        return torch.cat([nope.reshape(n, self.nope_dim), rope], dim=1)
+
+
+def _padded_page(value_bytes: int, scale_bytes: int) -> int:
+    raw = ENTRIES_PER_PAGE * (value_bytes + scale_bytes)
+    return math.ceil(raw / value_bytes) * value_bytes
+
+
+AttentionKVFormat.FP8_ROPE_BF16 = AttentionKVFormat(
+    name="fp8-rope-bf16", head_dim=ATTENTION_HEAD_DIM, value_bytes=576, scale_bytes=8,
+    page_bytes=_padded_page(576, 8), kind="fp8-rope-bf16")
+AttentionKVFormat.BF16 = AttentionKVFormat(
+    name="bf16", head_dim=ATTENTION_HEAD_DIM, value_bytes=1024, scale_bytes=0,
+    page_bytes=ENTRIES_PER_PAGE * 1024, kind="bf16")
+ATTENTION_KV_FORMATS: dict[str, AttentionKVFormat] = {
+    f.name: f for f in (AttentionKVFormat.FP8_ROPE_BF16, AttentionKVFormat.BF16)}

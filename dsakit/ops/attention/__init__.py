@@ -1,0 +1,3 @@
+from .reference import sparse_attention, window_topk_indices
+
+__all__ = ["sparse_attention", "window_topk_indices"]

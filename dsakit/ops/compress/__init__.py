@@ -1,0 +1,3 @@
+from .reference import compress, compress_projected
+
+__all__ = ["compress", "compress_projected"]

@@ -1,0 +1,3 @@
+from .reference import index_scores, index_scores_dense
+
+__all__ = ["index_scores", "index_scores_dense"]

@@ -1,0 +1,120 @@
+"""Reference (fp32, CPU) of the fused store: norm -> rope -> (Hadamard) -> quantize -> paged store.
+
+    for each row n with slots[n] >= 0:
+        x = keys[n] (fp32)
+        x = RMSNorm(x) * w            or  LayerNorm(x) * w + b
+        x = rope(x, rope_cos_sin[positions[n]], layout)     # rope_dim dims, see dsakit.transforms
+        x = x @ H128 / sqrt(128)        (if hadamard)
+        pool[page(slot), ...] = quantize(x)                  # byte layout: dsakit.formats
+
+The attention-KV variant does norm -> rope -> quantize for 512-dim entries (no Hadamard).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...cache import check_pool, check_slots, num_slots, write_entries
+from ...formats import AttentionKVFormat, KeyFormat
+from ...presets import KeyTransform
+from ...transforms import ROPE_V4, RopeLayout, apply_norm, apply_rope, hadamard_transform
+
+
+def _check_rows(x: torch.Tensor, dim: int, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != dim:
+        raise ValueError(f"{what} must be a [N, {dim}] tensor, got "
+                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{what} must be fp32, bf16 or fp16, got {x.dtype}")
+
+
+def _check_vector(v: torch.Tensor | None, dim: int, what: str) -> None:
+    if v is None:
+        return
+    if not isinstance(v, torch.Tensor) or v.shape != (dim,):
+        raise ValueError(f"{what} must be a [{dim}] tensor, got "
+                         f"{list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+
+
+def check_rope_inputs(positions: torch.Tensor, rope_cos_sin: torch.Tensor, n: int, rope_dim: int) -> None:
+    if not isinstance(positions, torch.Tensor) or positions.shape != (n,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be int32/int64 [{n}], got "
+                         f"{(positions.dtype, list(positions.shape)) if isinstance(positions, torch.Tensor) else positions!r}")
+    if not isinstance(rope_cos_sin, torch.Tensor) or rope_cos_sin.dim() != 2 or rope_cos_sin.shape[1] != rope_dim:
+        raise ValueError(f"rope_cos_sin must be [max_position, {rope_dim}] (cos then sin), got "
+                         f"{list(rope_cos_sin.shape) if isinstance(rope_cos_sin, torch.Tensor) else rope_cos_sin!r}")
+    if rope_cos_sin.dtype != torch.float32:
+        raise ValueError(f"rope_cos_sin must be fp32, got {rope_cos_sin.dtype}")
+    if n:
+        pos = positions.detach().cpu()
+        bad = (pos < 0) | (pos >= rope_cos_sin.shape[0])
+        if bool(bad.any()):
+            raise ValueError(f"position {int(pos[bad][0])} outside the rope table (0..{rope_cos_sin.shape[0] - 1})")
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, rope_cos_sin: torch.Tensor, layout: RopeLayout,
+          rope_dim: int) -> torch.Tensor:
+    table = rope_cos_sin.detach().cpu().float()[positions.detach().cpu().long()]
+    half = rope_dim // 2
+    return apply_rope(x, table[:, :half], table[:, half:], layout, rope_dim)
+
+
+def prepare_index_keys(keys: torch.Tensor, positions: torch.Tensor, rope_cos_sin: torch.Tensor,
+                       norm_weight: torch.Tensor, norm_bias: torch.Tensor | None = None,
+                       transform: KeyTransform = KeyTransform()) -> torch.Tensor:
+    """Pre-norm keys [N, 128] -> fp32 [N, 128] after norm, rope and (optional) Hadamard; not quantized."""
+    d = 128
+    _check_rows(keys, d, "keys")
+    _check_vector(norm_weight, d, "norm_weight")
+    _check_vector(norm_bias, d, "norm_bias")
+    check_rope_inputs(positions, rope_cos_sin, keys.shape[0], transform.rope_dim)
+    x = apply_norm(keys.detach().cpu().float(), transform.norm, norm_weight.detach().cpu(),
+                   None if norm_bias is None else norm_bias.detach().cpu(), transform.eps)
+    x = _rope(x, positions, rope_cos_sin, transform.rope_layout, transform.rope_dim)
+    return hadamard_transform(x) if transform.hadamard else x
+
+
+def store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
+                     fmt: "KeyFormat | str", rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor,
+                     norm_bias: torch.Tensor | None = None, transform: KeyTransform = KeyTransform()) -> None:
+    """Normalize, rope, rotate, quantize and store index keys in a paged pool (in place).
+
+    keys [N, 128] fp32/bf16 (pre-norm), positions int [N] (rope position of each row), slots int [N]
+    (global slot, < 0 = padding, skipped), pool uint8 [P, fmt.page_bytes], rope_cos_sin fp32
+    [max_position, rope_dim] (cos then sin), norm_weight [128], norm_bias [128] (layernorm only).
+    """
+    fmt = KeyFormat.parse(fmt)
+    check_pool(pool, fmt)
+    _check_rows(keys, 128, "keys")
+    if slots.shape != (keys.shape[0],):
+        raise ValueError(f"slots must be [{keys.shape[0]}] (one per key row), got {list(slots.shape)}")
+    check_slots(slots, num_slots(pool))
+    x = prepare_index_keys(keys, positions, rope_cos_sin, norm_weight, norm_bias, transform)
+    values, scales = fmt.quantize(x)
+    write_entries(pool, fmt, slots, values, scales)
+
+
+def prepare_attention_kv(kv: torch.Tensor, positions: torch.Tensor, rope_cos_sin: torch.Tensor,
+                         norm_weight: torch.Tensor, rope_layout: RopeLayout = ROPE_V4, eps: float = 1e-6) -> torch.Tensor:
+    """Pre-norm KV [N, 512] -> fp32 [N, 512] after RMSNorm and rope on the trailing 64 dims."""
+    _check_rows(kv, 512, "kv")
+    _check_vector(norm_weight, 512, "norm_weight")
+    rope_dim = rope_cos_sin.shape[1] if isinstance(rope_cos_sin, torch.Tensor) and rope_cos_sin.dim() == 2 else 64
+    check_rope_inputs(positions, rope_cos_sin, kv.shape[0], rope_dim)
+    x = apply_norm(kv.detach().cpu().float(), "rmsnorm", norm_weight.detach().cpu(), None, eps)
+    return _rope(x, positions, rope_cos_sin, RopeLayout.parse(rope_layout), rope_dim)
+
+
+def store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
+                       fmt: "AttentionKVFormat | str", rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor,
+                       rope_layout: RopeLayout = ROPE_V4, eps: float = 1e-6) -> None:
+    """RMSNorm + rope + quantize + paged store of V4 main-attention KV [N, 512] (in place); slots < 0 skipped."""
+    fmt = AttentionKVFormat.parse(fmt)
+    check_pool(pool, fmt)
+    _check_rows(kv, 512, "kv")
+    if slots.shape != (kv.shape[0],):
+        raise ValueError(f"slots must be [{kv.shape[0]}] (one per kv row), got {list(slots.shape)}")
+    check_slots(slots, num_slots(pool))
+    x = prepare_attention_kv(kv, positions, rope_cos_sin, norm_weight, rope_layout, eps)
+    values, scales = fmt.quantize(x)
+    write_entries(pool, fmt, slots, values, scales)

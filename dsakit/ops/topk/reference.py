@@ -1,0 +1,64 @@
+"""Reference (fp32, CPU) of the indexer top-k.
+
+Rules (every kernel follows them):
+
+* Candidates of a row are its entries with score > -inf (masked / invisible entries are never selected).
+  NaN counts as a candidate ranking above every number, +inf included (the order ``torch.topk`` and a
+  radix select over float bits give): a NaN-producing bug is visible as selected garbage, not hidden.
+* The row's output holds the indices of its min(k, candidates) best entries in descending score order;
+  equal scores go to the lower index first. The remaining columns are -1.
+* Output int32 [T, k]; entry indices are within the query's sequence (0..entry_count-1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..scores.reference import index_scores
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores fp32 [T, N] -> int32 [T, k] indices (rules above)."""
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
+        raise ValueError(f"scores must be a [T, N] tensor, got "
+                         f"{list(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    s = scores.detach().cpu().float()
+    t, n = s.shape
+    out = torch.full((t, k), -1, dtype=torch.int32)
+    if n == 0 or t == 0:
+        return out
+    is_nan = torch.isnan(s)
+    # Two stable passes: by score (NaN as +inf), then NaN first. Stability keeps lower indices first on ties.
+    key = torch.where(is_nan, torch.full_like(s, float("inf")), s)
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices
+    nan_first = torch.sort(is_nan.gather(1, order).to(torch.int8), dim=1, descending=True, stable=True).indices
+    order = order.gather(1, nan_first)
+    candidates = (is_nan | (s > float("-inf"))).sum(dim=1)
+    take = min(k, n)
+    chosen = order[:, :take].to(torch.int32)
+    keep = torch.arange(take).unsqueeze(0) < candidates.unsqueeze(1)
+    out[:, :take] = torch.where(keep, chosen, torch.full_like(chosen, -1))
+    return out
+
+
+def index_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt, block_table: torch.Tensor,
+               entry_counts: torch.Tensor, query_seq: torch.Tensor, k: int,
+               query_positions: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
+    """Top-k entries per query of a ragged batch against paged keys -> int32 [T, k] (-1 padded).
+
+    Arguments as :func:`dsakit.ops.scores.reference.index_scores`. Materializes [T, N] (the reference may).
+    """
+    scores = index_scores(q, weights, pool, fmt, block_table, entry_counts, query_seq, query_positions, ratio)
+    return select_topk(scores, k)
+
+
+def topk_to_slots(indices: torch.Tensor, block_table: torch.Tensor, query_seq: torch.Tensor) -> torch.Tensor:
+    """Entry indices int32 [T, K] (-1 padded) -> global slot ids int32 [T, K] (-1 kept) via the block table."""
+    idx = indices.long()
+    pages = block_table.long()[query_seq.long()]  # [T, max_pages]
+    safe = idx.clamp(min=0)
+    page = pages.gather(1, torch.div(safe, 64, rounding_mode="floor"))
+    slots = page * 64 + safe % 64
+    return torch.where(idx >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)
