@@ -218,7 +218,9 @@ class EntryFormat(ABC):
                              f"got {pages.dtype} {list(pages.shape)}")
         end = self.scale_offset_in_page + self.entries_per_page * self.scale_bytes
         values = pages[:, : self.scale_offset_in_page].reshape(-1, self.value_bytes)
-        scales = pages[:, self.scale_offset_in_page: end].reshape(-1, self.scale_bytes)
+        # explicit row count: formats without scales (bf16) have 0 scale bytes and reshape(-1, 0) is ambiguous
+        scales = pages[:, self.scale_offset_in_page: end].reshape(pages.shape[0] * self.entries_per_page,
+                                                                   self.scale_bytes)
         return values, scales
 
     def dequantize_pages(self, pages: torch.Tensor) -> torch.Tensor:
