@@ -81,6 +81,11 @@ def write_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor, val
     check_pool(pool, fmt)
     slots = check_slots(slots, num_slots(pool))
     n = slots.shape[0]
+    if not isinstance(values, torch.Tensor) or not isinstance(scales, torch.Tensor) \
+            or values.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"values/scales must be uint8 tensors of encoded bytes, got "
+                         f"{getattr(values, 'dtype', type(values).__name__)} / "
+                         f"{getattr(scales, 'dtype', type(scales).__name__)}")
     if values.shape != (n, fmt.value_bytes) or scales.shape != (n, fmt.scale_bytes):
         raise ValueError(f"values/scales must be [{n}, {fmt.value_bytes}] / [{n}, {fmt.scale_bytes}], "
                          f"got {list(values.shape)} / {list(scales.shape)}")

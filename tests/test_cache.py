@@ -1,0 +1,300 @@
+"""Paged cache (dsakit.cache): allocator state machine, raw pool access, bad input leaves the pool unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from dsakit.cache import (
+    PagedCache,
+    bytes_per_token,
+    check_slots,
+    dequantize_entries,
+    read_entries,
+    sequence_slots,
+    tokens_that_fit,
+    write_entries,
+)
+from dsakit.formats import AttentionKVFormat, KeyFormat
+
+# --------------------------------------------------------------------------------------------------
+# Allocator state machine
+# --------------------------------------------------------------------------------------------------
+
+
+class PagedCacheMachine(RuleBasedStateMachine):
+    """Random add / append / write / free sequences against a model of what each sequence holds.
+
+    The cache uses bf16 (lossless for bf16-representable data), so ``gather`` must return exactly the
+    values written. Page counts are not powers of two.
+    """
+
+    sequences = Bundle("sequences")
+
+    def __init__(self):
+        super().__init__()
+        self.num_pages = 7
+        self.cache = PagedCache(KeyFormat.BF16, num_pages=self.num_pages)
+        self.model: dict[int, torch.Tensor] = {}  # seq -> rows written so far (bf16-exact fp32), NaN = unwritten
+        self.counter = 0
+
+    def _rows(self, n: int) -> torch.Tensor:
+        # distinct, bf16-representable rows so a misplaced entry is caught
+        self.counter += n
+        base = torch.arange(self.counter - n, self.counter, dtype=torch.float32).unsqueeze(1)
+        return (base + torch.arange(128) / 256.0).bfloat16().float()
+
+    @rule(target=sequences)
+    def add(self):
+        seq = self.cache.add_sequence()
+        self.model[seq] = torch.zeros(0, 128)
+        return seq
+
+    @rule(seq=sequences, n=st.integers(0, 150))
+    def append_and_write(self, seq, n):
+        if seq not in self.model:
+            return
+        free_before, pool_before = self.cache.free_pages, self.cache.pool.clone()
+        old_len = self.cache.length(seq)
+        have = (old_len + 63) // 64
+        need = (old_len + n + 63) // 64 - have
+        if need > free_before:
+            with pytest.raises(ValueError, match="exhausted"):
+                self.cache.append(seq, n)
+            # all or nothing: no page taken, length unchanged, no byte changed
+            assert self.cache.free_pages == free_before and self.cache.length(seq) == old_len
+            assert torch.equal(self.cache.pool, pool_before)
+            return
+        slots = self.cache.append(seq, n)
+        assert slots.shape == (n,) and self.cache.free_pages == free_before - need
+        rows = self._rows(n)
+        self.cache.write(slots, rows)
+        self.model[seq] = torch.cat([self.model[seq], rows])
+
+    @rule(seq=consumes(sequences))
+    def free(self, seq):
+        if seq not in self.model:
+            return
+        pages = (self.cache.length(seq) + 63) // 64
+        before = self.cache.free_pages
+        self.cache.free_sequence(seq)
+        del self.model[seq]
+        assert self.cache.free_pages == before + pages
+        with pytest.raises(ValueError, match=str(seq)):
+            self.cache.length(seq)
+
+    @invariant()
+    def pages_are_owned_once_and_conserved(self):
+        owned = []
+        table = self.cache.block_table()
+        for row, seq in enumerate(self.cache.sequences):
+            pages = (self.cache.length(seq) + 63) // 64
+            assert bool((table[row, :pages] >= 0).all()) and bool((table[row, pages:] == -1).all())
+            owned += table[row, :pages].tolist()
+        assert len(owned) == len(set(owned)), "a page is owned twice"
+        assert len(owned) + self.cache.free_pages == self.num_pages
+        assert all(0 <= p < self.num_pages for p in owned)
+
+    @invariant()
+    def slots_follow_block_table_and_gather_returns_writes(self):
+        for row, seq in enumerate(self.cache.sequences):
+            length = self.cache.length(seq)
+            slots = self.cache.slots(seq)
+            table = self.cache.block_table([seq])[0]
+            expected = [int(table[i // 64]) * 64 + i % 64 for i in range(length)]
+            assert slots.tolist() == expected
+            assert torch.equal(self.cache.gather(seq), self.model[seq])
+        assert self.cache.entry_counts().tolist() == [self.cache.length(s) for s in self.cache.sequences]
+
+
+TestPagedCacheMachine = PagedCacheMachine.TestCase
+TestPagedCacheMachine.settings = settings(max_examples=15, stateful_step_count=12, deadline=None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Properties of the raw pool functions
+# --------------------------------------------------------------------------------------------------
+
+
+@given(num_pages=st.integers(1, 5), data=st.data())
+@settings(max_examples=20)
+def test_write_then_read_any_slots(num_pages, data):
+    fmt = KeyFormat.FP8
+    pool = torch.zeros(num_pages, fmt.page_bytes, dtype=torch.uint8)
+    slot_list = data.draw(st.lists(st.integers(0, num_pages * 64 - 1), min_size=1, max_size=20, unique=True))
+    slots = torch.tensor(slot_list)
+    x = torch.randn(len(slot_list), 128)
+    values, scales = fmt.quantize(x)
+    write_entries(pool, fmt, slots, values, scales)
+    got_v, got_s = read_entries(pool, fmt, slots)
+    assert torch.equal(got_v, values) and torch.equal(got_s, scales)
+    assert torch.equal(dequantize_entries(pool, fmt, slots), fmt.dequantize(values, scales))
+    # bytes outside the written entries are still zero
+    touched = torch.zeros_like(pool.view(-1), dtype=torch.bool)
+    vo, so = fmt.byte_offsets(slots)
+    for v0, s0 in zip(vo.tolist(), so.tolist()):
+        touched[v0: v0 + fmt.value_bytes] = True
+        touched[s0: s0 + fmt.scale_bytes] = True
+    assert bool((pool.view(-1)[~touched] == 0).all())
+
+
+def test_padding_slots_are_skipped():
+    fmt = KeyFormat.FP4
+    pool = torch.zeros(1, fmt.page_bytes, dtype=torch.uint8)
+    values, scales = fmt.quantize(torch.randn(3, 128))
+    write_entries(pool, fmt, torch.tensor([-1, 5, -7]), values, scales)
+    got_v, got_s = read_entries(pool, fmt, torch.tensor([5]))
+    assert torch.equal(got_v[0], values[1]) and torch.equal(got_s[0], scales[1])
+    rest = torch.ones(64, dtype=torch.bool)
+    rest[5] = False
+    assert bool((read_entries(pool, fmt, torch.arange(64)[rest])[0] == 0).all())
+
+
+def test_sequence_slots_and_block_table_padding():
+    row = torch.tensor([4, 0, 2, -1], dtype=torch.int32)
+    slots = sequence_slots(row, 130)
+    assert slots[:64].tolist() == list(range(256, 320))
+    assert slots[64:128].tolist() == list(range(0, 64))
+    assert slots[128:].tolist() == [128, 129]
+    with pytest.raises(ValueError, match="unassigned page"):
+        sequence_slots(row, 193)
+    with pytest.raises(ValueError, match="needs 5 pages"):
+        sequence_slots(row, 257)
+
+
+def test_pages_come_back_after_free_and_non_power_of_two_pool():
+    cache = PagedCache("fp8", num_pages=3)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.append(a, 65)   # 2 pages
+    cache.append(b, 64)   # 1 page
+    assert cache.free_pages == 0
+    with pytest.raises(ValueError, match="exhausted"):
+        cache.append(b, 1)
+    cache.free_sequence(a)
+    assert cache.free_pages == 2
+    slots = cache.append(b, 100)  # 64 + 100 = 164 entries -> 3 pages
+    assert cache.length(b) == 164 and cache.free_pages == 0 and slots.shape == (100,)
+    assert sorted(cache.block_table([b])[0].tolist()) == [0, 1, 2]
+
+
+def test_bytes_per_token_and_tokens_that_fit():
+    assert bytes_per_token(KeyFormat.FP8, 4) == 8448 / 64 / 4 == 33.0
+    assert bytes_per_token(AttentionKVFormat.FP8_ROPE_BF16) == 37440 / 64
+    assert tokens_that_fit(KeyFormat.FP4, 3 * 4352 + 100, compress_ratio=4) == 3 * 64 * 4
+    assert PagedCache("bf16", 2).bytes_per_token(1) == 256
+    with pytest.raises(ValueError, match="compress_ratio"):
+        bytes_per_token(KeyFormat.FP8, 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input: ValueError naming the value, pool unchanged byte for byte
+# --------------------------------------------------------------------------------------------------
+
+
+def filled_pool(fmt=KeyFormat.FP8, pages: int = 3) -> torch.Tensor:
+    return torch.randint(0, 256, (pages, fmt.page_bytes), dtype=torch.uint8)
+
+
+def encoded(n: int, fmt=KeyFormat.FP8):
+    return fmt.quantize(torch.randn(n, 128))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("slot_too_large", "slot 192"),
+    ("duplicate_slot", "duplicate slot 7"),
+    ("float_slots", "float32"),
+    ("2d_slots", r"\[2, 1\]"),
+    ("float_values", "float32"),
+    ("wrong_value_shape", r"\[2, 127\]"),
+    ("wrong_scale_shape", r"\[2, 3\]"),
+])
+def test_write_entries_bad_input_leaves_pool_unchanged(case, match):
+    fmt = KeyFormat.FP8
+    pool = filled_pool(fmt)
+    before = pool.clone()
+    values, scales = encoded(2, fmt)
+    slots = torch.tensor([3, 7])
+    if case == "slot_too_large":
+        slots = torch.tensor([3, 192])  # pool of 3 pages holds slots 0..191
+    elif case == "duplicate_slot":
+        slots = torch.tensor([7, 7])
+    elif case == "float_slots":
+        slots = torch.tensor([3.0, 7.0])
+    elif case == "2d_slots":
+        slots = torch.tensor([[3], [7]])
+    elif case == "float_values":
+        values = values.float()
+    elif case == "wrong_value_shape":
+        values = values[:, :127]
+    elif case == "wrong_scale_shape":
+        scales = scales[:, :3]
+    with pytest.raises(ValueError, match=match):
+        write_entries(pool, fmt, slots, values, scales)
+    assert torch.equal(pool, before)
+
+
+def test_pool_shape_and_contiguity_are_checked():
+    fmt = KeyFormat.FP4
+    values, scales = encoded(1, fmt)
+    with pytest.raises(ValueError, match="4352"):
+        write_entries(torch.zeros(2, 4351, dtype=torch.uint8), fmt, torch.tensor([0]), values, scales)
+    with pytest.raises(ValueError, match="int8"):
+        write_entries(torch.zeros(2, 4352, dtype=torch.int8), fmt, torch.tensor([0]), values, scales)
+    strided = torch.zeros(2, 2 * 4352, dtype=torch.uint8)[:, ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        write_entries(strided, fmt, torch.tensor([0]), values, scales)
+    assert bool((strided == 0).all())
+
+
+@pytest.mark.parametrize("case,match", [
+    ("out_of_range", "slot 640"), ("duplicate", "duplicate slot 1"), ("int_rows", "int64"),
+    ("wrong_dim", r"\[2, 64\]"), ("count_mismatch", r"N = 3")])
+def test_paged_cache_write_bad_input(case, match):
+    cache = PagedCache(KeyFormat.FP8, num_pages=10)
+    seq = cache.add_sequence()
+    cache.write(cache.append(seq, 2), torch.randn(2, 128))
+    before = cache.pool.clone()
+    slots, x = torch.tensor([0, 1]), torch.randn(2, 128)
+    if case == "out_of_range":
+        slots = torch.tensor([0, 640])
+    elif case == "duplicate":
+        slots = torch.tensor([1, 1])
+    elif case == "int_rows":
+        x = torch.ones(2, 128, dtype=torch.int64)
+    elif case == "wrong_dim":
+        x = torch.randn(2, 64)
+    elif case == "count_mismatch":
+        x = torch.randn(3, 128)
+    with pytest.raises(ValueError, match=match):
+        cache.write(slots, x)
+    assert torch.equal(cache.pool, before)
+
+
+def test_paged_cache_argument_errors():
+    with pytest.raises(ValueError, match="num_pages"):
+        PagedCache("fp8", num_pages=0)
+    with pytest.raises(ValueError, match="fp7"):
+        PagedCache("fp7", num_pages=1)
+    cache = PagedCache("fp8", num_pages=2)
+    seq = cache.add_sequence()
+    with pytest.raises(ValueError, match="-3"):
+        cache.append(seq, -3)
+    with pytest.raises(ValueError, match="unknown sequence id 42"):
+        cache.append(42, 1)
+    cache.append(seq, 10)
+    with pytest.raises(ValueError, match="5..11"):
+        cache.slots(seq, 5, 11)
+    with pytest.raises(ValueError, match="width 0"):
+        cache.block_table(width=0)
+    assert cache.block_table(width=3).tolist() == [[0, -1, -1]]
+
+
+def test_check_slots_rejects_negative_when_padding_is_not_allowed():
+    with pytest.raises(ValueError, match="slot -1"):
+        check_slots(torch.tensor([0, -1]), 64, allow_padding=False)
+    pool = filled_pool(KeyFormat.FP8, 1)
+    with pytest.raises(ValueError, match="slot -1"):
+        read_entries(pool, KeyFormat.FP8, torch.tensor([-1]))
