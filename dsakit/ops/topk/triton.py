@@ -1,0 +1,306 @@
+"""Triton top-k of the lightning indexer: exact radix select over a bounded score workspace.
+
+Two entry points:
+
+* :func:`select_topk_triton` - scores fp32 [T, W] (+ optional visible count per row) -> int32 [T, K], the
+  rules of :func:`dsakit.ops.topk.reference.select_topk` (candidates are scores > -inf, NaN ranks above +inf,
+  equal scores go to the lower index, -1 padding, descending score order).
+* :func:`index_topk_triton` - scores of a ragged paged batch fused with the selection, never holding a
+  [T, N] matrix: query rows are scored ``rows_per_chunk`` at a time into one fp32 workspace
+  [rows_per_chunk, W] (W = max(entry_counts)) by ``dsakit.ops.scores.triton.index_scores_triton`` and each
+  chunk is selected before the next one overwrites the workspace.
+
+Workspace budget (documented, independent of N for the memory that matters):
+
+    rows_per_chunk = clamp(workspace_bytes // (4 * W), 1, T)        default workspace_bytes = 512 MiB
+    extra memory   = 4 * rows_per_chunk * W  (<= max(workspace_bytes, 4 * W))
+                   + 4 * T * K (indices) [+ 4 * T * K (slots)] + 4 * T (visible counts)
+
+At T = 8192, N = W = 262144 (1M tokens at ratio 4), K = 2048: 512 rows per chunk, 512 MiB workspace + 64 MiB
+of indices, against 8 GiB for materialized fp32 logits.
+
+Selection algorithm (one program per row, ``_radix_select_kernel``)::
+
+    key(x)  = order-preserving int32 of the fp32 bits (NaN -> INT32_MAX, -0.0 -> +0.0); candidates: x > -inf
+    if candidates <= K: take every candidate
+    else for level in 0..3 (8 bits each, most significant first):
+        histogram (256 bins, tl.histogram) of the level's digit over the keys whose higher digits equal the
+        prefix found so far; pick the digit holding the (needed)-th largest key; needed -= keys above it;
+        stop early when that bin must be taken whole (needed == its count)
+    collect (index order): keys whose prefix is above the threshold prefix, plus the first ``needed`` keys
+        equal to it (lowest indices first: the reference's tie rule)
+    sort the <= K collected by (key desc, index asc) with tl.sort on packed int64 (key << 32 | ~index)
+
+Each row is read 2 to 5 times (1 histogram pass per level used + the collect pass); the first read comes from
+HBM, the later ones mostly from L2 because the rows of the programs in flight (about 2 per SM) fit in it
+for W up to ~64K.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...cache import check_pool
+from ...formats import KeyFormat
+from ..scores.reference import check_batch, check_queries, visible_counts
+
+# Default fp32 score workspace of index_topk_triton (bytes). 512 MiB keeps the peak extra memory at
+# T = 8192, N = 262144, K = 2048 under 1 GiB (issue 6) while chunks stay large enough (>= 512 rows at
+# N <= 256K) to fill the GPU.
+DEFAULT_WORKSPACE_BYTES = 512 << 20
+
+_INT32_MIN = tl.constexpr(-(1 << 31))
+
+
+@triton.jit
+def _order_key(x, in_bounds):
+    """fp32 -> (int32 key with the float order, candidate mask).
+
+    Signed-int trick: non-negative floats keep their bits, negative ones flip the 31 magnitude bits, so
+    signed int32 comparison equals float comparison. NaN -> INT32_MAX (above +inf = 0x7F800000),
+    -0.0 -> +0.0 (the reference treats them as equal). Candidates: in bounds and x > -inf (NaN included).
+    """
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    is_nan = x != x
+    key = tl.where(is_nan, 0x7FFFFFFF, key)
+    valid = in_bounds & (is_nan | (x > float("-inf")))
+    return key, valid
+
+
+@triton.jit
+def _radix_select_kernel(
+    scores_ptr, stride_scores,      # fp32 [R, W] (row stride in elements)
+    counts_ptr,                     # int32 [R]: entries of the row to consider (<= W)
+    out_ptr, stride_out,            # int32 [R, K] entry indices, -1 padded
+    slots_ptr, stride_slots,        # int32 [R, K] global slot ids (only when WITH_SLOTS)
+    seq_ptr,                        # int32 [R] sequence of each row (only when WITH_SLOTS)
+    table_ptr, stride_table,        # int32 [B, max_pages] block table (only when WITH_SLOTS)
+    K,                              # runtime k
+    BLOCK: tl.constexpr,            # elements per tile of the streaming passes
+    K_PAD: tl.constexpr,            # next power of two >= K (register tile of the final sort)
+    SORT: tl.constexpr,             # order the output by (score desc, index asc)
+    WITH_SLOTS: tl.constexpr,
+):
+    row_id = tl.program_id(0)
+    n = tl.load(counts_ptr + row_id)
+    row = row_id.to(tl.int64)
+    row_scores = scores_ptr + row * stride_scores
+    row_out = out_ptr + row * stride_out
+    lane = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+
+    # Threshold found by the levels: select keys with (key >> thr_shift) > thr_prefix, plus the first
+    # n_equal (in index order) with (key >> thr_shift) == thr_prefix.
+    thr_shift = 0
+    thr_prefix = _INT32_MIN  # every candidate key is > INT32_MIN (the smallest, -FLT_MAX, is 0x80800000)
+    n_equal = 0
+    needed = K
+    prefix = 0
+    done = 0
+    for level in tl.static_range(4):
+        if done == 0:
+            shift: tl.constexpr = 24 - 8 * level
+            hist = tl.zeros([256], dtype=tl.int32)
+            start = 0
+            while start < n:  # (a while loop: the interpreter cannot range() over a loaded scalar)
+                offs = start + lane
+                in_bounds = offs < n
+                tile = tl.load(row_scores + offs, mask=in_bounds, other=float("-inf"))
+                key, valid = _order_key(tile, in_bounds)
+                digit = (key >> shift) & 255
+                if level == 0:
+                    digit = digit ^ 128  # the top digit carries the sign: flip it so bins follow the order
+                    match = valid
+                else:
+                    match = valid & ((key >> (shift + 8)) == prefix)
+                hist += tl.histogram(digit, 256, mask=match)
+                start += BLOCK
+            total = tl.sum(hist, axis=0)
+            take_all = total <= K
+            if level != 0:
+                take_all = False
+            if take_all:
+                done = 1  # fewer candidates than K: take them all (thr_prefix = INT32_MIN)
+            else:
+                at_or_above = total - tl.cumsum(hist, axis=0) + hist  # keys in bins >= b
+                digit_k = tl.max(tl.where(at_or_above >= needed, bins, -1), axis=0)
+                n_above = tl.sum(tl.where(bins > digit_k, hist, 0), axis=0)
+                in_bin = tl.sum(tl.where(bins == digit_k, hist, 0), axis=0)
+                needed = needed - n_above
+                if level == 0:
+                    prefix = digit_k - 128  # == key >> 24 (arithmetic shift) of the k-th key
+                else:
+                    prefix = prefix * 256 + digit_k  # == key >> shift
+                if (in_bin == needed) or (level == 3):
+                    done = 1
+                    thr_shift = shift
+                    thr_prefix = prefix
+                    n_equal = needed
+
+    # Collect pass: compact the selected indices in index order (ties -> lowest indices first).
+    written = 0
+    equal_seen = 0
+    start = 0
+    while start < n:
+        offs = start + lane
+        in_bounds = offs < n
+        tile = tl.load(row_scores + offs, mask=in_bounds, other=float("-inf"))
+        key, valid = _order_key(tile, in_bounds)
+        high = key >> thr_shift
+        above = valid & (high > thr_prefix)
+        equal = valid & (high == thr_prefix)
+        equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), axis=0)  # 1-based among equal keys
+        take = above | (equal & (equal_rank <= n_equal))
+        position = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(row_out + position, offs, mask=take)
+        written += tl.sum(take.to(tl.int32), axis=0)
+        equal_seen += tl.sum(equal.to(tl.int32), axis=0)
+        start += BLOCK
+
+    # Epilogue: order the collected entries, pad with -1, map to slots.
+    tl.debug_barrier()  # the collect stores above came from other threads of this program
+    col = tl.arange(0, K_PAD)
+    filled = col < written
+    idx = tl.load(row_out + col, mask=filled, other=0)
+    if SORT:
+        chosen = tl.load(row_scores + idx, mask=filled, other=float("-inf"))
+        chosen_key, _ = _order_key(chosen, filled)
+        # (key, index asc) as one int64: key in the high half, 0x7FFFFFFF - index (>= 0) in the low half.
+        packed = chosen_key.to(tl.int64) * 4294967296 + (0x7FFFFFFF - idx).to(tl.int64)
+        packed = tl.where(filled, packed, -9223372036854775807 - 1)
+        packed = tl.sort(packed, descending=True)
+        idx = 0x7FFFFFFF - (packed & 0xFFFFFFFF).to(tl.int32)
+    idx = tl.where(filled, idx, -1)
+    tl.debug_barrier()  # every thread has read the unsorted row before any overwrites it
+    tl.store(row_out + col, idx, mask=col < K)
+    if WITH_SLOTS:
+        seq = tl.load(seq_ptr + row).to(tl.int64)
+        page = tl.load(table_ptr + seq * stride_table + idx // 64, mask=filled, other=0)
+        slot = tl.where(filled, page * 64 + idx % 64, -1)
+        tl.store(slots_ptr + row * stride_slots + col, slot, mask=col < K)
+
+
+def _launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int, sort: bool,
+                   slots: torch.Tensor | None = None, seq: torch.Tensor | None = None,
+                   block_table: torch.Tensor | None = None, block: int = 4096, num_warps: int = 8) -> None:
+    rows = scores.shape[0]
+    if rows == 0:
+        return
+    with_slots = slots is not None
+    _radix_select_kernel[(rows,)](
+        scores, scores.stride(0), counts, out, out.stride(0),
+        slots if with_slots else out, slots.stride(0) if with_slots else 0,
+        seq if with_slots else counts,
+        block_table if with_slots else counts, block_table.stride(0) if with_slots else 0,
+        k, BLOCK=block, K_PAD=triton.next_power_of_2(k), SORT=sort, WITH_SLOTS=with_slots,
+        num_warps=num_warps)
+
+
+def _check_k(k) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    if k > 16384:
+        # The final sort holds next_pow2(K) int64 keys in registers of one program.
+        raise ValueError(f"k must be <= 16384 for the Triton top-k (register sort), got {k}")
+
+
+def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor | None = None,
+                       sort: bool = True, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
+    """Exact top-k per row of scores fp32 [T, W] -> int32 [T, k] (rules of the reference ``select_topk``).
+
+    ``row_counts`` int [T] (optional): row t considers only its first row_counts[t] entries (the rest is
+    treated as masked and never read). ``sort=False`` returns the same set per row in index order
+    (skips the final sort). Memory: the [T, k] output only.
+    """
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be an fp32 [T, W] tensor, got "
+                         f"{(scores.dtype, list(scores.shape)) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
+    _check_k(k)
+    if scores.stride(1) != 1:
+        raise ValueError(f"scores must have unit stride along W, got strides {scores.stride()}")
+    t, w = scores.shape
+    if row_counts is None:
+        counts = torch.full((t,), w, dtype=torch.int32, device=scores.device)
+    else:
+        if row_counts.shape != (t,) or row_counts.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"row_counts must be int [T] = [{t}], got {row_counts.dtype} {list(row_counts.shape)}")
+        if row_counts.device != scores.device:
+            raise ValueError(f"row_counts is on {row_counts.device}, scores on {scores.device}")
+        if t and (bool((row_counts < 0).any()) or bool((row_counts > w).any())):
+            raise ValueError(f"row_counts must be in 0..{w} (the scores width), got range "
+                             f"{int(row_counts.min())}..{int(row_counts.max())}")
+        counts = row_counts.to(torch.int32).contiguous()
+    out = torch.empty((t, k), dtype=torch.int32, device=scores.device)
+    _launch_select(scores, counts, out, k, sort, block=block, num_warps=num_warps)
+    return out
+
+
+def rows_per_chunk(t: int, width: int, workspace_bytes: int) -> int:
+    """Query rows scored at once so that the fp32 workspace [rows, width] fits ``workspace_bytes``."""
+    if width <= 0:
+        return max(1, t)
+    return int(max(1, min(t, workspace_bytes // (4 * width))))
+
+
+def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt: "KeyFormat | str",
+                      block_table: torch.Tensor, entry_counts: torch.Tensor, query_seq: torch.Tensor, k: int,
+                      query_positions: torch.Tensor | None = None, ratio: int = 1, *,
+                      return_slots: bool = False, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+                      q_scale: torch.Tensor | None = None, sort: bool = True):
+    """Top-k entries per query of a ragged paged batch, scores fused with an exact radix select.
+
+    Arguments as :func:`dsakit.ops.topk.reference.index_topk`: q [T, H, 128] (fp32/bf16, or fp8 e4m3 with
+    ``q_scale`` [T, H]), weights [T, H], pool uint8 [P, page_bytes], block_table int [B, max_pages],
+    entry_counts int [B], query_seq int [T], query_positions int [T] or None, ratio.
+
+    Returns int32 [T, k] entry indices within each query's sequence (-1 padded), or
+    ``(indices, slots)`` with ``return_slots=True`` (slots = page * 64 + entry % 64 via the block table, -1
+    kept). Never materializes [T, N]: scores go through one fp32 workspace of at most
+    max(workspace_bytes, 4 * W) bytes (W = max(entry_counts); see the module docstring).
+    """
+    from ..scores.triton import index_scores_triton  # the scores kernel (separate module, same contract)
+
+    fmt = KeyFormat.parse(fmt)
+    check_queries(q, weights)
+    check_pool(pool, fmt)
+    t = q.shape[0]
+    check_batch(block_table, entry_counts, query_seq, t, query_positions, ratio)
+    _check_k(k)
+    if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, int) or workspace_bytes < 1:
+        raise ValueError(f"workspace_bytes must be a positive int, got {workspace_bytes!r}")
+    device = q.device
+    for name, tensor in (("weights", weights), ("pool", pool), ("block_table", block_table),
+                         ("entry_counts", entry_counts), ("query_seq", query_seq),
+                         ("query_positions", query_positions), ("q_scale", q_scale)):
+        if tensor is not None and tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, q on {device}: put every input on one device")
+
+    indices = torch.empty((t, k), dtype=torch.int32, device=device)
+    slots = torch.empty((t, k), dtype=torch.int32, device=device) if return_slots else None
+    width = int(entry_counts.max()) if entry_counts.numel() else 0
+    if t == 0 or width == 0:
+        indices.fill_(-1)
+        if slots is not None:
+            slots.fill_(-1)
+        return (indices, slots) if return_slots else indices
+
+    seq = query_seq.to(torch.int32).contiguous()
+    visible = visible_counts(entry_counts[query_seq.long()], query_positions, ratio).to(torch.int32)
+    table = block_table.to(torch.int32).contiguous() if return_slots else None
+    chunk = rows_per_chunk(t, width, workspace_bytes)
+    workspace = torch.empty((chunk, width), dtype=torch.float32, device=device)
+    for start in range(0, t, chunk):
+        stop = min(t, start + chunk)
+        rows = stop - start
+        scores = index_scores_triton(
+            q[start:stop], weights[start:stop], pool, fmt, block_table, entry_counts, query_seq[start:stop],
+            None if query_positions is None else query_positions[start:stop], ratio,
+            out=workspace[:rows], q_scale=None if q_scale is None else q_scale[start:stop])
+        _launch_select(scores, visible[start:stop], indices[start:stop], k, sort,
+                       slots=None if slots is None else slots[start:stop], seq=seq[start:stop],
+                       block_table=table)
+    return (indices, slots) if return_slots else indices
