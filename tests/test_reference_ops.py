@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 from dsakit.cache import PagedCache, read_entries
 from dsakit.formats import AttentionKVFormat, KeyFormat
-from dsakit.ops.attention import sparse_attention, window_topk_indices
-from dsakit.ops.compress import compress, compress_projected
-from dsakit.ops.scores import index_scores, index_scores_dense
-from dsakit.ops.store import prepare_index_keys, store_attention_kv, store_index_keys
-from dsakit.ops.topk import index_topk, select_topk, topk_to_slots
+from dsakit.ops.attention.reference import sparse_attention, window_topk_indices
+from dsakit.ops.compress.reference import compress, compress_projected
+from dsakit.ops.scores.reference import index_scores, index_scores_dense
+from dsakit.ops.store.reference import prepare_index_keys, store_attention_kv, store_index_keys
+from dsakit.ops.topk.reference import index_topk, select_topk, topk_to_slots
 from dsakit.presets import KeyTransform
 from dsakit.transforms import RopeConfig, RopeLayout
 
