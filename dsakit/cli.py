@@ -44,6 +44,8 @@ def env() -> None:
 
 # Subcommands living in their own packages register themselves here (one line each).
 # -- subcommands --
+from .niah.cli import niah as _niah, serve_reference as _serve_reference  # noqa: E402
+app.command("niah")(_niah); app.command("serve-reference")(_serve_reference)  # noqa: E702
 
 
 def main() -> None:

@@ -1,0 +1,256 @@
+"""Async client for OpenAI-compatible endpoints (chat and completions) with retries and backoff.
+
+One :class:`OpenAIClient` wraps one ``httpx.AsyncClient``. :meth:`OpenAIClient.complete` sends one request
+and retries, with exponential backoff and jitter (honouring ``Retry-After``), on HTTP 408/409/429/5xx,
+timeouts and connection errors (refused, reset, dropped mid-response), so a sweep survives a server that
+restarts. Other statuses (400 context overflow, 401, 404 unknown model) raise :class:`EndpointError` at once.
+
+Reasoning ("thinking") content is separated from the answer: ``reasoning_content`` / ``reasoning`` fields of
+the message or stream deltas, and ``<think>...</think>`` blocks inside the content (an unclosed ``<think>``
+means the whole rest is reasoning; a lone ``</think>`` means everything before it was).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+ENDPOINTS = ("chat", "completions")
+RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+
+
+class EndpointError(Exception):
+    """A request that failed for good (non-retryable status, or retries exhausted)."""
+
+    def __init__(self, message: str, status: int | None = None, attempts: int = 1):
+        super().__init__(message)
+        self.status = status
+        self.attempts = attempts
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    """Where and how to send requests."""
+
+    base_url: str
+    model: str
+    api_key: str | None = None
+    endpoint: str = "chat"  # "chat" -> /chat/completions, "completions" -> /completions
+    max_tokens: int = 64
+    temperature: float = 0.0
+    stream: bool = False
+    timeout_s: float = 600.0
+    max_retries: int = 8
+    backoff_s: float = 0.5  # first retry wait; doubles each attempt (with jitter)
+    backoff_max_s: float = 30.0
+    extra_body: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        parts = urlsplit(self.base_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"base_url must look like http://host:port/v1, got {self.base_url!r}")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
+        if not self.model:
+            raise ValueError("model name must not be empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.backoff_s < 0 or self.backoff_max_s < 0:
+            raise ValueError(f"backoff times must be >= 0, got {self.backoff_s}, {self.backoff_max_s}")
+        if not isinstance(self.extra_body, dict):
+            raise ValueError(f"extra_body must be a JSON object, got {self.extra_body!r}")
+
+    @property
+    def api_root(self) -> str:
+        """Base URL with a ``/v1`` path when none was given (``http://host:8000`` -> ``.../v1``)."""
+        url = self.base_url.rstrip("/")
+        return url if urlsplit(url).path not in ("", "/") else url + "/v1"
+
+    @property
+    def url(self) -> str:
+        return self.api_root + ("/chat/completions" if self.endpoint == "chat" else "/completions")
+
+
+@dataclass
+class Completion:
+    """One finished request. ``text`` is the answer with reasoning removed."""
+
+    text: str
+    reasoning: str
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    attempts: int
+    latency_s: float
+
+
+_THINK_BLOCK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+
+
+def split_reasoning(content: str, reasoning: str = "") -> tuple[str, str]:
+    """(answer, reasoning) from a message's content and its separate reasoning field, if any."""
+    content = content or ""
+    parts = [reasoning] if reasoning else []
+    parts += [m.group(1) for m in _THINK_BLOCK.finditer(content)]
+    content = _THINK_BLOCK.sub("", content)
+    if "<think>" in content:  # unclosed (cut by max_tokens): everything after it is reasoning
+        before, _, after = content.partition("<think>")
+        parts.append(after)
+        content = before
+    elif "</think>" in content:  # template opened <think> in the prompt: everything before the close
+        before, _, after = content.partition("</think>")
+        parts.append(before)
+        content = after
+    return content.strip(), "\n".join(p.strip() for p in parts if p and p.strip())
+
+
+def backoff_delay(attempt: int, base: float, cap: float, retry_after: str | None = None,
+                  rng: random.Random | None = None) -> float:
+    """Seconds to wait before retry ``attempt`` (1-based): Retry-After if given, else base*2^(a-1) with jitter."""
+    if retry_after is not None:
+        try:
+            return min(cap, max(0.0, float(retry_after)))
+        except ValueError:
+            pass
+    rng = rng or random
+    return min(cap, base * 2 ** (attempt - 1)) * (0.5 + 0.5 * rng.random())
+
+
+class OpenAIClient:
+    """Sends prompts to one endpoint. Use as ``async with OpenAIClient(cfg, concurrency) as client``."""
+
+    def __init__(self, config: EndpointConfig, concurrency: int = 4):
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.config = config
+        self._limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        self._client: httpx.AsyncClient | None = None
+        self._rng = random.Random()
+
+    async def __aenter__(self) -> "OpenAIClient":
+        headers = {"Content-Type": "application/json"}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        timeout = httpx.Timeout(self.config.timeout_s, connect=min(10.0, self.config.timeout_s))
+        self._client = httpx.AsyncClient(headers=headers, timeout=timeout, limits=self._limits)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def request_body(self, prompt: str, max_tokens: int | None = None) -> dict:
+        """JSON body for a prompt (chat: one user message; the server applies its chat template)."""
+        cfg = self.config
+        body: dict = {"model": cfg.model, "max_tokens": max_tokens or cfg.max_tokens, "temperature": cfg.temperature}
+        if cfg.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        if cfg.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        body.update(cfg.extra_body)
+        return body
+
+    async def complete(self, prompt: str, max_tokens: int | None = None) -> Completion:
+        """Send one prompt, retrying transient failures; raises :class:`EndpointError` when it gives up."""
+        if self._client is None:
+            raise RuntimeError("use 'async with OpenAIClient(...)' before calling complete()")
+        cfg = self.config
+        body = self.request_body(prompt, max_tokens)
+        started = time.monotonic()
+        last_error = "no attempt made"
+        for attempt in range(1, cfg.max_retries + 2):
+            retry_after = None
+            try:
+                if cfg.stream:
+                    result = await self._send_stream(body)
+                else:
+                    result = await self._send(body)
+                if isinstance(result, Completion):
+                    result.attempts = attempt
+                    result.latency_s = time.monotonic() - started
+                    return result
+                status, message, retry_after = result
+                last_error = f"HTTP {status}: {message}"
+                if status not in RETRY_STATUSES:
+                    raise EndpointError(last_error, status, attempt)
+            except (httpx.TransportError, httpx.StreamError, json.JSONDecodeError, KeyError, IndexError,
+                    TypeError) as exc:
+                last_error = f"{type(exc).__name__}: {exc}"
+            if attempt > cfg.max_retries:
+                break
+            await asyncio.sleep(backoff_delay(attempt, cfg.backoff_s, cfg.backoff_max_s, retry_after, self._rng))
+        raise EndpointError(f"gave up after {cfg.max_retries + 1} attempts; last error: {last_error}",
+                            None, cfg.max_retries + 1)
+
+    @staticmethod
+    def _error(response: httpx.Response) -> tuple[int, str, str | None]:
+        text = response.text[:500]
+        try:
+            text = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        return response.status_code, text, response.headers.get("Retry-After")
+
+    async def _send(self, body: dict) -> "Completion | tuple[int, str, str | None]":
+        response = await self._client.post(self.config.url, json=body)
+        if response.status_code != 200:
+            return self._error(response)
+        data = response.json()
+        choice = data["choices"][0]
+        if self.config.endpoint == "chat":
+            message = choice.get("message") or {}
+            content = message.get("content") or ""
+            reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+        else:
+            content, reasoning = choice.get("text") or "", ""
+        text, reasoning = split_reasoning(content, reasoning)
+        usage = data.get("usage") or {}
+        return Completion(text, reasoning, choice.get("finish_reason"), usage.get("prompt_tokens"),
+                          usage.get("completion_tokens"), 1, 0.0)
+
+    async def _send_stream(self, body: dict) -> "Completion | tuple[int, str, str | None]":
+        content, reasoning = [], []
+        finish, usage = None, {}
+        async with self._client.stream("POST", self.config.url, json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return self._error(response)
+            done = False
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(payload)
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices") or []:
+                    if self.config.endpoint == "chat":
+                        delta = choice.get("delta") or {}
+                        content.append(delta.get("content") or "")
+                        reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
+                    else:
+                        content.append(choice.get("text") or "")
+                    finish = choice.get("finish_reason") or finish
+            if not done and finish is None:
+                # the server went away mid-stream: treat like a dropped connection (retried)
+                raise httpx.RemoteProtocolError("stream ended before [DONE] and without a finish_reason")
+        text, thought = split_reasoning("".join(content), "".join(reasoning))
+        return Completion(text, thought, finish, usage.get("prompt_tokens"), usage.get("completion_tokens"), 1, 0.0)
