@@ -127,8 +127,8 @@ def _load_key_scales(scales_ptr, pages, slot, valid, D: tl.constexpr):
 def _index_scores_tile_kernel(
     q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
     tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
-    width, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
-    RATIO: tl.constexpr, HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, KIND: tl.constexpr,
+    width, ratio, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
+    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, KIND: tl.constexpr,
     FP8_DOT: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -145,7 +145,7 @@ def _index_scores_tile_kernel(
     rows = tl.load(rows_ptr + first + offs_t, mask=row_ok, other=0).to(tl.int64)  # [BLOCK_T] original rows
     if HAS_POS:
         pos = tl.load(pos_ptr + rows, mask=row_ok, other=0).to(tl.int32)
-        visible = tl.minimum(tl.maximum((pos + 1) // RATIO, 0), count)  # (pos+1) <= 0 gives <= 0 -> 0
+        visible = tl.minimum(tl.maximum((pos + 1) // ratio, 0), count)  # (pos+1) <= 0 gives <= 0 -> 0
     else:
         visible = tl.zeros([BLOCK_T], dtype=tl.int32) + count
     visible = tl.where(row_ok, visible, 0)
@@ -190,8 +190,8 @@ def _index_scores_tile_kernel(
 def _index_scores_group_kernel(
     q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
     tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
-    width, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
-    RATIO: tl.constexpr, HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, KIND: tl.constexpr,
+    width, ratio, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
+    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, KIND: tl.constexpr,
     FP8_DOT: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -207,7 +207,7 @@ def _index_scores_group_kernel(
     g_rows = tl.load(rows_ptr + first + offs_g, mask=g_ok, other=0).to(tl.int64)  # [GROUP]
     if HAS_POS:
         pos = tl.load(pos_ptr + g_rows, mask=g_ok, other=0).to(tl.int32)
-        visible = tl.minimum(tl.maximum((pos + 1) // RATIO, 0), count)
+        visible = tl.minimum(tl.maximum((pos + 1) // ratio, 0), count)
     else:
         visible = tl.zeros([GROUP], dtype=tl.int32) + count
     visible = tl.where(g_ok, visible, 0)
@@ -432,7 +432,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tens
     pos_arg = query_positions if has_pos else entry_counts  # any int tensor; never read when HAS_POS is False
     qs_arg = q_scale if q_scale is not None else weights
     qs_strides = (q_scale.stride(0), q_scale.stride(1)) if q_scale is not None else (0, 0)
-    common = dict(RATIO=ratio, HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, KIND=_KIND_CODE[fmt.kind],
+    common = dict(HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, KIND=_KIND_CODE[fmt.kind],
                   FP8_DOT=fp8_dot, D=d, INTERPRET=_interpreting())
 
     if choice == "group":
@@ -448,7 +448,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tens
         _index_scores_group_kernel[grid](
             q, weights, qs_arg, values_view, scales_view, block_table, entry_counts, pos_arg, tiles.rows,
             tiles.tile_seq, tiles.tile_start, tiles.tile_len, out,
-            width, q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), *qs_strides,
+            width, ratio, q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), *qs_strides,
             block_table.stride(0), out.stride(0),
             GROUP=group, H=num_heads, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
             num_warps=num_warps or 4, num_stages=num_stages or 2, **common)
@@ -461,7 +461,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tens
     _index_scores_tile_kernel[grid](
         q, weights, qs_arg, values_view, scales_view, block_table, entry_counts, pos_arg, tiles.rows,
         tiles.tile_seq, tiles.tile_start, tiles.tile_len, out,
-        width, q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), *qs_strides,
+        width, ratio, q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), *qs_strides,
         block_table.stride(0), out.stride(0),
         H=num_heads, BLOCK_T=bt, BLOCK_N=bn, num_warps=num_warps or (8 if bt * bn >= 128 * 128 else 4),
         num_stages=num_stages or 3, **common)

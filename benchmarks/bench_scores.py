@@ -1,0 +1,343 @@
+"""Scores-only benchmark and full-size correctness check of the Triton index-scores kernels (H200).
+
+One run does, in this order:
+  1. correctness at moderate size on the GPU for every key format x q dtype, prefill (ragged, causal, ratio
+     1 and 4) and decode (next_n 1 and 2): exact -inf mask, tight bound against a torch fp32 computation on the
+     same rounded / dequantized operands, and bitwise determinism across two runs;
+     plus the DeepGEMM-compatible function against DeepGEMM's masking convention;
+  2. prefill timing, T = 8192 queries of one sequence x N entries (every query sees every entry, as in the
+     DeepGEMM anchor), H 64, D 128, per format and for a few tile configurations;
+  3. decode timing, B = 64 sequences x N entries, next_n 1;
+  4. peak memory of each timed call (the scores output itself is [T, N] fp32: this op materializes by design).
+
+Usage: PYTHONPATH=. python3 benchmarks/bench_scores.py --out DIR [--commit SHA] [--quick]
+Writes DIR/scores_h200.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dsakit.formats import KeyFormat
+from dsakit.ops.scores.deepgemm_compat import fp8_paged_mqa_logits
+from dsakit.ops.scores.triton import index_scores_triton
+
+HEADS, DIM = 64, 128
+DEEPGEMM_LOGITS_MS = {8192: 1.08, 16384: 2.18, 32768: 4.40, 65536: 8.69}  # PERF.md, 8192 q, fp8
+DEEPGEMM_DECODE_MS = {65536: 0.150, 131072: 0.288}  # PERF.md, B = 64
+
+
+def build_pool(fmt: KeyFormat, lengths: list[int], device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random keys for sequences of ``lengths`` entries in shuffled pages.
+
+    Returns (pool uint8 [P, page_bytes], block_table int32 [B, max_pages], entry_counts int32 [B],
+    dequantized keys fp32 [P * 64, 128] on device (slot order)).
+    """
+    g = torch.Generator().manual_seed(seed)
+    pages_per = [max(1, math.ceil(n / 64)) for n in lengths]
+    num_pages = sum(pages_per) + 3
+    keys = torch.randn(num_pages * 64, DIM, generator=g)
+    pool = fmt.quantize_pages(keys)
+    dequant = fmt.dequantize_pages(pool)
+    perm = torch.randperm(num_pages, generator=g)
+    table = torch.full((len(lengths), max(pages_per)), -1, dtype=torch.int32)
+    used = 0
+    for b, p in enumerate(pages_per):
+        table[b, :p] = perm[used:used + p].to(torch.int32)
+        used += p
+    return (pool.to(device), table.to(device), torch.tensor(lengths, dtype=torch.int32, device=device),
+            dequant.to(device))
+
+
+def timing_pool(fmt: KeyFormat, lengths: list[int], device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random valid page bytes built on the GPU (no CPU quantization of millions of keys), shuffled pages.
+
+    bf16: randn values; fp8: randn cast to e4m3 with scales in [0.5, 1.5); fp4: random nibbles with ue8m0
+    scale bytes 120..130. Never zeros (zeros hide bugs and can run faster).
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+    pages_per = [max(1, math.ceil(n / 64)) for n in lengths]
+    num_pages = sum(pages_per)
+    pool = torch.empty(num_pages, fmt.page_bytes, dtype=torch.uint8, device=device)
+    values = pool[:, : fmt.scale_offset_in_page]
+    if fmt.kind == "bf16":
+        values.copy_(torch.randn(num_pages, 64 * 128, device=device, generator=g).to(torch.bfloat16)
+                     .view(torch.uint8))
+    elif fmt.kind == "fp8":
+        values.copy_(torch.randn(num_pages, 64 * 128, device=device, generator=g).to(torch.float8_e4m3fn)
+                     .view(torch.uint8))
+        scales = torch.rand(num_pages, 64, device=device, generator=g) + 0.5
+        pool[:, fmt.scale_offset_in_page:].copy_(scales.view(torch.uint8))
+    else:
+        values.copy_(torch.randint(0, 256, values.shape, device=device, generator=g, dtype=torch.uint8))
+        pool[:, fmt.scale_offset_in_page:].copy_(
+            torch.randint(120, 131, (num_pages, 256), device=device, generator=g, dtype=torch.uint8))
+    perm = torch.randperm(num_pages, device=device, generator=g).to(torch.int32)
+    table = torch.full((len(lengths), max(pages_per)), -1, dtype=torch.int32, device=device)
+    used = 0
+    for b, p in enumerate(pages_per):
+        table[b, :p] = perm[used:used + p]
+        used += p
+    return pool, table, torch.tensor(lengths, dtype=torch.int32, device=device)
+
+
+def torch_scores(q32: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, counts: torch.Tensor,
+                 query_seq: torch.Tensor, positions: torch.Tensor | None, ratio: int, width: int) -> torch.Tensor:
+    """fp32 torch computation of the reference semantics on the GPU (same operands as the kernel)."""
+    t = q32.shape[0]
+    out = torch.full((t, width), float("-inf"), device=q32.device)
+    for b in range(table.shape[0]):
+        rows = torch.nonzero(query_seq == b).flatten()
+        n = int(counts[b])
+        if rows.numel() == 0 or n == 0:
+            continue
+        idx = torch.arange(n, device=q32.device)
+        slots = table[b].long()[idx // 64] * 64 + idx % 64
+        k = keys[slots]
+        for start in range(0, rows.numel(), 256):
+            r = rows[start:start + 256]
+            logits = torch.einsum("thd,nd->thn", q32[r], k)
+            s = (logits.relu() * w[r].unsqueeze(-1)).sum(1)
+            vis = torch.full((r.numel(),), n, device=q32.device)
+            if positions is not None:
+                vis = torch.minimum(vis, torch.div(positions[r].long() + 1, ratio, rounding_mode="floor").clamp(min=0))
+            s = s.masked_fill(idx[None, :] >= vis[:, None], float("-inf"))
+            out[r, :n] = s
+    return out
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    mask_ok = bool(torch.equal(torch.isneginf(out), torch.isneginf(ref)))
+    fin = torch.isfinite(ref)
+    if fin.any():
+        diff = (out[fin].double() - ref[fin].double())
+        rel = float(diff.norm() / ref[fin].double().norm().clamp(min=1e-30))
+        max_abs = float(diff.abs().max() / ref[fin].abs().max().clamp(min=1e-30))
+    else:
+        rel = max_abs = 0.0
+    return {"mask_exact": mask_ok, "rel_l2": rel, "max_rel_to_max": max_abs, "nan": bool(torch.isnan(out).any())}
+
+
+def correctness(device: str, small: bool = False) -> list[dict]:
+    """small=True: a few-second smoke version of the same cases (CPU interpreter)."""
+    results = []
+    shrink = 16 if small else 1
+    for fmt_name in ("bf16", "fp8", "fp8-ue8m0", "fp4", "fp4-rne"):
+        fmt = KeyFormat.parse(fmt_name)
+        for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            # prefill: 3 sequences, ragged and unsorted queries, causal with ratio 4 and ratio 1
+            lengths = [3000 // shrink, 0, 1537 // shrink]
+            pool, table, counts, keys = build_pool(fmt, lengths, device, seed=1)
+            for ratio in (4, 1):
+                g = torch.Generator(device=device).manual_seed(2)
+                t = 700 // shrink
+                query_seq = torch.randint(0, 3, (t,), device=device, generator=g).to(torch.int32)
+                positions = torch.randint(0, max(lengths) * ratio + 50, (t,), device=device, generator=g).to(torch.int32)
+                q = torch.randn(t, HEADS, DIM, device=device, generator=g)
+                w = torch.rand(t, HEADS, device=device, generator=g) - 0.3
+                q_k = q.to(q_dtype)
+                q_scale = None
+                if q_dtype == torch.float8_e4m3fn:
+                    q_scale = torch.rand(t, HEADS, device=device, generator=g) + 0.5
+                out = torch.full((t, max(lengths)), float("nan"), device=device)
+                index_scores_triton(q_k, w, pool, fmt, table, counts, query_seq, positions, ratio, out=out,
+                                    q_scale=q_scale)
+                again = index_scores_triton(q_k, w, pool, fmt, table, counts, query_seq, positions, ratio,
+                                            q_scale=q_scale)
+                w_eff = w if q_scale is None else w * q_scale
+                ref = torch_scores(q_k.float(), w_eff, keys, table, counts, query_seq, positions, ratio, max(lengths))
+                row = {"case": "prefill", "format": fmt_name, "q": str(q_dtype), "ratio": ratio, "T": t,
+                       "lengths": lengths, "deterministic": bool(torch.equal(out, again)), **compare(out, ref)}
+                results.append(row)
+                print(row, flush=True)
+            # decode: B = 8, next_n 1 and 2, variable lengths, no causal cut / causal cut
+            lengths = [1, 63, 64, 65, 1000 // shrink, 4097 // shrink, 0, 2500 // shrink]
+            pool, table, counts, keys = build_pool(fmt, lengths, device, seed=3)
+            for next_n in (1, 2):
+                b = len(lengths)
+                g = torch.Generator(device=device).manual_seed(4)
+                q = torch.randn(b * next_n, HEADS, DIM, device=device, generator=g)
+                w = torch.rand(b * next_n, HEADS, device=device, generator=g)
+                query_seq = torch.arange(b, device=device, dtype=torch.int32).repeat_interleave(next_n)
+                positions = (counts.long().repeat_interleave(next_n) - next_n
+                             + torch.arange(next_n, device=device).repeat(b)).to(torch.int32)
+                q_k = q.to(q_dtype)
+                out = torch.full((b * next_n, max(lengths)), float("nan"), device=device)
+                index_scores_triton(q_k, w, pool, fmt, table, counts, query_seq, positions, 1, out=out)
+                ref = torch_scores(q_k.float(), w, keys, table, counts, query_seq, positions, 1, max(lengths))
+                row = {"case": f"decode next_n={next_n}", "format": fmt_name, "q": str(q_dtype), "ratio": 1,
+                       "T": b * next_n, "lengths": lengths, **compare(out, ref)}
+                results.append(row)
+                print(row, flush=True)
+    # DeepGEMM compatibility: context_lens [B], next_n 2, masking rule j <= len - next_n + i
+    fmt = KeyFormat.FP8
+    lengths = [5, 700, 2049, 64]
+    pool, table, counts, keys = build_pool(fmt, lengths, device, seed=5)
+    b, next_n, max_len = len(lengths), 2, 2100
+    g = torch.Generator(device=device).manual_seed(6)
+    q = torch.randn(b, next_n, HEADS, DIM, device=device, generator=g).to(torch.float8_e4m3fn)
+    w = torch.randn(b * next_n, HEADS, device=device, generator=g)
+    logits = fp8_paged_mqa_logits(q, pool.view(-1, 64, 1, 132), w, counts, table, max_len)
+    query_seq = torch.arange(b, device=device).repeat_interleave(next_n)
+    positions = counts.long().repeat_interleave(next_n) - next_n + torch.arange(next_n, device=device).repeat(b)
+    ref = torch_scores(q.reshape(b * next_n, HEADS, DIM).float(), w, keys, table, counts, query_seq, positions, 1, max_len)
+    row = {"case": "deepgemm fp8_paged_mqa_logits next_n=2", "format": "fp8", **compare(logits, ref)}
+    results.append(row)
+    print(row, flush=True)
+    return results
+
+
+def timed(fn, rep_ms: int = 200) -> tuple[float, float]:
+    """(median ms, peak extra GiB) of fn()."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    ms = triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+    return float(ms), float(peak)
+
+
+def prefill_bench(device: str, quick: bool) -> list[dict]:
+    results = []
+    t = 8192
+    configs = {  # (block_t, block_n, num_warps, num_stages)
+        "fp8": [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 256, 8, 2)],
+        "bf16": [(128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3)],
+        "fp4": [(128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3)],
+    }
+    sizes = [65536] if quick else [8192, 32768, 65536]
+    for fmt_name, q_dtype in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16), ("fp4", torch.bfloat16)):
+        fmt = KeyFormat.parse(fmt_name)
+        for n in sizes:
+            pool, table, counts = timing_pool(fmt, [n], device, seed=7)
+            g = torch.Generator(device=device).manual_seed(8)
+            q = torch.randn(t, HEADS, DIM, device=device, generator=g).to(q_dtype)
+            w = torch.rand(t, HEADS, device=device, generator=g)
+            query_seq = torch.zeros(t, dtype=torch.int32, device=device)
+            out = torch.empty(t, n, device=device)
+            cfgs = configs[fmt_name] if n == 65536 else configs[fmt_name][:1]
+            for bt, bn, warps, stages in cfgs:
+                def run():
+                    index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1, out=out,
+                                        kernel="tile", block_t=bt, block_n=bn, num_warps=warps, num_stages=stages)
+                try:
+                    ms, peak = timed(run)
+                except Exception as exc:  # a config that does not compile (shared memory) is reported, not fatal
+                    row = {"case": "prefill", "format": fmt_name, "N": n, "config": [bt, bn, warps, stages],
+                           "error": repr(exc)[:300]}
+                    results.append(row)
+                    print(row, flush=True)
+                    continue
+                tflops = 2 * HEADS * DIM * t * n / ms / 1e9
+                row = {"case": "prefill", "format": fmt_name, "q": str(q_dtype), "T": t, "N": n, "H": HEADS,
+                       "D": DIM, "config": [bt, bn, warps, stages], "ms": ms, "tflops": tflops,
+                       "peak_extra_gib": peak, "deepgemm_logits_ms": DEEPGEMM_LOGITS_MS.get(n)}
+                results.append(row)
+                print(row, flush=True)
+            del pool, out
+    return results
+
+
+def decode_bench(device: str, quick: bool) -> list[dict]:
+    results = []
+    b = 64
+    for fmt_name, q_dtype in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16), ("fp4", torch.bfloat16)):
+        fmt = KeyFormat.parse(fmt_name)
+        for n in ((65536,) if quick else (65536, 131072)):
+            pool, table, counts = timing_pool(fmt, [n] * b, device, seed=9)
+            g = torch.Generator(device=device).manual_seed(10)
+            q = torch.randn(b, HEADS, DIM, device=device, generator=g).to(q_dtype)
+            w = torch.rand(b, HEADS, device=device, generator=g)
+            query_seq = torch.arange(b, dtype=torch.int32, device=device)
+            out = torch.empty(b, n, device=device)
+            for bn, per_prog, warps, stages in ((64, 8, 4, 2), (128, 4, 4, 2), (64, 16, 4, 3), (128, 8, 8, 3)):
+                def run():
+                    index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1, out=out,
+                                        kernel="group", block_n=bn, tiles_per_program=per_prog,
+                                        num_warps=warps, num_stages=stages)
+                try:
+                    ms, peak = timed(run)
+                except Exception as exc:
+                    row = {"case": "decode", "format": fmt_name, "N": n, "config": [bn, per_prog, warps, stages],
+                           "error": repr(exc)[:300]}
+                    results.append(row)
+                    print(row, flush=True)
+                    continue
+                key_bytes = b * n * fmt.bytes_per_entry
+                row = {"case": "decode", "format": fmt_name, "q": str(q_dtype), "B": b, "next_n": 1, "N": n,
+                       "config": [bn, per_prog, warps, stages], "ms": ms,
+                       "key_tb_per_s": key_bytes / ms / 1e9, "out_tb_per_s": b * n * 4 / ms / 1e9,
+                       "peak_extra_gib": peak, "deepgemm_logits_ms": DEEPGEMM_DECODE_MS.get(n)}
+                results.append(row)
+                print(row, flush=True)
+            del pool, out
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--quick", action="store_true", help="only N = 64K prefill / decode sizes")
+    parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--check-only", action="store_true", help="correctness only (CPU: TRITON_INTERPRET=1)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="smoke-size correctness cases")
+    args = parser.parse_args()
+    import triton
+
+    device = args.device
+    torch.backends.cuda.matmul.allow_tf32 = False  # the torch comparison must be true fp32
+    meta = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)", "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "commit": args.commit, "H": HEADS, "D": DIM,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    report = {"meta": meta}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "scores_h200.json"
+
+    def save():
+        path.write_text(json.dumps(report, indent=1))
+
+    t0 = time.time()
+    if not args.skip_check:
+        report["correctness"] = correctness(device, small=args.small)
+        save()
+        print(f"correctness done in {time.time() - t0:.0f} s", flush=True)
+    if args.check_only:
+        bad = [r for r in report["correctness"] if not r["mask_exact"] or r["rel_l2"] > 1e-5 or r["nan"]]
+        print(f"correctness failures: {len(bad)}")
+        return 1 if bad else 0
+    report["prefill"] = prefill_bench(device, args.quick)
+    save()
+    report["decode"] = decode_bench(device, args.quick)
+    save()
+    print(f"total {time.time() - t0:.0f} s")
+    print("\nformat  case     N       config               ms      TFLOP/s  key TB/s  peak GiB")
+    for row in report["prefill"] + report["decode"]:
+        if "ms" not in row:
+            print(f"{row['format']:6}  {row['case']:7}  {row['N']:6}  {str(row['config']):20} ERROR")
+            continue
+        print(f"{row['format']:6}  {row['case']:7}  {row['N']:6}  {str(row['config']):20} {row['ms']:7.3f}  "
+              f"{row.get('tflops', 0):7.1f}  {row.get('key_tb_per_s', 0):8.2f}  {row['peak_extra_gib']:7.2f}")
+    bad = [r for r in report.get("correctness", []) if not r["mask_exact"] or r["rel_l2"] > 1e-5 or r["nan"]
+           or r.get("deterministic") is False]
+    print(f"correctness failures: {len(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Drop-in replacement for DeepGEMM's paged fp8 MQA logits (the V3.2 indexer's decode logits).
+
+DeepGEMM convention (read from its tests/test_attention.py; restated, not copied):
+
+    q            fp8 e4m3fn [B, next_n, H, D]      (D = 128 here; no q scale: fold it into the weights)
+    kv_cache     uint8 [pages, 64, 1, D + 4]        page = 64 x D e4m3 bytes, then 64 fp32 scales: exactly
+                                                    dsakit's ``KeyFormat.FP8`` page (8448 bytes)
+    weights      fp32 [B * next_n, H]
+    context_lens int32 [B]  or  [B, next_n]
+    block_table  int32 [B, max_pages]               logical page -> physical page
+    -> logits    fp32 [B * next_n, max_context_len], row b * next_n + i = query i of sequence b
+
+    logits[b * next_n + i, j] = sum_h weights[row, h] * relu(q[b, i, h] . k_j) * scale_j   for visible j
+                              = -inf                                                      otherwise
+    visible j, context_lens [B]:          j <= context_lens[b] - next_n + i   (query i sits at that position;
+                                          the last query sees all context_lens[b] entries)
+    visible j, context_lens [B, next_n]:  j <  context_lens[b, i]
+
+The masked value is -inf. DeepGEMM writes it only with ``clean_logits=True`` (otherwise masked columns hold
+unspecified values); dsakit always writes -inf, so ``clean_logits=False`` is accepted and gives the same,
+fully defined output. DeepGEMM's schedule metadata (``get_paged_mqa_logits_metadata``) has no counterpart:
+the Triton launcher schedules by itself, so the argument is accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
+from .triton import index_scores_triton
+
+_FP8 = KeyFormat.FP8
+
+
+def _as_pool(kv_cache: torch.Tensor) -> torch.Tensor:
+    """uint8 [pages, 64, 1, 132] (or any 1-byte dtype) -> uint8 [pages, 8448] view, never a copy."""
+    expected = (ENTRIES_PER_PAGE, 1, INDEX_HEAD_DIM + 4)
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != expected:
+        raise ValueError(f"kv_cache must be [pages, 64, 1, {INDEX_HEAD_DIM + 4}], got "
+                         f"{list(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
+    if kv_cache.element_size() != 1:
+        raise ValueError(f"kv_cache must hold bytes (uint8 or fp8 view), got {kv_cache.dtype}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous (its pages are read through the fp8 page layout)")
+    return kv_cache.view(torch.uint8).view(kv_cache.shape[0], _FP8.page_bytes)
+
+
+def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                         context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
+                         clean_logits: bool = True, *, schedule_metadata: torch.Tensor | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """DeepGEMM-compatible paged fp8 logits -> fp32 [B * next_n, max_context_len] (module docstring).
+
+    ``out`` (optional, fp32 [B * next_n, max_context_len]) is written in place and returned.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[3] != INDEX_HEAD_DIM:
+        raise ValueError(f"q must be fp8 [B, next_n, H, {INDEX_HEAD_DIM}], got "
+                         f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"q must be float8_e4m3fn (DeepGEMM's paged logits take fp8 queries), got {q.dtype}")
+    b, next_n, h, _ = q.shape
+    rows = b * next_n
+    if not isinstance(weights, torch.Tensor) or weights.shape != (rows, h) or weights.dtype != torch.float32:
+        raise ValueError(f"weights must be fp32 [B * next_n, H] = [{rows}, {h}], got "
+                         f"{getattr(weights, 'dtype', None)} {list(getattr(weights, 'shape', []))}")
+    if not isinstance(context_lens, torch.Tensor) or context_lens.dtype not in (torch.int32, torch.int64) \
+            or context_lens.shape not in ((b,), (b, next_n)):
+        raise ValueError(f"context_lens must be int [B] = [{b}] or [B, next_n] = [{b}, {next_n}], got "
+                         f"{getattr(context_lens, 'dtype', None)} {list(getattr(context_lens, 'shape', []))}")
+    if not isinstance(max_context_len, int) or max_context_len < 0:
+        raise ValueError(f"max_context_len must be a non-negative int, got {max_context_len!r}")
+    if rows and bool((context_lens < 0).any()):
+        raise ValueError(f"context_lens must be >= 0, got minimum {int(context_lens.min())}")
+    pool = _as_pool(kv_cache)
+
+    offsets = torch.arange(next_n, device=q.device, dtype=torch.int64)
+    if context_lens.dim() == 1:
+        entry_counts = context_lens.to(torch.int32)
+        positions = context_lens.long()[:, None] - next_n + offsets[None, :]  # [B, next_n]
+    else:
+        entry_counts = context_lens.max(dim=1).values.to(torch.int32) if next_n else context_lens[:, 0]
+        positions = context_lens.long() - 1
+    if out is None:
+        out = torch.empty(rows, max_context_len, dtype=torch.float32, device=q.device)
+    elif out.shape != (rows, max_context_len):
+        raise ValueError(f"out must be [{rows}, {max_context_len}], got {list(out.shape)}")
+    query_seq = torch.arange(b, device=q.device, dtype=torch.int32).repeat_interleave(next_n)
+    return index_scores_triton(q.reshape(rows, h, INDEX_HEAD_DIM), weights, pool, _FP8, block_table,
+                               entry_counts, query_seq, positions.reshape(rows).to(torch.int32), ratio=1, out=out)
+
+
+def deepgemm_fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                                  context_lens: torch.Tensor, block_table: torch.Tensor,
+                                  schedule_metadata: torch.Tensor | None, max_context_len: int,
+                                  clean_logits: bool = True) -> torch.Tensor:
+    """Same as :func:`fp8_paged_mqa_logits` with DeepGEMM's positional order (schedule metadata ignored)."""
+    return fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len, clean_logits,
+                                schedule_metadata=schedule_metadata)
+
+
+__all__ = ["fp8_paged_mqa_logits", "deepgemm_fp8_paged_mqa_logits"]

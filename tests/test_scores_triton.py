@@ -1,0 +1,345 @@
+"""Triton index-scores kernels against the reference (CPU under TRITON_INTERPRET=1, or CUDA).
+
+Two bounds per case (DeepGEMM's method): a tight one against the reference run on the same operands the
+kernel multiplies (q rounded to bf16 when it is fp32, keys dequantized from the cache), which isolates kernel
+error; and a loose one per format against fp32 scores of the unquantized keys, which documents what the
+storage format costs. -inf masks must match exactly; outputs are NaN-poisoned before the kernel writes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsakit.cache import PagedCache
+from dsakit.formats import KeyFormat
+from dsakit.ops.scores import index_scores
+from dsakit.ops.scores.reference import index_scores as reference_scores
+from dsakit.ops.scores.reference import index_scores_dense
+
+pytestmark = pytest.mark.usefixtures("triton_backend")
+
+FORMATS = ["bf16", "fp8", "fp8-ue8m0", "fp4", "fp4-rne"]
+# Relative L2 error of scores from quantized keys against fp32 scores of the original keys (loose bound).
+# Measured on randn keys and queries: bf16 ~3e-3, fp8 ~3e-2, fp4 ~0.15; the bounds leave about 2x margin.
+LOOSE_REL_L2 = {"bf16": 1e-2, "fp8": 6e-2, "fp8-ue8m0": 8e-2, "fp4": 0.3, "fp4-rne": 0.3}
+# Tight bound: same operands, only fp32 accumulation order differs.
+TIGHT_RTOL = 1e-5
+
+
+def _triton():
+    from dsakit.ops.scores import triton as scores_triton
+
+    return scores_triton
+
+
+def make_cache(fmt: str, lengths: list[int], device: str, pages_extra: int = 2):
+    """Cache with sequences of ``lengths`` random entries (pages interleaved between sequences)."""
+    fmt = KeyFormat.parse(fmt)
+    pages = sum((n + 63) // 64 for n in lengths) + pages_extra
+    cache = PagedCache(fmt, pages)
+    seqs = [cache.add_sequence() for _ in lengths]
+    keys = {}
+    # append in rounds of one page so that sequences get interleaved, non-contiguous pages
+    remaining = dict(zip(seqs, lengths))
+    while any(remaining.values()):
+        for s in seqs:
+            n = min(64, remaining[s])
+            if n:
+                slots = cache.append(s, n)
+                x = torch.randn(n, 128)
+                cache.write(slots, x)
+                keys.setdefault(s, []).append(x)
+                remaining[s] -= n
+    originals = [torch.cat(keys[s]) if s in keys else torch.zeros(0, 128) for s in seqs]
+    pool = cache.pool.to(device)
+    return fmt, pool, cache.block_table().to(device), cache.entry_counts().to(device), originals
+
+
+def assert_scores_match(out: torch.Tensor, ref: torch.Tensor, rtol: float = TIGHT_RTOL) -> None:
+    out, ref = out.cpu(), ref.cpu()
+    assert out.shape == ref.shape
+    assert not torch.isnan(out).any(), "kernel left an element unwritten (NaN poison) or produced NaN"
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref)), "-inf masks differ"
+    finite = torch.isfinite(ref)
+    if finite.any():
+        scale = ref[finite].abs().max()
+        torch.testing.assert_close(out[finite], ref[finite], rtol=rtol, atol=rtol * float(scale))
+
+
+def run_kernel(q, w, pool, fmt, table, counts, query_seq, positions, ratio, **kw):
+    t = q.shape[0]
+    width = int(counts.max()) if counts.numel() else 0
+    out = torch.full((t, width), float("nan"), device=q.device)
+    return _triton().index_scores_triton(q, w, pool, fmt, table, counts, query_seq, positions, ratio, out=out, **kw)
+
+
+def operand_queries(q: torch.Tensor) -> torch.Tensor:
+    """The fp32 values the kernel multiplies: fp32 / fp16 queries are rounded to bf16 first."""
+    if q.dtype in (torch.float32, torch.float16):
+        return q.to(torch.bfloat16).float()
+    return q.float()
+
+
+# --------------------------------------------------------------------------------------------------
+# Correctness: formats x query dtypes x kernels, ragged causal batches
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", ["tile", "group"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn], ids=["q-bf16", "q-fp32", "q-fp8"])
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_matches_reference(fmt_name, q_dtype, kernel, device):
+    lengths = [130, 0, 67, 1]  # non-powers of two, an empty sequence, a one-entry sequence
+    fmt, pool, table, counts, _ = make_cache(fmt_name, lengths, device)
+    h = 16
+    if kernel == "tile":  # ragged, unsorted: several queries per sequence, causal with ratio 4
+        query_seq = torch.tensor([0] * 9 + [2] * 5 + [1] * 2 + [3] + [0] * 3, dtype=torch.int32)
+        query_seq = query_seq[torch.randperm(query_seq.numel())]
+        positions = torch.randint(-2, 4 * 140, (query_seq.numel(),), dtype=torch.int32)
+        ratio = 4
+    else:  # decode: <= 2 queries per sequence, plain causal
+        query_seq = torch.tensor([0, 0, 1, 2, 2, 3], dtype=torch.int32)
+        positions = torch.tensor([128, 129, 5, 30, 66, 0], dtype=torch.int32)
+        ratio = 1
+    t = query_seq.numel()
+    q = torch.randn(t, h, 128).to(q_dtype)
+    w = torch.rand(t, h) - 0.25
+    q_scale = torch.rand(t, h) + 0.5 if q_dtype == torch.float8_e4m3fn else None
+    out = run_kernel(q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device), positions.to(device),
+                     ratio, q_scale=None if q_scale is None else q_scale.to(device), kernel=kernel)
+    w_eff = w if q_scale is None else w * q_scale
+    ref = reference_scores(operand_queries(q), w_eff, pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq,
+                           positions, ratio)
+    assert_scores_match(out, ref)
+    again = run_kernel(q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device),
+                       positions.to(device), ratio, q_scale=None if q_scale is None else q_scale.to(device),
+                       kernel=kernel)
+    assert torch.equal(out.cpu(), again.cpu()), "two runs on the same input differ (must be bitwise deterministic)"
+
+
+@pytest.mark.parametrize("fmt_name", ["bf16", "fp8", "fp4"])
+def test_loose_bound_against_unquantized_keys(fmt_name, device):
+    """Scores from the stored format versus fp32 scores of the original keys: the format's documented cost."""
+    lengths = [200]
+    fmt, pool, table, counts, originals = make_cache(fmt_name, lengths, device)
+    t, h = 24, 16
+    q = torch.randn(t, h, 128, dtype=torch.bfloat16)
+    w = torch.rand(t, h)
+    query_seq = torch.zeros(t, dtype=torch.int32)
+    out = run_kernel(q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device), None, 1).cpu()
+    exact = index_scores_dense(q.float(), w, originals[0])
+    rel = float((out - exact).norm() / exact.norm())
+    assert rel < LOOSE_REL_L2[fmt_name], f"{fmt_name}: relative L2 error {rel:.3g} above {LOOSE_REL_L2[fmt_name]}"
+
+
+def test_public_dispatcher_backends(device):
+    fmt, pool, table, counts, _ = make_cache("fp8", [70, 20], device)
+    q = torch.randn(5, 16, 128, dtype=torch.bfloat16, device=device)
+    w = torch.rand(5, 16, device=device)
+    query_seq = torch.tensor([1, 0, 0, 1, 0], dtype=torch.int32, device=device)
+    positions = torch.tensor([3, 69, 0, 40, 10], dtype=torch.int32, device=device)
+    tri = index_scores(q, w, pool, fmt, table, counts, query_seq, positions, 1, backend="triton")
+    ref = index_scores(q, w, pool, fmt, table, counts, query_seq, positions, 1, backend="reference")
+    assert_scores_match(tri, ref)
+    with pytest.raises(ValueError, match="unknown backend"):
+        index_scores(q, w, pool, fmt, table, counts, query_seq, positions, 1, backend="cuda")
+
+
+# --------------------------------------------------------------------------------------------------
+# Corner cases
+# --------------------------------------------------------------------------------------------------
+
+
+def test_empty_batch_and_empty_sequences(device):
+    fmt, pool, table, counts, _ = make_cache("bf16", [0, 0], device)
+    kernel = _triton().index_scores_triton
+    q = torch.randn(3, 16, 128, device=device)
+    w = torch.rand(3, 16, device=device)
+    out = kernel(q, w, pool, fmt, table, counts, torch.tensor([0, 1, 1], dtype=torch.int32, device=device))
+    assert out.shape == (3, 0)
+    out = kernel(q[:0], w[:0], pool, fmt, table, counts, torch.zeros(0, dtype=torch.int32, device=device))
+    assert out.shape == (0, 0)
+
+
+def test_rows_that_see_nothing_are_all_neg_inf(device):
+    fmt, pool, table, counts, _ = make_cache("fp8", [100, 0], device)
+    q = torch.randn(4, 16, 128, device=device)
+    w = torch.rand(4, 16, device=device)
+    query_seq = torch.tensor([0, 0, 1, 0], dtype=torch.int32, device=device)
+    positions = torch.tensor([2, -1, 50, 3], dtype=torch.int32, device=device)  # ratio 4: 0, 0, 0, 1 visible
+    out = run_kernel(q, w, pool, fmt, table, counts, query_seq, positions, 4).cpu()
+    assert torch.isneginf(out[:3]).all()
+    assert torch.isfinite(out[3, :1]).all() and torch.isneginf(out[3, 1:]).all()
+
+
+def test_workspace_out_slice_is_bounded(device):
+    """out wider than needed and taller than T: only out[:T, :W'] is written, rows beyond stay untouched."""
+    fmt, pool, table, counts, _ = make_cache("fp4", [90, 33], device)
+    t, h = 6, 16
+    q = torch.randn(t, h, 128, dtype=torch.bfloat16, device=device)
+    w = torch.rand(t, h, device=device)
+    query_seq = torch.tensor([0, 1, 0, 1, 0, 0], dtype=torch.int32, device=device)
+    positions = torch.tensor([10, 32, 89, 5, 50, 200], dtype=torch.int32, device=device)
+    ws = torch.full((t + 3, 128), float("nan"), device=device)
+    result = _triton().index_scores_triton(q, w, pool, fmt, table, counts, query_seq, positions, 1, out=ws[:, :100])
+    assert result.shape == (t, 100) and result.data_ptr() == ws.data_ptr()
+    ref = reference_scores(q.float(), w.cpu(), pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq.cpu(),
+                           positions.cpu(), 1)
+    expect = torch.full((t, 100), float("-inf"))
+    expect[:, :90] = ref
+    assert_scores_match(result, expect)
+    assert torch.isnan(ws[t:]).all() and torch.isnan(ws[:, 100:]).all(), "kernel wrote outside out[:T, :W']"
+    # W' smaller than a row's visible count would silently drop entries: refused
+    with pytest.raises(ValueError, match="visible count"):
+        _triton().index_scores_triton(q, w, pool, fmt, table, counts, query_seq, positions, 1, out=ws[:, :60])
+
+
+def test_non_contiguous_inputs(device):
+    fmt, pool, table, counts, _ = make_cache("bf16", [75], device)
+    t, h = 5, 16
+    big_q = torch.randn(t, 2 * h, 256, dtype=torch.bfloat16, device=device)
+    q = big_q[:, ::2, 64:192]  # strided heads, offset dims (last-dim stride 1 kept)
+    w = torch.rand(h, t, device=device).t()  # transposed weights
+    query_seq = torch.zeros(t, dtype=torch.int32, device=device)
+    out = run_kernel(q, w, pool, fmt, table, counts, query_seq, None, 1)
+    ref = reference_scores(q.float().cpu(), w.cpu(), pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq.cpu())
+    assert_scores_match(out, ref)
+
+
+def test_nan_key_propagates_like_reference(device):
+    """A NaN stored in a bf16 key gives NaN scores (as torch.relu does), never a silently finite value."""
+    fmt = KeyFormat.BF16
+    cache = PagedCache(fmt, 2)
+    s = cache.add_sequence()
+    slots = cache.append(s, 10)
+    x = torch.randn(10, 128)
+    x[3, 7] = float("nan")
+    cache.write(slots, x)
+    q = torch.randn(2, 16, 128, device=device)
+    w = torch.rand(2, 16, device=device)
+    query_seq = torch.zeros(2, dtype=torch.int32, device=device)
+    out = _triton().index_scores_triton(q, w, cache.pool.to(device), fmt, cache.block_table().to(device),
+                                        cache.entry_counts().to(device), query_seq).cpu()
+    assert torch.isnan(out[:, 3]).all()
+    assert torch.isfinite(out[:, [0, 1, 2, 4, 5]]).all()
+
+
+@settings(max_examples=8)
+@given(lengths=st.lists(st.integers(0, 150), min_size=1, max_size=3),
+       queries=st.lists(st.tuples(st.integers(0, 2), st.integers(-3, 700)), min_size=1, max_size=12),
+       ratio=st.sampled_from([1, 4]), fmt_name=st.sampled_from(["fp8", "fp4", "bf16"]))
+def test_random_ragged_batches(lengths, queries, ratio, fmt_name):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fmt, pool, table, counts, _ = make_cache(fmt_name, lengths, device)
+    query_seq = torch.tensor([s % len(lengths) for s, _ in queries], dtype=torch.int32)
+    positions = torch.tensor([p for _, p in queries], dtype=torch.int32)
+    t = len(queries)
+    q = torch.randn(t, 16, 128, dtype=torch.bfloat16)
+    w = torch.rand(t, 16)
+    out = run_kernel(q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device),
+                     positions.to(device), ratio)
+    ref = reference_scores(q.float(), w, pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq, positions, ratio)
+    assert_scores_match(out, ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode wrapper and the DeepGEMM-compatible function
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_decode_wrapper(next_n, device):
+    lengths = [65, 1, 130]
+    fmt, pool, table, counts, _ = make_cache("fp8", lengths, device)
+    b, h = len(lengths), 16
+    q = torch.randn(b, next_n, h, 128, device=device).to(torch.float8_e4m3fn)
+    w = torch.rand(b * next_n, h, device=device)
+    positions = (counts.long()[:, None] - next_n + torch.arange(next_n, device=device)[None, :]).to(torch.int32)
+    out = _triton().index_scores_decode(q, w, pool, fmt, table, counts, positions)
+    query_seq = torch.arange(b, dtype=torch.int32).repeat_interleave(next_n)
+    ref = reference_scores(q.float().reshape(b * next_n, h, 128).cpu(), w.cpu(), pool.cpu(), fmt, table.cpu(),
+                           counts.cpu(), query_seq, positions.reshape(-1).cpu(), 1)
+    assert_scores_match(out, ref)
+    # the last query of each sequence sees every entry
+    last = out.cpu().reshape(b, next_n, -1)[:, -1]
+    for i, n in enumerate(lengths):
+        assert torch.isfinite(last[i, :n]).all() and torch.isneginf(last[i, n:]).all()
+
+
+def deepgemm_semantics(q, kv_cache, weights, context_lens, block_table, max_len):
+    """Independent torch statement of DeepGEMM's paged logits rule (module docstring of deepgemm_compat)."""
+    b, next_n, h, d = q.shape
+    pages = kv_cache.view(kv_cache.shape[0], -1).cpu()
+    keys = KeyFormat.FP8.dequantize_pages(pages)  # [P * 64, 128] slot order
+    out = torch.full((b * next_n, max_len), float("-inf"))
+    for i in range(b):
+        for j in range(next_n):
+            n = int(context_lens[i, j]) if context_lens.dim() == 2 else int(context_lens[i]) - next_n + j + 1
+            n = max(n, 0)
+            idx = torch.arange(n)
+            slots = block_table[i].cpu().long()[idx // 64] * 64 + idx % 64
+            logits = q[i, j].float().cpu() @ keys[slots].T  # [H, n]
+            out[i * next_n + j, :n] = (logits.relu() * weights[i * next_n + j].cpu()[:, None]).sum(0)
+    return out
+
+
+@pytest.mark.parametrize("lens_2d", [False, True], ids=["context_lens-B", "context_lens-B-next_n"])
+def test_deepgemm_paged_logits(lens_2d, device):
+    from dsakit.ops.scores.deepgemm_compat import deepgemm_fp8_paged_mqa_logits, fp8_paged_mqa_logits
+
+    lengths = [3, 64, 150]
+    fmt, pool, table, counts, _ = make_cache("fp8", lengths, device)
+    b, next_n, h, max_len = len(lengths), 2, 16, 160
+    q = torch.randn(b, next_n, h, 128, device=device).to(torch.float8_e4m3fn)
+    w = torch.randn(b * next_n, h, device=device)
+    kv_cache = pool.view(-1, 64, 1, 132)
+    if lens_2d:
+        context_lens = torch.stack([counts - 1, counts], dim=1).clamp(min=0).to(torch.int32)
+    else:
+        context_lens = counts
+    logits = fp8_paged_mqa_logits(q, kv_cache, w, context_lens, table, max_len)
+    expect = deepgemm_semantics(q, kv_cache, w, context_lens, table, max_len)
+    assert_scores_match(logits, expect)
+    same = deepgemm_fp8_paged_mqa_logits(q, kv_cache, w, context_lens, table, None, max_len, True)
+    assert torch.equal(same.cpu(), logits.cpu())
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_paged_mqa_logits(q.float(), kv_cache, w, context_lens, table, max_len)
+    with pytest.raises(ValueError, match="kv_cache"):
+        fp8_paged_mqa_logits(q, pool, w, context_lens, table, max_len)
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation: bad input raises ValueError naming the value, before any kernel runs
+# --------------------------------------------------------------------------------------------------
+
+
+def test_validation_errors(device):
+    fmt, pool, table, counts, _ = make_cache("fp8", [70, 10], device)
+    kernel = _triton().index_scores_triton
+    q = torch.randn(3, 16, 128, device=device)
+    w = torch.rand(3, 16, device=device)
+    query_seq = torch.tensor([0, 1, 0], dtype=torch.int32, device=device)
+    bad_table = table.clone()
+    bad_table[0, 1] = pool.shape[0] + 5
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\]"):
+        kernel(q, w, pool, fmt, bad_table, counts, query_seq)
+    with pytest.raises(ValueError, match="q_scale must be > 0"):
+        kernel(q, w, pool, fmt, table, counts, query_seq, q_scale=-torch.ones(3, 16, device=device))
+    with pytest.raises(ValueError, match="q_scale must be fp32"):
+        kernel(q, w, pool, fmt, table, counts, query_seq, q_scale=torch.ones(3, 8, device=device))
+    with pytest.raises(ValueError, match="q dtype"):
+        kernel(q.double(), w, pool, fmt, table, counts, query_seq)
+    with pytest.raises(ValueError, match="pool must be uint8"):
+        kernel(q, w, pool, "bf16", table, counts, query_seq)
+    with pytest.raises(ValueError, match="query_seq values"):
+        kernel(q, w, pool, fmt, table, counts, torch.tensor([0, 2, 0], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="power-of-two head count"):
+        kernel(q[:, :12], w[:, :12], pool, fmt, table, counts, query_seq, kernel="group")
+    with pytest.raises(ValueError, match="at most 4 queries"):
+        kernel(torch.randn(6, 16, 128, device=device), torch.rand(6, 16, device=device), pool, fmt, table, counts,
+               torch.zeros(6, dtype=torch.int32, device=device), kernel="group")
+    with pytest.raises(ValueError, match="out must be fp32"):
+        kernel(q, w, pool, fmt, table, counts, query_seq, out=torch.empty(3, 70, dtype=torch.float16, device=device))
