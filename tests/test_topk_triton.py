@@ -1,0 +1,247 @@
+"""Triton top-k (radix select over a bounded workspace) against the reference ``select_topk`` / ``index_topk``.
+
+The selection is exact, so on identical scores the kernel must reproduce the reference bit for bit (same
+sets, same order, same -1 padding). The composed ``index_topk(backend="triton")`` scores with the Triton
+scores kernel, whose fp32 sums differ from the reference by rounding: there the check is the flashinfer one
+(sets equal except near the k-th score, every selected score >= k-th reference score - tol, identical
+padding counts).
+
+Kernels run under TRITON_INTERPRET=1 on CPU (./dev.sh test) or on CUDA; small blocks (``block=64``) make
+the streaming loops cross several tiles at small N.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsakit.formats import KeyFormat
+from dsakit.ops.scores.reference import index_scores as reference_scores
+from dsakit.ops.topk import index_topk, select_topk
+from dsakit.ops.topk.reference import select_topk as reference_select
+from dsakit.ops.topk.reference import topk_to_slots
+
+SMALL_BLOCK = 128  # tile of the streaming passes in tests: N of a few hundred spans several tiles
+
+# Tolerance on scores for the composed path (Triton scores vs reference scores, same inputs): fp32
+# accumulation order and the bf16 rounding of q (see dsakit.ops.scores.triton).
+SCORE_TOL = {"bf16": 2e-2, "fp8": 2e-2, "fp4": 2e-2}
+
+
+def _select(scores, k, **kw):
+    from dsakit.ops.topk.triton import select_topk_triton
+
+    return select_topk_triton(scores, k, block=SMALL_BLOCK, **kw)
+
+
+def _device(triton_backend):
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _crafted(n: int, rows: int = 6) -> torch.Tensor:
+    """Rows that exercise every rule: ties, NaN, +-inf, -0.0 vs +0.0, fully masked, denormals, few candidates."""
+    if n < 16:
+        raise ValueError(f"crafted rows need n >= 16, got {n}")
+    s = torch.randn(rows, n)
+    s[0, 3: n // 2] = 1.25                      # a long run of ties around the k-th score
+    s[1, ::3] = float("-inf")                   # masked entries are never selected
+    s[2, 5] = float("nan")                      # NaN ranks above +inf
+    s[2, 7] = float("inf")
+    s[2, 9] = -0.0                              # -0.0 == +0.0: index order decides
+    s[2, 11] = 0.0
+    s[2, 13] = float("nan")
+    s[3] = float("-inf")                        # no candidate at all -> all -1
+    s[4] = -torch.rand(n) * 1e-40               # negative denormals
+    s[4, ::4] = -0.0
+    s[5] = float("-inf")
+    s[5, n - 3:] = torch.tensor([2.0, -1.0, 2.0])  # 3 candidates at the row's end
+    return s
+
+
+@pytest.mark.parametrize("n,k", [(16, 1), (16, 64), (37, 7), (300, 1), (300, 7), (300, 64)])
+def test_select_matches_reference_exactly(triton_backend, n, k):
+    scores = _crafted(n).to(_device(triton_backend))
+    got = _select(scores, k)
+    assert got.dtype == torch.int32 and got.shape == (scores.shape[0], k)
+    assert torch.equal(got.cpu(), reference_select(scores.cpu(), k))
+
+
+def test_select_single_entry_rows(triton_backend):
+    scores = torch.tensor([[0.5], [float("-inf")], [float("nan")], [-0.0]], device=_device(triton_backend))
+    assert torch.equal(_select(scores, 3).cpu(), reference_select(scores.cpu(), 3))
+
+
+def test_select_k_larger_than_row(triton_backend):
+    scores = _crafted(50).to(_device(triton_backend))
+    got = _select(scores, 128).cpu()
+    ref = reference_select(scores.cpu(), 128)
+    assert torch.equal(got, ref)
+    assert bool((got[:, 50:] == -1).all()) and bool((got[3] == -1).all())
+
+
+def test_select_heavy_ties_multi_level(triton_backend):
+    # Few distinct values: every radix level is needed and the equal-key rank decides across tiles.
+    scores = torch.randint(0, 3, (3, 300)).float()
+    scores[1] = torch.randint(-2, 2, (300,)).float() * 2.0 ** -20
+    scores[2, 150:] = float("-inf")
+    scores = scores.to(_device(triton_backend))
+    for k in (5, 120):
+        assert torch.equal(_select(scores, k).cpu(), reference_select(scores.cpu(), k)), k
+
+
+def test_select_row_counts_ignore_the_tail(triton_backend):
+    device = _device(triton_backend)
+    scores = torch.randn(4, 257)
+    counts = torch.tensor([257, 0, 100, 3], dtype=torch.int32)
+    masked = scores.clone()
+    masked[torch.arange(257)[None, :] >= counts[:, None]] = float("-inf")
+    scores[1] = float("nan")  # beyond the count: must never be read as a candidate
+    got = _select(scores.to(device), 16, row_counts=counts.to(device)).cpu()
+    assert torch.equal(got, reference_select(masked, 16))
+
+
+def test_select_unsorted_is_same_set_in_index_order(triton_backend):
+    scores = _crafted(300).to(_device(triton_backend))
+    ordered = _select(scores, 30).cpu()
+    unsorted = _select(scores, 30, sort=False).cpu()
+    for row_sorted, row_unsorted in zip(ordered, unsorted):
+        kept = row_unsorted[row_unsorted >= 0]
+        assert torch.equal(kept, torch.sort(kept).values)  # collected in index order
+        assert set(kept.tolist()) == set(row_sorted[row_sorted >= 0].tolist())
+        assert int((row_unsorted < 0).sum()) == int((row_sorted < 0).sum())
+
+
+def test_select_is_deterministic(triton_backend):
+    scores = torch.randint(0, 5, (2, 300)).float().to(_device(triton_backend))
+    first = _select(scores, 30)
+    second = _select(scores, 30)
+    assert torch.equal(first, second)
+
+
+def test_select_default_block_and_dispatcher(triton_backend):
+    scores = _crafted(4500).to(_device(triton_backend))
+    got = select_topk(scores, 20, backend="triton")  # default BLOCK (4096): two tiles
+    assert torch.equal(got.cpu(), reference_select(scores.cpu(), 20))
+
+
+# The fixture only decides skip-or-run (no state), so sharing it across examples is safe.
+@settings(max_examples=15, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_select_property(triton_backend, data):
+    n = data.draw(st.integers(1, 150), label="n")
+    k = data.draw(st.integers(1, 40), label="k")
+    seed = data.draw(st.integers(0, 2 ** 31 - 1), label="seed")
+    gen = torch.Generator().manual_seed(seed)
+    # Small integer scores (many ties) scaled by a power of two, with -inf / NaN sprinkled in.
+    scores = torch.randint(-4, 5, (3, n), generator=gen).float() * 2.0 ** data.draw(st.integers(-30, 30))
+    special = torch.rand(3, n, generator=gen)
+    scores[special < 0.15] = float("-inf")
+    scores[special > 0.97] = float("nan")
+    got = _select(scores.to(_device(triton_backend)), k).cpu()
+    assert torch.equal(got, reference_select(scores, k))
+
+
+def test_select_rejects_bad_input(triton_backend):
+    from dsakit.ops.topk.triton import select_topk_triton
+
+    scores = torch.randn(2, 10, device=_device(triton_backend))
+    with pytest.raises(ValueError, match="k must be"):
+        select_topk_triton(scores, 0)
+    with pytest.raises(ValueError, match="fp32"):
+        select_topk_triton(scores.double(), 3)
+    with pytest.raises(ValueError, match="row_counts"):
+        select_topk_triton(scores, 3, row_counts=torch.tensor([1, 11], dtype=torch.int32, device=scores.device))
+    with pytest.raises(ValueError, match="unit stride"):
+        select_topk_triton(scores.t().contiguous().t(), 3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Composed path: Triton scores + radix select vs the reference index_topk, per key format.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _ragged_batch(fmt: KeyFormat, counts: list[int], queries: list[int], heads: int = 4, ratio: int = 4):
+    """Paged pool with shuffled pages, a ragged batch of queries at causal positions (last tokens)."""
+    pages_per_seq = [max(1, -(-c // 64)) for c in counts]
+    num_pages = sum(pages_per_seq) + 1
+    keys = torch.randn(num_pages * 64, 128)
+    pool = fmt.quantize_pages(keys)
+    order = torch.randperm(num_pages)
+    table = torch.full((len(counts), max(pages_per_seq)), -1, dtype=torch.int32)
+    used = 0
+    for b, p in enumerate(pages_per_seq):
+        table[b, :p] = order[used: used + p].to(torch.int32)
+        used += p
+    query_seq = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(queries)).to(torch.int32)
+    # Positions spread over each sequence (early queries see few entries, the last one sees all).
+    positions = torch.cat([torch.sort(torch.randint(0, c * ratio + ratio, (q,))).values
+                           for c, q in zip(counts, queries)]).to(torch.int32)
+    t = int(query_seq.numel())
+    q = torch.randn(t, heads, 128)
+    weights = torch.rand(t, heads) + 0.1
+    entry_counts = torch.tensor(counts, dtype=torch.int32)
+    return q, weights, pool, table, entry_counts, query_seq, positions
+
+
+def _check_against_reference(got, ref_scores, k, tol):
+    ref = reference_select(ref_scores, k)
+    assert got.shape == ref.shape and got.dtype == torch.int32
+    for row in range(got.shape[0]):
+        g, r = got[row], ref[row]
+        assert int((g < 0).sum()) == int((r < 0).sum()), f"row {row}: padding differs"
+        chosen = g[g >= 0].long()
+        assert chosen.unique().numel() == chosen.numel(), f"row {row}: duplicate index"
+        if chosen.numel() == 0:
+            continue
+        kth = ref_scores[row, r[r >= 0][-1].long()]
+        assert bool((ref_scores[row, chosen] >= kth - tol).all()), f"row {row}: a selected score is below the k-th"
+        differs = set(chosen.tolist()) ^ set(r[r >= 0].tolist())
+        for j in differs:  # only near-ties of the k-th score may swap
+            assert abs(float(ref_scores[row, j] - kth)) <= tol, f"row {row}: entry {j} swapped far from the k-th"
+
+
+@pytest.mark.parametrize("fmt_name", ["bf16", "fp8", "fp4"])
+def test_index_topk_triton_matches_reference(triton_backend, fmt_name):
+    fmt = KeyFormat.parse(fmt_name)
+    # Sequences: 150 entries, empty, 70 entries (K > visible for early queries), 3 entries.
+    q, w, pool, table, counts, seq, pos = _ragged_batch(fmt, [150, 0, 70, 3], [5, 2, 4, 2])
+    k = 24
+    ref_scores = reference_scores(q, w, pool, fmt, table, counts, seq, pos, 4)
+    device = _device(triton_backend)
+    args = [q.to(device), w.to(device), pool.to(device), fmt, table.to(device), counts.to(device), seq.to(device)]
+    got, slots = index_topk(*args, k, pos.to(device), 4, backend="triton", return_slots=True)
+    got, slots = got.cpu(), slots.cpu()
+    _check_against_reference(got, ref_scores, k, SCORE_TOL[fmt.kind])
+    assert torch.equal(slots, topk_to_slots(got, table, seq))
+    # the empty sequence's queries select nothing
+    assert bool((got[seq == 1] == -1).all())
+    # determinism, and a workspace of 3 rows (several chunks) gives the same answer
+    again = index_topk(*args, k, pos.to(device), 4, backend="triton", workspace_bytes=3 * 4 * 150).cpu()
+    assert torch.equal(again, got)
+
+
+def test_index_topk_triton_no_positions_and_all_empty(triton_backend):
+    fmt = KeyFormat.parse("fp8")
+    device = _device(triton_backend)
+    q, w, pool, table, counts, seq, _ = _ragged_batch(fmt, [90, 20], [3, 2], ratio=1)
+    ref_scores = reference_scores(q, w, pool, fmt, table, counts, seq, None, 1)
+    args = [q.to(device), w.to(device), pool.to(device), fmt, table.to(device), counts.to(device), seq.to(device)]
+    got = index_topk(*args, 32, backend="triton").cpu()
+    _check_against_reference(got, ref_scores, 32, SCORE_TOL["fp8"])
+    empty = index_topk(*args[:5], torch.zeros_like(args[5]), args[6], 8, backend="triton")
+    assert bool((empty == -1).all()) and empty.shape == (5, 8)
+
+
+def test_index_topk_triton_rejects_bad_input(triton_backend):
+    fmt = KeyFormat.parse("bf16")
+    device = _device(triton_backend)
+    q, w, pool, table, counts, seq, pos = _ragged_batch(fmt, [10], [2])
+    args = [q.to(device), w.to(device), pool.to(device), fmt, table.to(device), counts.to(device), seq.to(device)]
+    with pytest.raises(ValueError, match="k must be"):
+        index_topk(*args, 0, backend="triton")
+    with pytest.raises(ValueError, match="workspace_bytes"):
+        index_topk(*args, 4, backend="triton", workspace_bytes=0)
+    with pytest.raises(ValueError, match="return_slots"):
+        index_topk(*args, 4, backend="triton", return_slots="yes")
