@@ -1,0 +1,334 @@
+"""DeepSeek-V4 lightning indexer of one CSA layer, wired from dsakit's ops (SPEC.md 2.1 and 3).
+
+Shapes use SPEC.md's letters: S context tokens, T query tokens, H index heads, D = 128 index head dim,
+N = S // ratio compressed entries, K top-k. Pipeline (pure PyTorch, fp32)::
+
+    q[t]    = rope_V4(reshape(q_latent[t] @ wq_b.T, [H, D]), position[t]) @ H128 / sqrt(128)   [T, H, D]
+    w[t]    = (hidden[t] @ weights_proj.T) * D^-0.5 * H^-0.5                                     [T, H]
+    c       = compress(hidden, wkv, wgate, ape, ratio)          (pre-norm entries)              [N, D]
+    k[j]    = hadamard(rope_V4(RMSNorm(c[j]) * norm_weight, position 4j))   -> quantized to a   [N, D]
+              PagedCache of the chosen key format by dsakit.ops.store.store_index_keys
+    top-k   = dsakit.ops.topk.index_topk(q, w, cache, ...), entry j visible to t iff j < (pos_t + 1) // 4
+
+Hadamard is applied to both q and k (``hadamard=False`` turns it off on both sides; exact scores do not
+change because H is orthogonal, quantized scores do). Queries stay fp32 unless ``query_format`` asks for
+a simulated quantization (DeepSeek's reference simulates fp4 on q as well).
+
+``DSAIndexer.from_transformers`` copies the weights of transformers' ``DeepseekV4Indexer`` (which holds
+its own compressor: ``kv_proj``, ``gate_proj``, ``position_bias``, ``kv_norm``); see docs/conventions.md
+for every convention difference between transformers, DeepSeek's reference and dsakit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from typing import Any, Callable
+
+import torch
+
+from ..cache import PagedCache
+from ..formats import INDEX_HEAD_DIM, KeyFormat
+from ..ops.compress import compress
+from ..ops.scores import index_scores_dense
+from ..ops.store import prepare_index_keys, store_index_keys
+from ..ops.topk import index_topk
+from ..presets import DSAPreset, get_preset
+from ..transforms import RopeConfig, YarnConfig, apply_rope, hadamard_transform
+
+
+def _call_with_backend(fn: Callable[..., Any], backend: str, **kwargs: Any) -> Any:
+    """Call ``fn(**kwargs)``, passing ``backend=`` only if ``fn`` accepts it (reference functions do not)."""
+    if "backend" in inspect.signature(fn).parameters:
+        return fn(**kwargs, backend=backend)
+    if backend not in ("auto", "reference"):
+        raise ValueError(f"{fn.__module__}.{fn.__name__} has no backend argument; cannot honour "
+                         f"backend={backend!r}")
+    return fn(**kwargs)
+
+
+def _as_matrix(value: Any, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, got {type(value).__name__}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{what} must have shape {list(shape)}, got {list(value.shape)}")
+    if not value.is_floating_point():
+        raise ValueError(f"{what} must be a floating tensor, got {value.dtype}")
+    return value.detach().float().clone()
+
+
+def _check_rows(x: Any, width: int, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"{what} must be a [rows, {width}] tensor, got "
+                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{what} must be a floating tensor, got {x.dtype}")
+
+
+def _check_positions(positions: Any, t: int) -> torch.Tensor:
+    if not isinstance(positions, torch.Tensor) or positions.shape != (t,) \
+            or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be an int32/int64 [T] = [{t}] tensor, got "
+                         f"{(positions.dtype, list(positions.shape)) if isinstance(positions, torch.Tensor) else positions!r}")
+    pos = positions.detach().cpu().long()
+    if t and int(pos.min()) < 0:
+        raise ValueError(f"positions must be >= 0, got {int(pos.min())}")
+    return pos
+
+
+class DSAIndexer(torch.nn.Module):
+    """Lightning indexer of one DeepSeek-V4 CSA layer (weights as buffers; inference only).
+
+    Args (nn.Linear weight layout, [out, in]):
+        wq_b: [H * D, q_lora_rank], head-major rows (row h * D + d).
+        weights_proj: [H, hidden].
+        wkv, wgate: [2 * D, hidden] compressor projections (first D features: the entry's contribution to
+            the next overlapping window, last D: to its own window; SPEC.md 3).
+        ape: [ratio, 2 * D] learned position bias of the gate.
+        norm_weight: [D] RMSNorm weight of the compressed keys.
+        preset: a V4 preset (ratio 4 with overlap); its rope, key transform and index_topk are used.
+        rope: override of the preset's RopeConfig (``from_transformers`` reads it off the module).
+        index_topk: override of the preset's K.
+    """
+
+    def __init__(self, wq_b: torch.Tensor, weights_proj: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
+                 ape: torch.Tensor, norm_weight: torch.Tensor, preset: "str | DSAPreset" = "deepseek-v4-flash",
+                 rope: RopeConfig | None = None, index_topk: int | None = None):
+        super().__init__()
+        preset = get_preset(preset)
+        if preset.compress_ratio != 4 or not preset.compress_overlap:
+            raise ValueError(f"DSAIndexer implements the V4 CSA indexer (ratio 4 with overlap); preset "
+                             f"{preset.name!r} has ratio {preset.compress_ratio}")
+        if rope is not None and not isinstance(rope, RopeConfig):
+            raise ValueError(f"rope must be a RopeConfig or None, got {type(rope).__name__}")
+        if index_topk is not None and (not isinstance(index_topk, int) or index_topk < 1):
+            raise ValueError(f"index_topk must be a positive int, got {index_topk!r}")
+        d = preset.index_head_dim
+        if d != INDEX_HEAD_DIM:
+            raise ValueError(f"index head dim must be {INDEX_HEAD_DIM}, preset {preset.name!r} has {d}")
+        if not isinstance(weights_proj, torch.Tensor) or weights_proj.dim() != 2:
+            raise ValueError(f"weights_proj must be a [H, hidden] tensor, got "
+                             f"{list(weights_proj.shape) if isinstance(weights_proj, torch.Tensor) else weights_proj!r}")
+        heads, hidden = weights_proj.shape
+        if not isinstance(wq_b, torch.Tensor) or wq_b.dim() != 2:
+            raise ValueError(f"wq_b must be a [H * D, q_lora_rank] tensor, got {wq_b!r}")
+        self.ratio = preset.compress_ratio
+        self.register_buffer("wq_b", _as_matrix(wq_b, (heads * d, wq_b.shape[1]), "wq_b"))
+        self.register_buffer("weights_proj", _as_matrix(weights_proj, (heads, hidden), "weights_proj"))
+        self.register_buffer("wkv", _as_matrix(wkv, (2 * d, hidden), "wkv"))
+        self.register_buffer("wgate", _as_matrix(wgate, (2 * d, hidden), "wgate"))
+        self.register_buffer("ape", _as_matrix(ape, (self.ratio, 2 * d), "ape"))
+        self.register_buffer("norm_weight", _as_matrix(norm_weight, (d,), "norm_weight"))
+        rope = preset.rope if rope is None else rope
+        if rope.rope_dim != preset.key_transform.rope_dim:
+            raise ValueError(f"rope_dim {rope.rope_dim} differs from the key transform's {preset.key_transform.rope_dim}")
+        self.preset = dataclasses.replace(preset, rope=rope,
+                                          index_topk=preset.index_topk if index_topk is None else index_topk,
+                                          index_heads=heads)
+        self.heads, self.head_dim, self.hidden_size, self.q_lora_rank = heads, d, hidden, wq_b.shape[1]
+
+    # -- configuration ----------------------------------------------------------------------------------
+    @property
+    def rope(self) -> RopeConfig:
+        return self.preset.rope
+
+    @property
+    def index_topk(self) -> int:
+        return self.preset.index_topk
+
+    def transform(self, hadamard: bool | None = None):
+        """The key transform (RMSNorm, V4 rope, Hadamard), with Hadamard optionally overridden."""
+        kt = self.preset.key_transform
+        return kt if hadamard is None else dataclasses.replace(kt, hadamard=bool(hadamard))
+
+    def key_positions(self, num_entries: int) -> torch.Tensor:
+        """int64 [N]: rope position of each compressed entry = its first token, j * ratio."""
+        return torch.arange(num_entries, dtype=torch.long) * self.ratio
+
+    # -- queries and weights ------------------------------------------------------------------------------
+    def queries(self, q_latent: torch.Tensor, positions: torch.Tensor, *, hadamard: bool | None = None,
+                query_format: "KeyFormat | str | None" = None) -> torch.Tensor:
+        """q_latent [T, q_lora_rank], positions int [T] -> fp32 [T, H, D].
+
+        q = q_latent @ wq_b.T, reshaped head-major; rope on the trailing 64 dims (interleaved pairs) at each
+        token's position; Hadamard over D (unless disabled); then, if ``query_format`` is given, quantized
+        and dequantized per (token, head) row with that key format (fp4 simulation of DeepSeek's reference).
+        """
+        _check_rows(q_latent, self.q_lora_rank, "q_latent")
+        t = q_latent.shape[0]
+        pos = _check_positions(positions, t)
+        q = (q_latent.detach().float().to(self.wq_b.device) @ self.wq_b.T).reshape(t, self.heads, self.head_dim)
+        cos, sin = self.rope.cos_sin(pos)
+        q = apply_rope(q.cpu(), cos, sin, self.preset.key_transform.rope_layout, self.rope.rope_dim)
+        if self.transform(hadamard).hadamard:
+            q = hadamard_transform(q)
+        if query_format is not None:
+            fmt = KeyFormat.parse(query_format)
+            rows = q.reshape(t * self.heads, self.head_dim)
+            q = fmt.dequantize(*fmt.quantize(rows)).reshape(t, self.heads, self.head_dim)
+        return q
+
+    def weights(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] -> fp32 [T, H] = weights_proj(hidden) * D^-0.5 * H^-0.5 (both factors folded in)."""
+        _check_rows(hidden, self.hidden_size, "hidden")
+        w = hidden.detach().float().to(self.weights_proj.device) @ self.weights_proj.T
+        return (w * (self.head_dim ** -0.5 * self.heads ** -0.5)).cpu()
+
+    # -- keys ---------------------------------------------------------------------------------------------
+    def compressed_keys(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> pre-norm compressed entries fp32 [S // 4, D] (incomplete tail block dropped)."""
+        _check_rows(hidden, self.hidden_size, "hidden")
+        return compress(hidden, self.wkv, self.wgate, self.ape, self.ratio)
+
+    def keys(self, hidden: torch.Tensor, *, hadamard: bool | None = None) -> torch.Tensor:
+        """hidden [S, hidden] -> fp32 [N, D] index keys after RMSNorm, rope at 4j and Hadamard; not quantized."""
+        entries = self.compressed_keys(hidden)
+        n = entries.shape[0]
+        table = self.rope.cos_sin_table(max(1, (n - 1) * self.ratio + 1))
+        return prepare_index_keys(entries, self.key_positions(n), table, self.norm_weight.cpu(), None,
+                                  self.transform(hadamard))
+
+    def scores(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor | None = None, *,
+               hadamard: bool | None = None) -> torch.Tensor:
+        """Prefill scores without quantization: hidden [S, hidden], q_latent [S, q_lora_rank] (every token is
+        a query), positions int [S] (default 0..S-1) -> fp32 [S, N], -inf where j >= (pos + 1) // 4."""
+        _check_rows(hidden, self.hidden_size, "hidden")
+        positions = torch.arange(hidden.shape[0]) if positions is None else positions
+        q = self.queries(q_latent, positions, hadamard=hadamard)
+        w = self.weights(self._query_hidden(hidden, q.shape[0]))
+        keys = self.keys(hidden, hadamard=hadamard)
+        return index_scores_dense(q, w, keys, positions.cpu(), self.ratio)
+
+    def _query_hidden(self, hidden: torch.Tensor, t: int) -> torch.Tensor:
+        if hidden.shape[0] != t:
+            raise ValueError(f"hidden has {hidden.shape[0]} rows but there are {t} queries: this helper handles a "
+                             f"prefill where every token is a query (use queries() / weights() otherwise)")
+        return hidden
+
+    def store_keys(self, hidden: torch.Tensor, cache: PagedCache, seq_id: int, *, backend: str = "auto") -> torch.Tensor:
+        """Compress hidden [S, hidden] (the sequence from token 0) and store the entries the cache does not
+        hold yet (entries cache.length(seq_id) .. S // 4 - 1); returns their slots int64 [new]."""
+        if not isinstance(cache, PagedCache) or not isinstance(cache.fmt, KeyFormat):
+            raise ValueError(f"cache must be a PagedCache of index keys, got {cache!r}")
+        entries = self.compressed_keys(hidden)
+        have = cache.length(seq_id)
+        if have > entries.shape[0]:
+            raise ValueError(f"sequence {seq_id} already holds {have} entries, hidden yields only {entries.shape[0]}")
+        new = entries[have:]
+        positions = self.key_positions(entries.shape[0])[have:]
+        slots = cache.append(seq_id, new.shape[0])
+        if new.shape[0]:
+            table = self.rope.cos_sin_table(int(positions[-1]) + 1).to(cache.pool.device)
+            _call_with_backend(store_index_keys, backend, keys=new.to(cache.pool.device),
+                               positions=positions.to(cache.pool.device), slots=slots.to(cache.pool.device),
+                               pool=cache.pool, fmt=cache.fmt, rope_cos_sin=table,
+                               norm_weight=self.norm_weight.to(cache.pool.device), norm_bias=None,
+                               transform=self.transform())
+        return slots
+
+    def topk(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor | None = None, *,
+             key_format: "KeyFormat | str" = "bf16", k: int | None = None, backend: str = "auto",
+             device: "str | torch.device | None" = None) -> torch.Tensor:
+        """Prefill top-k of one sequence: hidden [S, hidden], q_latent [S, q_lora_rank] -> int32 [S, K] entry indices.
+
+        Keys are stored with ``store_index_keys`` into a fresh PagedCache of ``key_format`` and selected with
+        ``index_topk`` (rules of dsakit.ops.topk: descending score, ties to the lower index, -1 padding once
+        the visible entries are used up). ``positions`` defaults to 0..S-1; ``k`` to the preset's index_topk.
+        """
+        _check_rows(hidden, self.hidden_size, "hidden")
+        positions = torch.arange(hidden.shape[0]) if positions is None else positions
+        k = self.index_topk if k is None else k
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        fmt = KeyFormat.parse(key_format)
+        q = self.queries(q_latent, positions)
+        t = q.shape[0]
+        w = self.weights(self._query_hidden(hidden, t))
+        num_entries = hidden.shape[0] // self.ratio
+        device = torch.device(device) if device is not None else hidden.device
+        cache = PagedCache(fmt, num_pages=max(1, math.ceil(num_entries / fmt.entries_per_page)), device=device)
+        seq = cache.add_sequence()
+        self.store_keys(hidden, cache, seq, backend=backend)
+        return _call_with_backend(
+            index_topk, backend, q=q.to(device), weights=w.to(device), pool=cache.pool, fmt=fmt,
+            block_table=cache.block_table([seq]), entry_counts=cache.entry_counts([seq]),
+            query_seq=torch.zeros(t, dtype=torch.int32, device=device), k=k,
+            query_positions=positions.to(device), ratio=self.ratio)
+
+    # -- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def random(cls, hidden_size: int, q_lora_rank: int, heads: int = 4, preset: "str | DSAPreset" = "deepseek-v4-flash",
+               generator: torch.Generator | None = None, **kwargs: Any) -> "DSAIndexer":
+        """An indexer with Gaussian weights scaled like a trained layer (for tests, the recall lab, demos)."""
+        d = INDEX_HEAD_DIM
+        g = generator
+
+        def randn(*shape: int, scale: float) -> torch.Tensor:
+            return torch.randn(*shape, generator=g) * scale
+
+        return cls(wq_b=randn(heads * d, q_lora_rank, scale=q_lora_rank ** -0.5),
+                   weights_proj=randn(heads, hidden_size, scale=hidden_size ** -0.5),
+                   wkv=randn(2 * d, hidden_size, scale=hidden_size ** -0.5),
+                   wgate=randn(2 * d, hidden_size, scale=hidden_size ** -0.5),
+                   ape=randn(4, 2 * d, scale=0.1), norm_weight=1.0 + randn(d, scale=0.1), preset=preset, **kwargs)
+
+    @classmethod
+    def from_transformers(cls, indexer_module: torch.nn.Module, compressor_module: torch.nn.Module | None = None,
+                          preset: "str | DSAPreset" = "deepseek-v4-flash") -> "DSAIndexer":
+        """Copy the weights of transformers' ``DeepseekV4Indexer`` (or a ``DeepseekV4CSACompressor``, whose
+        ``.indexer`` is used).
+
+        In transformers 5.x the indexer owns its compressor (``kv_proj``, ``gate_proj``, ``position_bias``,
+        ``kv_norm`` at ``index_head_dim``); ``compressor_module`` may name another module holding those four
+        at the same dim (e.g. a checkpoint that splits them out). The rope is rebuilt from the module's
+        config (``rope_parameters["compress"]``) and checked against the module's own ``inv_freq`` buffer.
+        Raises ValueError if the module scales cos/sin (YaRN ``attention_factor`` != 1), which V4 does not.
+        """
+        indexer = getattr(indexer_module, "indexer", indexer_module)
+        for name in ("q_b_proj", "scorer", "rotary_emb", "compress_rate", "index_topk"):
+            if not hasattr(indexer, name):
+                raise ValueError(f"{type(indexer).__name__} is not a DeepseekV4Indexer: it has no {name!r}")
+        source = indexer if compressor_module is None else compressor_module
+        for name in ("kv_proj", "gate_proj", "position_bias", "kv_norm"):
+            if not hasattr(source, name):
+                raise ValueError(f"{type(source).__name__} has no compressor weight {name!r}")
+        if indexer.compress_rate != 4:
+            raise ValueError(f"indexer compress_rate must be 4, got {indexer.compress_rate}")
+        rope = rope_from_transformers(indexer.rotary_emb, layer_type=getattr(indexer, "rope_layer_type", "compress"))
+        return cls(wq_b=indexer.q_b_proj.weight, weights_proj=indexer.scorer.weights_proj.weight,
+                   wkv=source.kv_proj.weight, wgate=source.gate_proj.weight, ape=source.position_bias,
+                   norm_weight=source.kv_norm.weight, preset=preset, rope=rope, index_topk=int(indexer.index_topk))
+
+
+def rope_from_transformers(rotary_emb: torch.nn.Module, layer_type: str = "compress") -> RopeConfig:
+    """RopeConfig equal to a transformers ``DeepseekV4RotaryEmbedding``'s ``layer_type`` rope.
+
+    Reads ``config.rope_parameters[layer_type]`` (theta, rope_type 'default' | 'yarn', factor,
+    original_max_position_embeddings, beta_fast, beta_slow), rope_dim = 2 x len(inv_freq); verifies the
+    frequencies against the module's fp32 ``inv_freq`` buffer and that cos/sin are not rescaled.
+    """
+    config = getattr(rotary_emb, "config", None)
+    params = getattr(config, "rope_parameters", {}).get(layer_type) if config is not None else None
+    if not isinstance(params, dict):
+        raise ValueError(f"rotary embedding has no rope_parameters[{layer_type!r}] dict")
+    inv_freq = getattr(rotary_emb, f"{layer_type}_inv_freq")
+    scaling = float(getattr(rotary_emb, f"{layer_type}_attention_scaling"))
+    if scaling != 1.0:
+        raise ValueError(f"transformers multiplies the {layer_type!r} cos/sin by attention_factor {scaling}; "
+                         f"DeepSeek-V4 does not (set rope_parameters[{layer_type!r}]['attention_factor'] = 1.0)")
+    rope_type = params.get("rope_type", "default")
+    yarn = None
+    if rope_type == "yarn":
+        if params.get("truncate", True) is False:
+            raise ValueError("YaRN with truncate=False is not the V4 rule (floor / ceil of the ramp bounds)")
+        yarn = YarnConfig(factor=float(params["factor"]),
+                          original_max_position=int(params["original_max_position_embeddings"]),
+                          beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0))
+    elif rope_type != "default":
+        raise ValueError(f"unsupported rope_type {rope_type!r} (V4 uses 'yarn' or 'default')")
+    rope = RopeConfig(rope_dim=2 * inv_freq.numel(), theta=float(params["rope_theta"]), yarn=yarn)
+    # transformers computes inv_freq in fp32, dsakit in fp64: equal to fp32 rounding
+    if not torch.allclose(rope.inv_freq().float(), inv_freq.detach().float().cpu(), rtol=1e-5, atol=0):
+        raise ValueError("rebuilt rope frequencies differ from the module's inv_freq buffer")
+    return rope
