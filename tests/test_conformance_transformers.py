@@ -265,3 +265,17 @@ def test_hadamard_changes_quantized_scores_only(layer):
     k_plain = ix.keys(hidden, hadamard=False)
     one_sided = index_scores_dense(q_rot, w, k_plain, positions, 4)
     assert float((one_sided - exact[False])[finite].abs().max()) > 0.1 * float(scale)
+
+
+def test_wrong_rope_layout_is_detected(layer):
+    """SPEC 2.3.1: the V3.2 half-split layout on a V4 model silently changes the selection; the conformance
+    comparison must see it (it changes the sets of most queries of this layer, far beyond the tie epsilon)."""
+    import dataclasses
+
+    ix = DSAIndexer.from_transformers(layer.indexer)
+    ix.preset = dataclasses.replace(
+        ix.preset, key_transform=dataclasses.replace(ix.preset.key_transform, rope_layout=ROPE_V32))
+    hidden, q_res, theirs, _ = run_transformers(layer, 96, seed=4)
+    ours = ix.topk(hidden, q_res, key_format="bf16", k=TOPK, backend="reference")
+    differing = sum(1 for t in range(96) if set(ours[t].tolist()) != set(theirs[t].tolist()))
+    assert differing > 96 // 4

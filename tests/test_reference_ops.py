@@ -506,3 +506,89 @@ def test_window_topk_indices_vs_naive():
         want.append(raw + [j + num_raw if j >= 0 else -1 for j in topk[t].tolist()])
     assert got.tolist() == want
     assert got.dtype == torch.int32
+
+
+# --------------------------------------------------------------------------------------------------
+# dsakit.layers.DSAIndexer: the V4 indexer wired from the ops above
+# --------------------------------------------------------------------------------------------------
+
+
+def small_indexer(seed: int = 0):
+    from dsakit.layers import DSAIndexer
+
+    return DSAIndexer.random(hidden_size=24, q_lora_rank=12, heads=3, generator=torch.Generator().manual_seed(seed))
+
+
+def test_indexer_queries_and_weights_vs_naive():
+    ix = small_indexer()
+    q_latent, hidden = torch.randn(5, 12), torch.randn(5, 24)
+    positions = torch.tensor([0, 3, 17, 100, 4095])
+    got = ix.queries(q_latent, positions)
+    inv_freq = ix.rope.inv_freq().tolist()
+    for t in range(5):
+        for h in range(3):
+            row = [sum(float(ix.wq_b[h * 128 + d, i]) * float(q_latent[t, i]) for i in range(12)) for d in range(128)]
+            want = naive_hadamard(naive_rope(row, int(positions[t]), inv_freq, "interleaved-trailing"))
+            assert torch.allclose(got[t, h].double(), torch.tensor(want, dtype=torch.float64), atol=1e-4)
+    w = ix.weights(hidden)
+    want_w = (hidden.double() @ ix.weights_proj.double().T) * 128 ** -0.5 * 3 ** -0.5
+    assert torch.allclose(w.double(), want_w, atol=1e-6)
+    # fp4 query simulation changes q, and only up to fp4 precision
+    q4 = ix.queries(q_latent, positions, query_format="fp4-rne")
+    assert not torch.equal(q4, got)
+    assert float(((q4 - got).norm(dim=-1) / got.norm(dim=-1)).max()) < 0.2
+
+
+def test_indexer_store_keys_appends_only_new_entries():
+    ix = small_indexer(1)
+    hidden = torch.randn(41, 24)
+    cache = PagedCache("bf16", num_pages=1)
+    seq = cache.add_sequence()
+    assert ix.store_keys(hidden[:22], cache, seq, backend="reference").shape == (5,)  # 22 tokens -> 5 entries
+    assert ix.store_keys(hidden, cache, seq, backend="reference").shape == (5,)       # 41 -> 10 entries, 5 new
+    assert cache.length(seq) == 10
+    # the first 5 entries came from a 22-token projection, so fp32 last bits may differ (bf16 flips)
+    assert torch.allclose(cache.gather(seq), ix.keys(hidden), rtol=2 ** -8, atol=1e-6)
+    with pytest.raises(ValueError, match="already holds 10"):
+        ix.store_keys(hidden[:20], cache, seq)
+
+
+@pytest.mark.parametrize("key_format", ["bf16", "fp8", "fp4"])
+def test_indexer_topk_is_select_topk_of_its_scores(key_format):
+    ix = small_indexer(2)
+    hidden, q_latent = torch.randn(50, 24), torch.randn(50, 12)
+    got = ix.topk(hidden, q_latent, key_format=key_format, k=5, backend="reference")
+    assert got.shape == (50, 5) and got.dtype == torch.int32
+    # entries are visible once complete: token t sees (t + 1) // 4 of them
+    assert ((got >= 0).sum(dim=1)).tolist() == [min(5, (t + 1) // 4) for t in range(50)]
+    exact = ix.scores(hidden, q_latent)
+    if key_format == "bf16":
+        # bf16 keys: same sets as the exact scores except near-ties
+        assert_topk_sets_equal_up_to_ties(got, exact, 5, eps=0.02 * float(exact[torch.isfinite(exact)].abs().max()))
+    # the same sets as selecting on the scores of the decoded cache keys
+    fmt = KeyFormat.parse(key_format)
+    keys = fmt.dequantize(*fmt.quantize(ix.keys(hidden)))
+    scores = index_scores_dense(ix.queries(q_latent, torch.arange(50)), ix.weights(hidden), keys, torch.arange(50), 4)
+    assert_topk_sets_equal_up_to_ties(got, scores, 5, eps=1e-4)
+
+
+def test_indexer_rejects_bad_input():
+    from dsakit.layers import DSAIndexer
+    from dsakit.layers.indexer import _call_with_backend
+
+    ix = small_indexer()
+    with pytest.raises(ValueError, match="deepseek-v3.2"):
+        DSAIndexer.random(8, 8, preset="deepseek-v3.2")
+    with pytest.raises(ValueError, match=r"wkv must have shape \[256, 24\]"):
+        DSAIndexer(ix.wq_b, ix.weights_proj, ix.wkv[:, :23], ix.wgate, ix.ape, ix.norm_weight)
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        ix.queries(torch.randn(2, 12), torch.tensor([0, -1]))
+    with pytest.raises(ValueError, match=r"q_latent must be a \[rows, 12\]"):
+        ix.queries(torch.randn(2, 11), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="8 rows but there are 7 queries"):
+        ix.topk(torch.randn(8, 24), torch.randn(7, 12))
+    with pytest.raises(ValueError, match="k must be a positive int"):
+        ix.topk(torch.randn(8, 24), torch.randn(8, 12), k=0)
+    with pytest.raises(ValueError, match="no backend argument"):
+        _call_with_backend(lambda x: x, "triton", x=1)
+    assert _call_with_backend(lambda x: x, "auto", x=3) == 3

@@ -194,9 +194,11 @@ class DSAIndexer(torch.nn.Module):
         """Prefill scores without quantization: hidden [S, hidden], q_latent [S, q_lora_rank] (every token is
         a query), positions int [S] (default 0..S-1) -> fp32 [S, N], -inf where j >= (pos + 1) // 4."""
         _check_rows(hidden, self.hidden_size, "hidden")
-        positions = torch.arange(hidden.shape[0]) if positions is None else positions
+        _check_rows(q_latent, self.q_lora_rank, "q_latent")
+        self._query_hidden(hidden, q_latent.shape[0])
+        positions = torch.arange(q_latent.shape[0]) if positions is None else positions
         q = self.queries(q_latent, positions, hadamard=hadamard)
-        w = self.weights(self._query_hidden(hidden, q.shape[0]))
+        w = self.weights(hidden)
         keys = self.keys(hidden, hadamard=hadamard)
         return index_scores_dense(q, w, keys, positions.cpu(), self.ratio)
 
@@ -237,14 +239,16 @@ class DSAIndexer(torch.nn.Module):
         the visible entries are used up). ``positions`` defaults to 0..S-1; ``k`` to the preset's index_topk.
         """
         _check_rows(hidden, self.hidden_size, "hidden")
-        positions = torch.arange(hidden.shape[0]) if positions is None else positions
+        _check_rows(q_latent, self.q_lora_rank, "q_latent")
+        t = q_latent.shape[0]
+        self._query_hidden(hidden, t)
+        positions = torch.arange(t) if positions is None else positions
         k = self.index_topk if k is None else k
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be a positive int, got {k!r}")
         fmt = KeyFormat.parse(key_format)
         q = self.queries(q_latent, positions)
-        t = q.shape[0]
-        w = self.weights(self._query_hidden(hidden, t))
+        w = self.weights(hidden)
         num_entries = hidden.shape[0] // self.ratio
         device = torch.device(device) if device is not None else hidden.device
         cache = PagedCache(fmt, num_pages=max(1, math.ceil(num_entries / fmt.entries_per_page)), device=device)
