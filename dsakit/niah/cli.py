@@ -101,6 +101,7 @@ def niah(
     out: Path = typer.Option(Path("niah-out"), "--out", help="output directory (results.jsonl, summary, heatmap)"),
     resume: bool = typer.Option(False, "--resume", help="continue the run in --out, skipping finished cells"),
     progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help="progress bar (default: on a TTY)"),
+    title: Optional[str] = typer.Option(None, "--title", help="title of the summary and heatmap"),
 ) -> None:
     """Needle-in-a-haystack sweep (context length x depth) against an OpenAI-compatible endpoint."""
     import asyncio
@@ -158,7 +159,8 @@ def niah(
     finally:
         listener.close()
 
-    title = f"{model} at {base_url} ({endpoint})"
+    if title is None:
+        title = f"{model} at {base_url} ({endpoint}{', ' + json.dumps(body) if body else ''})"
     report = grouped_report(outcome.rows)
     table = summary_table(outcome.rows, title)
     typer.echo("")

@@ -131,8 +131,7 @@ def write_heatmap(rows: list[dict], path: "str | Path", title: str = "") -> Path
             if scored:
                 grid[i, j] = found / scored
     fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.45 * len(depths)), dpi=110)
-    cmap = matplotlib.colormaps["RdYlGn"].copy()
-    cmap.set_bad("#cccccc")
+    cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="#cccccc")  # grey = no scored needle
     image = ax.imshow(grid, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45, ha="right")
     ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])

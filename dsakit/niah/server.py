@@ -16,7 +16,7 @@ Chat template (applied here, by the server): ``<|role|>\\n{content}\\n`` per mes
 ``<|assistant|>\\n``. ``usage`` counts tokens with the server's :class:`SimpleTokenizer`. The completion is
 [reasoning trace (when ``--reasoning`` is on)] + answer; ``max_tokens`` cuts it and sets
 ``finish_reason = "length"``, otherwise ``"stop"``. A request may override the model's settings with an
-extra body field ``"dsakit": {"index_key_format": "fp8", "topk": 64}``.
+extra body field ``"dsakit": {"index_key_format": "fp8", "topk": 64, "reasoning": "field"}``.
 
 Faults for robustness tests (applied to completion requests only, from a seeded RNG): ``latency`` seconds
 of delay, ``drop_connection`` probability of closing the socket without answering, ``fail_rate``
@@ -129,12 +129,18 @@ class ReferenceService:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "dsakit",
                                              "max_model_len": self.model.config.max_context}]}
 
-    def _overrides(self, body: dict) -> tuple[str | None, int | None]:
+    def _overrides(self, body: dict) -> tuple[str | None, int | None, str]:
         extra = body.get("dsakit") or {}
         if not isinstance(extra, dict):
             raise RequestError(400, "'dsakit' must be an object like {\"index_key_format\": \"fp8\", \"topk\": 64}")
+        unknown = sorted(set(extra) - {"index_key_format", "topk", "reasoning"})
+        if unknown:
+            raise RequestError(400, f"unknown dsakit settings {unknown}; known: index_key_format, topk, reasoning")
         fmt = extra.get("index_key_format")
         topk = extra.get("topk")
+        reasoning = extra.get("reasoning", self.reasoning)
+        if reasoning not in REASONING_MODES:
+            raise RequestError(400, f"dsakit.reasoning must be one of {REASONING_MODES}, got {reasoning!r}")
         try:
             if fmt is not None:
                 KeyFormat.parse(fmt)
@@ -142,7 +148,7 @@ class ReferenceService:
             raise RequestError(400, str(exc)) from None
         if topk is not None and (not isinstance(topk, int) or isinstance(topk, bool) or topk < 1):
             raise RequestError(400, f"dsakit.topk must be a positive int, got {topk!r}")
-        return fmt, topk
+        return fmt, topk, reasoning
 
     def _max_tokens(self, body: dict, default: int | None) -> int | None:
         value = body.get("max_completion_tokens", body.get("max_tokens", default))
@@ -174,7 +180,7 @@ class ReferenceService:
         if name is not None and name != self.model_name:
             raise RequestError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
                                "not_found_error")
-        fmt, topk = self._overrides(body)
+        fmt, topk, reasoning = self._overrides(body)
         if chat:
             prompt, span = render_chat(body.get("messages"))
             max_tokens = self._max_tokens(body, None)
@@ -193,25 +199,26 @@ class ReferenceService:
                                     f"requested {prompt_tokens} tokens in the prompt.")
         result = self.model.retrieve(prompt, key_format=fmt, topk=topk, question_span=span)
         pieces: list[tuple[str, str]] = []
-        if self.reasoning == "field" and chat:
+        if reasoning == "field" and chat:
             pieces.append(("reasoning", result.trace()))
-        elif self.reasoning == "tags" or (self.reasoning == "field" and not chat):
+        elif reasoning == "tags" or (reasoning == "field" and not chat):
             pieces.append(("content", f"<think>{result.trace()}</think>\n"))
         pieces.append(("content", result.answer))
         kept, completion_tokens, finish = self._cut(pieces, max_tokens)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens}
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
-                "model": self.model_name}
+                "model": self.model_name, "reasoning_field": reasoning == "field" and chat}
         return meta, kept, finish, usage
 
     def response(self, body: dict, chat: bool) -> dict:
         meta, pieces, finish, usage = self.complete(body, chat)
+        reasoning_field = meta.pop("reasoning_field")
         content = "".join(t for k, t in pieces if k == "content")
         reasoning = "".join(t for k, t in pieces if k == "reasoning")
         if chat:
             message = {"role": "assistant", "content": content}
-            if self.reasoning == "field":
+            if reasoning_field:
                 message["reasoning_content"] = reasoning or None
             choice = {"index": 0, "message": message, "finish_reason": finish}
             return {**meta, "object": "chat.completion", "choices": [choice], "usage": usage}
@@ -221,6 +228,7 @@ class ReferenceService:
     def stream_events(self, body: dict, chat: bool) -> list[dict]:
         """Server-sent event payloads of a streamed response (without the final [DONE])."""
         meta, pieces, finish, usage = self.complete(body, chat)
+        meta.pop("reasoning_field")
         events: list[dict] = []
         obj = "chat.completion.chunk" if chat else "text_completion"
 

@@ -1,0 +1,318 @@
+"""dsakit.niah without a server process: text, grids, scoring, result files, report, retrieval model, service."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from dsakit.niah.client import EndpointConfig, backoff_delay, split_reasoning
+from dsakit.niah.grid import parse_depths, parse_lengths, sigmoid_depths
+from dsakit.niah.report import cell_lines, grouped_report, needle_line, summary_table, write_heatmap
+from dsakit.niah.results import ResultStore, StoreLockedError, read_rows
+from dsakit.niah.retrieval import RetrievalConfig, RetrievalModel, SimpleTokenizer
+from dsakit.niah.server import FaultConfig, ReferenceService, RequestError, check_loopback, render_chat
+from dsakit.niah.sweep import Calibration, Cell, PromptBuilder, SweepConfig, cell_found, score_needles
+from dsakit.niah.text import (CODE_PATTERN, FillerStream, Templates, build_haystack, code_found, completion_prompt,
+                              filler_lines, needle_codes, normalize_answer)
+from dsakit.niah.tokens import ReferenceCounter, load_counter
+
+LINE_RE = re.compile(r"^  lines=[ \d]{4} depth=\d\.\d\d prompt_tok=[ \d?]{5} found=(True |False|None ) "
+                     r"finish=\S+ ans=(['\"]).*\2$")
+
+
+@pytest.fixture(scope="module")
+def service() -> ReferenceService:
+    torch.set_num_threads(1)
+    return ReferenceService(RetrievalModel(RetrievalConfig()))
+
+
+# -- text ------------------------------------------------------------------------------------------
+
+def test_filler_lines_are_distinct_reproducible_and_prefix_stable():
+    lines = filler_lines(400, seed=3)
+    assert len(set(lines)) == 400
+    assert filler_lines(400, seed=3) == lines
+    assert filler_lines(50, seed=3) == lines[:50]
+    assert filler_lines(50, seed=4) != lines[:50]
+    assert not any(CODE_PATTERN.search(line) for line in lines)
+    words = FillerStream(3).words(37)
+    assert sum(len(line.split()) for line in words) == 37
+    assert words[:-1] == lines[: len(words) - 1]
+
+
+def test_templates_refuse_filler_words_and_missing_code():
+    Templates().check_filler_is_distinct()
+    with pytest.raises(ValueError, match="filler words"):
+        Templates(needle="The river code is {code}.").check_filler_is_distinct()
+    with pytest.raises(ValueError, match="code"):
+        Templates(needle="no placeholder here")
+
+
+def test_haystack_places_needles_at_depths_and_records_offsets():
+    filler = filler_lines(100, seed=0)
+    codes = needle_codes(3, seed=1)
+    assert len(set(codes)) == 3 and all(CODE_PATTERN.fullmatch(c) for c in codes)
+    hay = build_haystack(filler, codes, [0.9, 0.0, 0.5], Templates())
+    for code, char in zip(codes, hay.needle_chars):
+        assert hay.body[char:].startswith(f"The secret passphrase is {code}.")
+    order = sorted(range(3), key=lambda k: hay.needle_chars[k])
+    assert order == [1, 2, 0]  # depth 0.0 first, then 0.5, then 0.9
+    assert completion_prompt(hay).endswith("Answer:")
+
+
+def test_normalized_substring_scoring():
+    assert normalize_answer(" zebra – 4492 – omega ") == "ZEBRA-4492-OMEGA"
+    assert code_found("ZEBRA-4492-OMEGA", "The passphrase is **zebra-4492-omega**.")
+    assert not code_found("ZEBRA-4492-OMEGA", "ZEBRA-4493-OMEGA")
+    needles = score_needles(["ZEBRA-4492-OMEGA", "TANGO-1111-ECHO"], "ZEBRA-4492-OMEGA", "TANGO-1111-ECHO", "length")
+    assert [n["found"] for n in needles] == [True, None]  # cut by a length stop: not scored as a miss
+    assert needles[1]["found_in_reasoning"]
+    assert cell_found(needles) is None
+    assert cell_found(score_needles(["ZEBRA-4492-OMEGA"], "nope", "", "stop")) is False
+
+
+# -- grids -----------------------------------------------------------------------------------------
+
+def test_length_specs():
+    assert parse_lengths("1k,2k,4500") == [1000, 2000, 4500]
+    assert parse_lengths("lin:1000:4000:4") == [1000, 2000, 3000, 4000]
+    assert parse_lengths("log:1k:8k:4") == [1000, 2000, 4000, 8000]
+    assert parse_lengths("range:1000:3500:1000") == [1000, 2000, 3000]
+    assert parse_lengths("1K") == [1024]
+    for bad in ("", "abc", "lin:1k:2k", "log:2k:1k:3", "0", "range:1:5:0"):
+        with pytest.raises(ValueError):
+            parse_lengths(bad)
+
+
+def test_depth_specs():
+    assert parse_depths("0.5,0.1") == [0.1, 0.5]
+    assert parse_depths("lin:5") == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert parse_depths("lin:0.05:0.95:3") == [0.05, 0.5, 0.95]
+    sig = sigmoid_depths(9)
+    assert sig[0] == pytest.approx(0.0) and sig[-1] == pytest.approx(1.0) and sig[4] == pytest.approx(0.5)
+    assert sig[1] - sig[0] < sig[4] - sig[3]  # denser near the ends
+    assert parse_depths("sigmoid:9") == sorted(round(d, 4) for d in sig)
+    for bad in ("1.5", "-0.1", "sigmoid:x", "lin:", ""):
+        with pytest.raises(ValueError):
+            parse_depths(bad)
+
+
+# -- client helpers --------------------------------------------------------------------------------
+
+def test_reasoning_is_separated_from_the_answer():
+    assert split_reasoning("<think>look at entry 3</think>\nZEBRA-4492-OMEGA") == ("ZEBRA-4492-OMEGA", "look at entry 3")
+    assert split_reasoning("ZEBRA-4492-OMEGA", "field reasoning") == ("ZEBRA-4492-OMEGA", "field reasoning")
+    assert split_reasoning("<think>cut before the end") == ("", "cut before the end")
+    assert split_reasoning("thinking without an opening tag</think> ANSWER") == ("ANSWER", "thinking without an opening tag")
+
+
+def test_backoff_and_endpoint_validation():
+    assert backoff_delay(1, 0.5, 30.0, retry_after="2") == 2.0
+    assert 0.25 <= backoff_delay(1, 0.5, 30.0) <= 0.5
+    assert backoff_delay(20, 0.5, 3.0) <= 3.0
+    cfg = EndpointConfig(base_url="http://127.0.0.1:9", model="m")
+    assert cfg.url == "http://127.0.0.1:9/v1/chat/completions"
+    assert EndpointConfig(base_url="http://h:1/api/v1/", model="m", endpoint="completions").url == \
+        "http://h:1/api/v1/completions"
+    for kwargs in ({"base_url": "localhost:8000"}, {"endpoint": "responses"}, {"max_tokens": 0}, {"model": ""}):
+        with pytest.raises(ValueError):
+            EndpointConfig(**{"base_url": "http://h:1", "model": "m", **kwargs})
+
+
+# -- result store ----------------------------------------------------------------------------------
+
+def test_store_appends_whole_rows_repairs_a_cut_tail_and_refuses_duplicates(tmp_path):
+    path = tmp_path / "results.jsonl"
+    with ResultStore(path) as store:
+        store.append({"cell": "a", "found": True})
+        store.append({"cell": "b", "found": False})
+        with pytest.raises(ValueError, match="already has a row"):
+            store.append({"cell": "a", "found": False})
+        with pytest.raises(ValueError, match="cell"):
+            store.append({"found": True})
+    with open(path, "ab") as fh:
+        fh.write(b'{"cell": "c", "fou')  # a write cut by a kill
+    with ResultStore(path) as store:
+        assert store.repaired_bytes > 0
+        assert sorted(store.rows) == ["a", "b"]
+        store.append({"cell": "c", "found": True})
+    rows, duplicates = read_rows(path)
+    assert list(rows) == ["a", "b", "c"] and duplicates == 0
+    assert all(json.loads(line) for line in path.read_text().splitlines())
+
+
+def test_store_is_single_writer_and_reports_duplicates_and_bad_lines(tmp_path):
+    path = tmp_path / "results.jsonl"
+    with ResultStore(path):
+        with pytest.raises(StoreLockedError):
+            ResultStore(path).open()
+    path.write_text('{"cell": "a", "v": 1}\n{"cell": "a", "v": 2}\n')
+    rows, duplicates = read_rows(path)
+    assert rows["a"]["v"] == 1 and duplicates == 1
+    path.write_text('{"cell": "a"}\nnot json\n')
+    with pytest.raises(ValueError, match=":2"):
+        read_rows(path)
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+def _row(length, depth, found, finish="stop", answer="ZEBRA-4492-OMEGA", lines=300, tokens=4509):
+    return {"cell": f"L{length}-d{depth}", "length": length, "trial": 0, "multi": False, "depths": [depth],
+            "lines": lines, "prompt_tokens": tokens, "finish": finish, "answer": answer, "found_count": int(bool(found)),
+            "needles": [{"depth": depth, "found": found, "code": "ZEBRA-4492-OMEGA"}]}
+
+
+def test_cell_line_matches_the_issue_format_exactly():
+    row = _row(4500, 0.05, True)
+    assert needle_line(row, row["needles"][0]) == \
+        "  lines= 300 depth=0.05 prompt_tok= 4509 found=True  finish=stop ans='ZEBRA-4492-OMEGA'"
+    assert LINE_RE.match(cell_lines(_row(900, 0.5, False, answer="I don't know"))[0])
+    assert LINE_RE.match(cell_lines(_row(900, 0.5, None, finish="length", tokens=None))[0])
+
+
+def test_summary_table_and_heatmap(tmp_path):
+    rows = [_row(1000, 0.05, True), _row(8000, 0.05, False), _row(1000, 0.95, True),
+            _row(8000, 0.95, None, finish="length")]
+    report = grouped_report(rows)
+    assert report[0] == "=== needle at START (depth 0.05), distinct filler, sweep length ==="
+    assert any(line.startswith("=== needle at END (depth 0.95)") for line in report)
+    table = summary_table(rows, "t")
+    lines = table.splitlines()
+    row_005 = next(line for line in lines if line.strip().startswith("0.05"))
+    assert row_005.split("|")[1].split() == ["100%", "0%"]
+    row_095 = next(line for line in lines if line.strip().startswith("0.95"))
+    assert row_095.split("|")[1].split() == ["100%", "cut"]
+    assert "not scored" in table
+    png = write_heatmap(rows, tmp_path / "h.png", "t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- retrieval model and service -------------------------------------------------------------------
+
+def test_simple_tokenizer_spans():
+    tokens, spans = SimpleTokenizer().tokenize("The code is ZEBRA-4492-OMEGA.")
+    assert tokens == ["The", "code", "is", "ZEBRA", "-", "4", "4", "9", "2", "-", "OMEGA", "."]
+    assert all("The code is ZEBRA-4492-OMEGA."[a:b] == t for t, (a, b) in zip(tokens, spans))
+
+
+def test_retrieval_finds_the_needle_and_says_when_it_cannot(service):
+    model = service.model
+    filler = filler_lines(150, seed=0)
+    prompt = completion_prompt(build_haystack(filler, ["TANGO-1234-ECHO"], [0.4], Templates()))
+    result = model.retrieve(prompt)
+    assert result.answer == "TANGO-1234-ECHO"
+    assert {"secret", "passphrase"} <= set(result.query_terms)
+    assert result.entries == result.prompt_tokens // 4 and len(result.selected) == model.config.topk
+    assert "TANGO-1234-ECHO" in result.trace()
+    empty = model.retrieve("\n".join(filler) + "\n\n" + Templates().question)
+    assert empty.answer == "I don't know"
+    with pytest.raises(ValueError, match="topk"):
+        model.retrieve(prompt, topk=0)
+    with pytest.raises(ValueError, match="unknown key format"):
+        model.retrieve(prompt, key_format="fp6")
+    with pytest.raises(ValueError):
+        RetrievalConfig(compress_ratio=0)
+
+
+def test_chat_template_and_question_span():
+    prompt, (a, b) = render_chat([{"role": "system", "content": "be brief"},
+                                  {"role": "user", "content": "long text\n\nWhat is it?"}])
+    assert prompt.startswith("<|system|>\nbe brief\n<|user|>\n") and prompt.endswith("<|assistant|>\n")
+    assert prompt[a:b] == "What is it?"
+    with pytest.raises(RequestError):
+        render_chat([{"role": "system", "content": "no user"}])
+    assert check_loopback("localhost") == "127.0.0.1" and check_loopback("::1") == "::1"
+    with pytest.raises(ValueError, match="loopback"):
+        check_loopback("0.0.0.0")
+    with pytest.raises(ValueError):
+        FaultConfig(fail_rate=1.5)
+
+
+def test_service_usage_finish_reason_streaming_and_errors(service):
+    filler = filler_lines(40, seed=2)
+    content = build_haystack(filler, ["ZEBRA-4492-OMEGA"], [0.5], Templates()).body + "\n\n" + Templates().question
+    body = {"model": "dsakit-reference", "messages": [{"role": "user", "content": content}], "max_tokens": 64}
+    resp = service.response(body, chat=True)
+    choice = resp["choices"][0]
+    assert choice["message"]["content"] == "ZEBRA-4492-OMEGA" and choice["finish_reason"] == "stop"
+    assert resp["usage"]["prompt_tokens"] == ReferenceCounter().count_chat(content)
+    assert resp["usage"]["completion_tokens"] == 8
+    cut = service.response({**body, "max_tokens": 3}, chat=True)["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] == "ZEBRA-4"
+    thinking = service.response({**body, "max_tokens": 500, "dsakit": {"reasoning": "field"}}, chat=True)
+    message = thinking["choices"][0]["message"]
+    assert message["content"] == "ZEBRA-4492-OMEGA" and "selected entries" in message["reasoning_content"]
+    events = service.stream_events({**body, "stream_options": {"include_usage": True},
+                                     "dsakit": {"reasoning": "field"}, "max_tokens": 500}, chat=True)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    thought = "".join(e["choices"][0]["delta"].get("reasoning_content") or "" for e in events if e["choices"])
+    assert text == "ZEBRA-4492-OMEGA" and thought == message["reasoning_content"]
+    assert events[-1]["usage"]["prompt_tokens"] == resp["usage"]["prompt_tokens"]
+    completion = service.response({"prompt": content + "\nAnswer:", "max_tokens": 16}, chat=False)
+    assert completion["choices"][0]["text"] == "ZEBRA-4492-OMEGA"
+    for bad, status in (({**body, "model": "other"}, 404), ({**body, "dsakit": {"topk": 0}}, 400),
+                        ({**body, "dsakit": {"index_key_format": "int3"}}, 400), ({**body, "max_tokens": -1}, 400),
+                        ({**body, "dsakit": {"colour": 1}}, 400), ({"messages": []}, 400)):
+        with pytest.raises(RequestError) as info:
+            service.response(bad, chat=True)
+        assert info.value.status == status
+
+
+def test_context_overflow_is_a_400():
+    small = ReferenceService(RetrievalModel(RetrievalConfig(max_context=50)))
+    with pytest.raises(RequestError, match="maximum context length") as info:
+        small.response({"prompt": " ".join(["word"] * 60)}, chat=False)
+    assert info.value.status == 400
+
+
+# -- prompt fitting and token counters --------------------------------------------------------------
+
+def test_fit_with_a_tokenizer_lands_on_the_target():
+    counter = ReferenceCounter()
+    for endpoint in ("chat", "completions"):
+        builder = PromptBuilder(SweepConfig(lengths=(3000,), depths=(0.5,)), endpoint)
+        cell = Cell(3000, (0.5,), 0)
+        prompt, tokens = builder.fit(cell, counter)
+        assert 2990 <= tokens <= 3000
+        assert counter.count(prompt.text, endpoint) == tokens
+    with pytest.raises(ValueError, match="shorter than the prompt"):
+        PromptBuilder(SweepConfig(lengths=(10,), depths=(0.5,)), "chat").fit(Cell(10, (0.5,), 0), counter)
+
+
+def test_tokenizer_json_counter(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "the": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    counter = load_counter(str(path))
+    assert counter.count_prompt("the quick brown fox.") == 5  # Whitespace splits the final '.'
+    assert load_counter(str(tmp_path)).count_prompt("a b") == 2  # directory: transformers or tokenizer.json
+    with pytest.raises(ValueError, match="neither"):
+        load_counter(str(tmp_path / "missing.json"))
+
+
+def test_calibration_line_fit():
+    cal = Calibration()
+    assert cal.predict_words(1000) == 750
+    cal.probes.append({"length": 1000, "words": 750, "chars": 0, "prompt_tokens": 1100})
+    assert cal.predict_words(1000) == round(750 * 1000 / 1100)
+    cal.probes.append({"length": 1000, "words": 682, "chars": 0, "prompt_tokens": 1000})
+    cal.probes.append({"length": 4000, "words": 2000, "chars": 0, "prompt_tokens": 2932})
+    assert abs(cal.predict_words(4000) - (682 + 3000 * (2000 - 682) / 1932)) < 15
+
+
+def test_sweep_config_cells_and_validation():
+    cfg = SweepConfig(lengths=(1000, 2000), depths=(0.1, 0.9), trials=2)
+    keys = [c.key for c in cfg.cells()]
+    assert len(keys) == len(set(keys)) == 8 and "L1000-d0.1000-t1" in keys
+    multi = SweepConfig(lengths=(1000,), depths=(0.1, 0.9), multi_needle=True).cells()
+    assert [c.key for c in multi] == ["L1000-multi-t0"] and multi[0].depths == (0.1, 0.9)
+    for kwargs in ({"lengths": ()}, {"depths": (1.2,)}, {"trials": 0}, {"tolerance": 0.0}, {"concurrency": 0}):
+        with pytest.raises(ValueError):
+            SweepConfig(**{"lengths": (1000,), "depths": (0.5,), **kwargs})
