@@ -114,6 +114,16 @@ def torch_scores(q32: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: 
     return out
 
 
+# Tight bound (relative L2 against the same operands in fp32). fp8 x fp8 tensor-core products are accumulated
+# by Hopper's wgmma with fewer than fp32 mantissa bits (DeepGEMM promotes to fp32 on CUDA cores for long K;
+# here K = 128 is one chain), measured ~6e-5 relative; every other operand pair accumulates in fp32.
+TIGHT_REL_L2 = {"fp8xfp8": 3e-4, "other": 1e-5}
+
+
+def tight_bound(fmt_name: str, q_dtype: str) -> float:
+    return TIGHT_REL_L2["fp8xfp8" if fmt_name.startswith("fp8") and "float8" in q_dtype else "other"]
+
+
 def compare(out: torch.Tensor, ref: torch.Tensor) -> dict:
     mask_ok = bool(torch.equal(torch.isneginf(out), torch.isneginf(ref)))
     fin = torch.isfinite(ref)
@@ -189,10 +199,16 @@ def correctness(device: str, small: bool = False) -> list[dict]:
     query_seq = torch.arange(b, device=device).repeat_interleave(next_n)
     positions = counts.long().repeat_interleave(next_n) - next_n + torch.arange(next_n, device=device).repeat(b)
     ref = torch_scores(q.reshape(b * next_n, HEADS, DIM).float(), w, keys, table, counts, query_seq, positions, 1, max_len)
-    row = {"case": "deepgemm fp8_paged_mqa_logits next_n=2", "format": "fp8", **compare(logits, ref)}
+    row = {"case": "deepgemm fp8_paged_mqa_logits next_n=2", "format": "fp8", "q": str(q.dtype),
+           **compare(logits, ref)}
     results.append(row)
     print(row, flush=True)
     return results
+
+
+def failed(row: dict) -> bool:
+    return (not row["mask_exact"] or row["nan"] or row.get("deterministic") is False
+            or row["rel_l2"] > tight_bound(row["format"], row["q"]))
 
 
 def timed(fn, rep_ms: int = 200) -> tuple[float, float]:
@@ -214,9 +230,9 @@ def prefill_bench(device: str, quick: bool) -> list[dict]:
     results = []
     t = 8192
     configs = {  # (block_t, block_n, num_warps, num_stages)
-        "fp8": [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 256, 8, 2)],
-        "bf16": [(128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3)],
-        "fp4": [(128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3)],
+        "fp8": [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (64, 256, 8, 3), (64, 64, 4, 3)],
+        "bf16": [(64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3)],
+        "fp4": [(64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3)],
     }
     sizes = [65536] if quick else [8192, 32768, 65536]
     for fmt_name, q_dtype in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16), ("fp4", torch.bfloat16)):
@@ -263,7 +279,8 @@ def decode_bench(device: str, quick: bool) -> list[dict]:
             w = torch.rand(b, HEADS, device=device, generator=g)
             query_seq = torch.arange(b, dtype=torch.int32, device=device)
             out = torch.empty(b, n, device=device)
-            for bn, per_prog, warps, stages in ((64, 8, 4, 2), (128, 4, 4, 2), (64, 16, 4, 3), (128, 8, 8, 3)):
+            for bn, per_prog, warps, stages in ((64, 8, 4, 3), (64, 16, 4, 4), (128, 8, 4, 3), (128, 4, 8, 3),
+                                                (64, 32, 4, 4)):
                 def run():
                     index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1, out=out,
                                         kernel="group", block_n=bn, tiles_per_program=per_prog,
@@ -318,7 +335,7 @@ def main() -> int:
         save()
         print(f"correctness done in {time.time() - t0:.0f} s", flush=True)
     if args.check_only:
-        bad = [r for r in report["correctness"] if not r["mask_exact"] or r["rel_l2"] > 1e-5 or r["nan"]]
+        bad = [r for r in report["correctness"] if failed(r)]
         print(f"correctness failures: {len(bad)}")
         return 1 if bad else 0
     report["prefill"] = prefill_bench(device, args.quick)
@@ -333,8 +350,7 @@ def main() -> int:
             continue
         print(f"{row['format']:6}  {row['case']:7}  {row['N']:6}  {str(row['config']):20} {row['ms']:7.3f}  "
               f"{row.get('tflops', 0):7.1f}  {row.get('key_tb_per_s', 0):8.2f}  {row['peak_extra_gib']:7.2f}")
-    bad = [r for r in report.get("correctness", []) if not r["mask_exact"] or r["rel_l2"] > 1e-5 or r["nan"]
-           or r.get("deterministic") is False]
+    bad = [r for r in report.get("correctness", []) if failed(r)]
     print(f"correctness failures: {len(bad)}")
     return 1 if bad else 0
 

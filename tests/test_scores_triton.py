@@ -25,8 +25,15 @@ FORMATS = ["bf16", "fp8", "fp8-ue8m0", "fp4", "fp4-rne"]
 # Relative L2 error of scores from quantized keys against fp32 scores of the original keys (loose bound).
 # Measured on randn keys and queries: bf16 ~3e-3, fp8 ~3e-2, fp4 ~0.15; the bounds leave about 2x margin.
 LOOSE_REL_L2 = {"bf16": 1e-2, "fp8": 6e-2, "fp8-ue8m0": 8e-2, "fp4": 0.3, "fp4-rne": 0.3}
-# Tight bound: same operands, only fp32 accumulation order differs.
+# Tight bound: same operands, only fp32 accumulation order differs. On a GPU, fp8 x fp8 products go through
+# Hopper's fp8 wgmma, which accumulates with fewer than fp32 mantissa bits (measured ~6e-5 relative on H200).
 TIGHT_RTOL = 1e-5
+TIGHT_RTOL_FP8_DOT_GPU = 5e-4
+
+
+def tight_rtol(fmt_name: str, q_dtype: torch.dtype, device: str) -> float:
+    fp8_dot = fmt_name.startswith("fp8") and q_dtype == torch.float8_e4m3fn
+    return TIGHT_RTOL_FP8_DOT_GPU if fp8_dot and device == "cuda" else TIGHT_RTOL
 
 
 def _triton():
@@ -113,7 +120,7 @@ def test_matches_reference(fmt_name, q_dtype, kernel, device):
     w_eff = w if q_scale is None else w * q_scale
     ref = reference_scores(operand_queries(q), w_eff, pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq,
                            positions, ratio)
-    assert_scores_match(out, ref)
+    assert_scores_match(out, ref, tight_rtol(fmt_name, q_dtype, device))
     again = run_kernel(q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device),
                        positions.to(device), ratio, q_scale=None if q_scale is None else q_scale.to(device),
                        kernel=kernel)
@@ -262,7 +269,7 @@ def test_decode_wrapper(next_n, device):
     query_seq = torch.arange(b, dtype=torch.int32).repeat_interleave(next_n)
     ref = reference_scores(q.float().reshape(b * next_n, h, 128).cpu(), w.cpu(), pool.cpu(), fmt, table.cpu(),
                            counts.cpu(), query_seq, positions.reshape(-1).cpu(), 1)
-    assert_scores_match(out, ref)
+    assert_scores_match(out, ref, tight_rtol("fp8", q.dtype, device))
     # the last query of each sequence sees every entry
     last = out.cpu().reshape(b, next_n, -1)[:, -1]
     for i, n in enumerate(lengths):
@@ -302,7 +309,7 @@ def test_deepgemm_paged_logits(lens_2d, device):
         context_lens = counts
     logits = fp8_paged_mqa_logits(q, kv_cache, w, context_lens, table, max_len)
     expect = deepgemm_semantics(q, kv_cache, w, context_lens, table, max_len)
-    assert_scores_match(logits, expect)
+    assert_scores_match(logits, expect, tight_rtol("fp8", q.dtype, device))
     same = deepgemm_fp8_paged_mqa_logits(q, kv_cache, w, context_lens, table, None, max_len, True)
     assert torch.equal(same.cpu(), logits.cpu())
     with pytest.raises(ValueError, match="float8_e4m3fn"):

@@ -33,8 +33,9 @@ Two kernels, chosen by the launcher from how many queries each sequence has:
   entries). The key tile is loaded once; a loop over the H heads does [BLOCK_T, 128] x [128, BLOCK_N] dots,
   relu, times w[t, h], accumulated in fp32 registers. Tiles past every row's visible count only write -inf.
 * ``_index_scores_group_kernel`` (decode, <= 4 queries per sequence): program = (group of G queries of one
-  sequence, a run of N tiles). The heads are the M dimension: [G * H, 128] x [128, BLOCK_N] per key tile, relu,
-  times w, summed over heads; q stays in registers while the program streams its key tiles (memory bound).
+  sequence, a run of N tiles). Keys are the M dimension and the G * H query heads the N dimension:
+  [BLOCK_N, 128] x [128, G * H] per key tile, relu, times w, summed over heads; q stays on chip while the
+  program streams its key tiles (memory bound).
 
 Host metadata (one device->host sync for the number of tiles): queries are stably sorted by sequence and
 cut into tiles that never mix sequences; each tile records (sequence, first sorted row, number of rows).
@@ -132,9 +133,12 @@ def _index_scores_tile_kernel(
     FP8_DOT: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    # grid: (query tiles, cdiv(width, BLOCK_N))
-    tile = tl.program_id(0)
-    n_start = tl.program_id(1) * BLOCK_N
+    # 1-D grid over (query tile, entry tile) with the entry tile fastest: programs running at the same time
+    # share one query tile, so its q [BLOCK_T, H, D] stays in L2 while the (smaller) key tiles stream
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(width, BLOCK_N)
+    tile = pid // n_tiles
+    n_start = (pid % n_tiles) * BLOCK_N
     seq = tl.load(tile_seq_ptr + tile)
     first = tl.load(tile_start_ptr + tile)
     length = tl.load(tile_len_ptr + tile)
@@ -195,7 +199,9 @@ def _index_scores_group_kernel(
     FP8_DOT: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    # grid: (query groups, cdiv(width, BLOCK_N * TILES_PER_PROGRAM)); M = GROUP * H rows (query-major)
+    # grid: (query groups, cdiv(width, BLOCK_N * TILES_PER_PROGRAM))
+    # dot per key tile: keys [BLOCK_N, D] (M) x q^T [D, GROUP * H] (N, column c = g * H + h); the head sum is
+    # then a reduction along the dot's N axis, which stays inside a thread quad.
     group = tl.program_id(0)
     seq = tl.load(tile_seq_ptr + group)
     first = tl.load(tile_start_ptr + group)
@@ -213,43 +219,66 @@ def _index_scores_group_kernel(
     visible = tl.where(g_ok, visible, 0)
     group_visible = tl.max(visible, axis=0)
 
-    # q rows of the dot: m = g * H + h
-    offs_m = tl.arange(0, GROUP * H)
-    m_query = offs_m // H
-    m_head = offs_m % H
-    m_ok = m_query < length
-    m_rows = tl.load(rows_ptr + first + m_query, mask=m_ok, other=0).to(tl.int64)
+    offs_c = tl.arange(0, GROUP * H)
+    c_query = offs_c // H
+    c_head = offs_c % H
+    c_ok = c_query < length
+    c_rows = tl.load(rows_ptr + first + c_query, mask=c_ok, other=0).to(tl.int64)
     dims = tl.arange(0, D)
-    q = tl.load(q_ptr + m_rows[:, None] * stride_qt + m_head[:, None] * stride_qh + dims[None, :],
-                mask=m_ok[:, None], other=0.0)
+    q_t = tl.load(q_ptr + c_rows[None, :] * stride_qt + c_head[None, :] * stride_qh + dims[:, None],
+                  mask=c_ok[None, :], other=0.0)  # [D, GROUP * H]
     if FP8_DOT:
-        q = q.to(tl.float8e4nv)
+        q_t = q_t.to(tl.float8e4nv)
     else:
-        q = q.to(tl.bfloat16)  # bf16 or exact fp8 upcast
-    w = tl.load(w_ptr + m_rows * stride_wt + m_head * stride_wh, mask=m_ok, other=0.0).to(tl.float32)
+        q_t = q_t.to(tl.bfloat16)  # bf16 or exact fp8 upcast
+    w = tl.load(w_ptr + c_rows * stride_wt + c_head * stride_wh, mask=c_ok, other=0.0).to(tl.float32)
     if HAS_Q_SCALE:
-        w *= tl.load(q_scale_ptr + m_rows * stride_st + m_head * stride_sh, mask=m_ok, other=0.0)
+        w *= tl.load(q_scale_ptr + c_rows * stride_st + c_head * stride_sh, mask=c_ok, other=0.0)
 
-    for i in range(TILES_PER_PROGRAM):
-        n_start = (tl.program_id(1) * TILES_PER_PROGRAM + i) * BLOCK_N
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        out_ptrs = out_ptr + g_rows[:, None] * stride_out + offs_n[None, :]
-        store_mask = g_ok[:, None] & (offs_n[None, :] < width)
-        if n_start < group_visible:
-            entry_ok = offs_n < group_visible
-            pages = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + offs_n // 64, mask=entry_ok,
-                            other=0).to(tl.int64)
-            slot = offs_n % 64
-            k = _load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, KIND, FP8_DOT, D)
-            logits = _dot(q, tl.trans(k), INTERPRET)  # [GROUP * H, BLOCK_N]
-            weighted = tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[:, None]
-            scores = tl.sum(tl.reshape(weighted, (GROUP, H, BLOCK_N)), axis=1)  # [GROUP, BLOCK_N]
-            if KIND == 1:
-                scores *= _load_key_scales(scales_ptr, pages, slot, entry_ok, D)[None, :]
-            result = tl.where(offs_n[None, :] < visible[:, None], scores, float("-inf"))
-            tl.store(out_ptrs, result, mask=store_mask)
-        else:
-            tl.store(out_ptrs, tl.full([GROUP, BLOCK_N], float("-inf"), tl.float32), mask=store_mask)
+    chunk_start = tl.program_id(1) * (TILES_PER_PROGRAM * BLOCK_N)
+    if INTERPRET:
+        # the interpreter cannot take a computed loop bound: score every tile (invisible ones come out -inf)
+        for i in range(TILES_PER_PROGRAM):
+            _score_group_tile(chunk_start + i * BLOCK_N, q_t, w, seq, g_rows, g_ok, visible, group_visible,
+                              values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
+                              KIND, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
+    else:
+        # tiles holding visible entries: a counted loop without a branch inside, so the key loads pipeline
+        busy_tiles = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, BLOCK_N), 0), TILES_PER_PROGRAM)
+        for i in range(0, busy_tiles):
+            _score_group_tile(chunk_start + i * BLOCK_N, q_t, w, seq, g_rows, g_ok, visible, group_visible,
+                              values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
+                              KIND, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
+        for i in range(busy_tiles, TILES_PER_PROGRAM):
+            offs_n = chunk_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None],
+                     tl.full([BLOCK_N, GROUP], float("-inf"), tl.float32),
+                     mask=g_ok[None, :] & (offs_n[:, None] < width))
+
+
+@triton.jit
+def _score_group_tile(n_start, q_t, w, seq, g_rows, g_ok, visible, group_visible,
+                      values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
+                      KIND: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr,
+                      BLOCK_N: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr):
+    """Scores of one key tile (entries n_start ..+BLOCK_N) for a query group: store [BLOCK_N, GROUP] columns."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    entry_ok = offs_n < group_visible
+    pages = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + offs_n // 64, mask=entry_ok,
+                    other=0).to(tl.int64)
+    slot = offs_n % 64
+    k = _load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, KIND, FP8_DOT, D)  # [BLOCK_N, D]
+    logits = _dot(k, q_t, INTERPRET)  # [BLOCK_N, GROUP * H]
+    weighted = tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
+    if GROUP == 1:
+        scores = tl.sum(weighted, axis=1)[:, None]  # [BLOCK_N, 1]
+    else:
+        scores = tl.sum(tl.reshape(weighted, (BLOCK_N, GROUP, H)), axis=2)  # [BLOCK_N, GROUP]
+    if KIND == 1:
+        scores *= _load_key_scales(scales_ptr, pages, slot, entry_ok, D)[:, None]
+    result = tl.where(offs_n[:, None] < visible[None, :], scores, float("-inf"))
+    tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None], result,
+             mask=g_ok[None, :] & (offs_n[:, None] < width))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -457,7 +486,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tens
     bt = block_t or max(16, min(128, triton.next_power_of_2(max_per_sequence)))
     bn = block_n or 128
     tiles = build_query_tiles(query_seq, num_seqs, bt, per_seq)
-    grid = (tiles.num_tiles, triton.cdiv(width, bn))
+    grid = (tiles.num_tiles * triton.cdiv(width, bn),)
     _index_scores_tile_kernel[grid](
         q, weights, qs_arg, values_view, scales_view, block_table, entry_counts, pos_arg, tiles.rows,
         tiles.tile_seq, tiles.tile_start, tiles.tile_len, out,
