@@ -271,6 +271,14 @@ def test_cli_killed_interrupted_and_resumed_loses_and_duplicates_nothing(tmp_pat
     out = tmp_path / "run"
     results = out / "results.jsonl"
     try:
+        # a request slower than the per-request timeout is retried, then reported; the cell gets no row
+        config = SweepConfig(lengths=(1000,), depths=(0.5,))
+        slow = EndpointConfig(base_url=srv.url, model=MODEL, timeout_s=0.1, max_retries=1, backoff_s=0.01)
+        timed_out = asyncio.run(run_sweep(config, slow, tmp_path / "timeout", counter=ReferenceCounter()))
+        assert timed_out.rows == [] and "Timeout" in timed_out.errors[0]["error"]
+        assert (tmp_path / "timeout" / "errors.jsonl").exists()
+        assert (tmp_path / "timeout" / "results.jsonl").read_bytes() == b""
+
         first = _cli(srv.url, out)
         _wait_rows(results, 2, first)
         first.send_signal(signal.SIGKILL)

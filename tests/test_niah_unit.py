@@ -316,3 +316,19 @@ def test_sweep_config_cells_and_validation():
     for kwargs in ({"lengths": ()}, {"depths": (1.2,)}, {"trials": 0}, {"tolerance": 0.0}, {"concurrency": 0}):
         with pytest.raises(ValueError):
             SweepConfig(**{"lengths": (1000,), "depths": (0.5,), **kwargs})
+
+
+def test_resume_refuses_changed_settings_and_fresh_runs_refuse_old_results(tmp_path):
+    from dsakit.niah.sweep import RUN_FILE, check_run_file
+
+    endpoint = EndpointConfig(base_url="http://127.0.0.1:9", model="m")
+    fingerprint = SweepConfig(lengths=(1000,), depths=(0.5,)).fingerprint(endpoint, None)
+    check_run_file(tmp_path, fingerprint, resume=False)  # empty directory: fine
+    (tmp_path / "results.jsonl").write_text('{"cell": "x"}\n')
+    with pytest.raises(ValueError, match="--resume"):
+        check_run_file(tmp_path, fingerprint, resume=False)
+    (tmp_path / RUN_FILE).write_text(json.dumps({"fingerprint": fingerprint}))
+    check_run_file(tmp_path, fingerprint, resume=True)
+    changed = SweepConfig(lengths=(1000,), depths=(0.5,), seed=7).fingerprint(endpoint, None)
+    with pytest.raises(ValueError, match="seed"):
+        check_run_file(tmp_path, changed, resume=True)
