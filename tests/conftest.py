@@ -63,7 +63,11 @@ def _seed_torch():
 
 @pytest.fixture
 def triton_backend() -> str:
-    """Skip the test unless Triton kernels can run; returns ``"triton"`` for a ``backend=`` argument."""
+    """Skip the test unless Triton kernels can run; returns ``"triton"`` for a ``backend=`` argument.
+
+    Put the test's tensors on the ``device`` fixture's device: CUDA when there is one (Triton cannot launch
+    on CPU tensors there), the CPU under ``TRITON_INTERPRET=1``.
+    """
     ok, why = triton_runnable()
     if not ok:
         pytest.skip(why)

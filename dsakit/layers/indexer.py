@@ -237,6 +237,8 @@ class DSAIndexer(torch.nn.Module):
         Keys are stored with ``store_index_keys`` into a fresh PagedCache of ``key_format`` and selected with
         ``index_topk`` (rules of dsakit.ops.topk: descending score, ties to the lower index, -1 padding once
         the visible entries are used up). ``positions`` defaults to 0..S-1; ``k`` to the preset's index_topk.
+        ``device`` (default: hidden's) holds the cache; on CUDA ``backend="auto"`` runs the Triton kernels,
+        whose scores kernel rounds the fp32 queries to bf16 for its tensor-core dot (see dsakit.ops.scores).
         """
         _check_rows(hidden, self.hidden_size, "hidden")
         _check_rows(q_latent, self.q_lora_rank, "q_latent")
