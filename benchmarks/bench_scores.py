@@ -136,6 +136,13 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"mask_exact": mask_ok, "rel_l2": rel, "max_rel_to_max": max_abs, "nan": bool(torch.isnan(out).any())}
 
 
+def error_row(case: str, fmt_name: str, q_dtype: torch.dtype, exc: Exception) -> dict:
+    row = {"case": case, "format": fmt_name, "q": str(q_dtype), "error": repr(exc)[-600:], "mask_exact": False,
+           "rel_l2": float("inf"), "nan": True}
+    print({k: v for k, v in row.items() if k != "error"}, "ERROR", repr(exc)[-300:], flush=True)
+    return row
+
+
 def correctness(device: str, small: bool = False) -> list[dict]:
     """small=True: a few-second smoke version of the same cases (CPU interpreter)."""
     results = []
@@ -158,10 +165,14 @@ def correctness(device: str, small: bool = False) -> list[dict]:
                 if q_dtype == torch.float8_e4m3fn:
                     q_scale = torch.rand(t, HEADS, device=device, generator=g) + 0.5
                 out = torch.full((t, max(lengths)), float("nan"), device=device)
-                index_scores_triton(q_k, w, pool, fmt, table, counts, query_seq, positions, ratio, out=out,
-                                    q_scale=q_scale)
-                again = index_scores_triton(q_k, w, pool, fmt, table, counts, query_seq, positions, ratio,
-                                            q_scale=q_scale)
+                try:
+                    index_scores_triton(q_k, w, pool, fmt, table, counts, query_seq, positions, ratio, out=out,
+                                        q_scale=q_scale)
+                    again = index_scores_triton(q_k, w, pool, fmt, table, counts, query_seq, positions, ratio,
+                                                q_scale=q_scale)
+                except Exception as exc:  # record and continue: one run must report every case
+                    results.append(error_row("prefill", fmt_name, q_dtype, exc))
+                    continue
                 w_eff = w if q_scale is None else w * q_scale
                 ref = torch_scores(q_k.float(), w_eff, keys, table, counts, query_seq, positions, ratio, max(lengths))
                 row = {"case": "prefill", "format": fmt_name, "q": str(q_dtype), "ratio": ratio, "T": t,
@@ -181,7 +192,11 @@ def correctness(device: str, small: bool = False) -> list[dict]:
                              + torch.arange(next_n, device=device).repeat(b)).to(torch.int32)
                 q_k = q.to(q_dtype)
                 out = torch.full((b * next_n, max(lengths)), float("nan"), device=device)
-                index_scores_triton(q_k, w, pool, fmt, table, counts, query_seq, positions, 1, out=out)
+                try:
+                    index_scores_triton(q_k, w, pool, fmt, table, counts, query_seq, positions, 1, out=out)
+                except Exception as exc:
+                    results.append(error_row(f"decode next_n={next_n}", fmt_name, q_dtype, exc))
+                    continue
                 ref = torch_scores(q_k.float(), w, keys, table, counts, query_seq, positions, 1, max(lengths))
                 row = {"case": f"decode next_n={next_n}", "format": fmt_name, "q": str(q_dtype), "ratio": 1,
                        "T": b * next_n, "lengths": lengths, **compare(out, ref)}
@@ -234,7 +249,7 @@ def prefill_bench(device: str, quick: bool) -> list[dict]:
         "bf16": [(64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3)],
         "fp4": [(64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3)],
     }
-    sizes = [65536] if quick else [8192, 32768, 65536]
+    sizes = [65536] if quick else [8192, 16384, 32768, 65536]
     for fmt_name, q_dtype in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16), ("fp4", torch.bfloat16)):
         fmt = KeyFormat.parse(fmt_name)
         for n in sizes:

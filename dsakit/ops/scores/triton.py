@@ -107,13 +107,16 @@ def _load_key_tile(values_ptr, scales_ptr, pages, slot, valid, KIND: tl.constexp
         mag_code = codes & 7
         exponent = mag_code >> 1
         mantissa = mag_code & 1
-        # e2m1: exponent 0 -> 0 or 0.5 (subnormal); else 2^(exponent - 1) * (1 + mantissa / 2), built as fp32 bits
+        # e2m1: exponent 0 -> 0 or 0.5 (subnormal); else 2^(exponent - 1) * (1 + mantissa / 2), built as fp32
+        # bits with integer arithmetic only (no boolean selects: when the tile feeds the dot from registers,
+        # Triton 3.6 fails to lower i1 tensors in the dot-operand layout)
+        is_normal = (exponent | (exponent >> 1)) & 1
         normal_bits = ((exponent + 126) << 23) | (mantissa << 22)
-        mag_bits = tl.where(exponent == 0, mantissa * 0x3F000000, normal_bits)
+        mag_bits = is_normal * normal_bits + (1 - is_normal) * (mantissa * 0x3F000000)
         magnitude = mag_bits.to(tl.float32, bitcast=True)
         scale = (sbyte << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) for s in 1..254
-        value = magnitude * scale
-        k = tl.where((codes & 8) != 0, -value, value).to(tl.bfloat16)
+        value_bits = (magnitude * scale).to(tl.int32, bitcast=True) | ((codes & 8) << 28)  # sign bit 3 -> 31
+        k = value_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
     return k
 
 
