@@ -192,6 +192,16 @@ class EntryFormat(ABC):
             raise ValueError(f"{what} must be a floating tensor, got {x.dtype}")
         return x.detach().to("cpu", torch.float32)
 
+    def check_encoded(self, values: torch.Tensor, scales: torch.Tensor) -> None:
+        """values uint8 [N, value_bytes] and scales uint8 [N, scale_bytes], else ValueError (a wrong width
+        would otherwise decode silently into the wrong number of elements)."""
+        for what, t, width in (("values", values, self.value_bytes), ("scales", scales, self.scale_bytes)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != width:
+                raise ValueError(f"{what} must be uint8 [N, {width}] for format {self.name}, got "
+                                 f"{(t.dtype, list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if values.shape[0] != scales.shape[0]:
+            raise ValueError(f"values and scales must have the same N, got {values.shape[0]} and {scales.shape[0]}")
+
     def entry_bytes(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 [N, head_dim] -> uint8 [N, bytes_per_entry]: values then scales of each entry."""
         values, scales = self.quantize(x)
@@ -287,6 +297,7 @@ class KeyFormat(EntryFormat):
         return values.contiguous(), exponent.to(torch.uint8).contiguous()
 
     def dequantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        self.check_encoded(values, scales)
         values = values.cpu()
         scales = scales.cpu()
         n = values.shape[0]
@@ -351,6 +362,7 @@ class AttentionKVFormat(EntryFormat):
         return torch.cat([nope_codes, rope], dim=1).contiguous(), scales.contiguous()
 
     def dequantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        self.check_encoded(values, scales)
         values = values.cpu()
         scales = scales.cpu()
         n = values.shape[0]

@@ -376,3 +376,14 @@ def test_scaleless_formats_split_pages(fmt):
     values, scales = fmt.split_pages(fmt.quantize_pages(x))
     assert values.shape == (128, fmt.value_bytes) and scales.shape == (128, 0)
     assert torch.equal(fmt.dequantize_pages(fmt.quantize_pages(x)), x.bfloat16().float())
+
+
+@pytest.mark.parametrize("values_shape,scales_shape,match", [
+    ((2, 127), (2, 4), r"values must be uint8 \[N, 128\]"), ((2, 128), (2, 3), r"scales must be uint8 \[N, 4\]"),
+    ((2, 128), (3, 4), "same N")])
+def test_dequantize_rejects_wrong_encoded_shapes(values_shape, scales_shape, match):
+    """Regression: a values tensor of the wrong width decoded silently into [N, 127] elements."""
+    with pytest.raises(ValueError, match=match):
+        KeyFormat.FP8.dequantize(torch.zeros(values_shape, dtype=torch.uint8), torch.zeros(scales_shape, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="float32"):
+        AttentionKVFormat.FP8_ROPE_BF16.dequantize(torch.zeros(1, 576), torch.zeros(1, 8, dtype=torch.uint8))

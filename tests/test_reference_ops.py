@@ -624,3 +624,18 @@ def test_indexer_topk_cuda_matches_reference(key_format):
     scores_q16 = index_scores_dense(q.bfloat16().float(), w, keys, positions, 4)
     eps = 1e-4 * float(scores_q16[torch.isfinite(scores_q16)].abs().max())
     assert_topk_sets_equal_up_to_ties(fast.cpu(), scores_q16, 64, eps=eps)
+
+
+def test_topk_to_slots_rejects_indices_outside_assigned_pages():
+    """Regression: an index in an unassigned (-1) page mapped to a bogus negative slot (-28 here) instead of
+    an error; an index beyond the table width raised a RuntimeError from gather."""
+    table = torch.tensor([[3, -1]], dtype=torch.int32)
+    seq = torch.tensor([0])
+    with pytest.raises(ValueError, match="entry index 100 falls in an unassigned page"):
+        topk_to_slots(torch.tensor([[100, 5]], dtype=torch.int32), table, seq)
+    with pytest.raises(ValueError, match="entry index 130 is beyond the block table width"):
+        topk_to_slots(torch.tensor([[130]], dtype=torch.int32), table, seq)
+    with pytest.raises(ValueError, match="query_seq values"):
+        topk_to_slots(torch.tensor([[1]], dtype=torch.int32), table, torch.tensor([1]))
+    empty = torch.zeros(1, 0, dtype=torch.int32)
+    assert topk_to_slots(torch.tensor([[-1, -1]], dtype=torch.int32), empty, seq).tolist() == [[-1, -1]]

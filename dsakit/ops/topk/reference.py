@@ -55,10 +55,34 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt, 
 
 
 def topk_to_slots(indices: torch.Tensor, block_table: torch.Tensor, query_seq: torch.Tensor) -> torch.Tensor:
-    """Entry indices int32 [T, K] (-1 padded) -> global slot ids int32 [T, K] (-1 kept) via the block table."""
+    """Entry indices int32 [T, K] (-1 padded) -> global slot ids int32 [T, K] (-1 kept) via the block table.
+
+    An index >= 0 must fall in an assigned page of its query's block-table row (else ValueError: it would
+    map to a bogus slot).
+    """
+    for what, t, dims in (("indices", indices, 2), ("block_table", block_table, 2), ("query_seq", query_seq, 1)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{what} must be a {dims}-D int32/int64 tensor, got "
+                             f"{(t.dtype, list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if query_seq.shape[0] != indices.shape[0]:
+        raise ValueError(f"query_seq must be [T] = [{indices.shape[0]}], got {list(query_seq.shape)}")
+    if query_seq.numel() and (int(query_seq.min()) < 0 or int(query_seq.max()) >= block_table.shape[0]):
+        raise ValueError(f"query_seq values must be in 0..{block_table.shape[0] - 1}, got "
+                         f"{int(query_seq.min())}..{int(query_seq.max())}")
     idx = indices.long()
     pages = block_table.long()[query_seq.long()]  # [T, max_pages]
     safe = idx.clamp(min=0)
-    page = pages.gather(1, torch.div(safe, 64, rounding_mode="floor"))
+    page_index = torch.div(safe, 64, rounding_mode="floor")
+    beyond = (idx >= 0) & (page_index >= pages.shape[1])
+    if bool(beyond.any()):
+        raise ValueError(f"entry index {int(idx[beyond][0])} is beyond the block table width "
+                         f"({pages.shape[1]} pages = {pages.shape[1] * 64} entries)")
+    if pages.shape[1] == 0:  # no pages at all: every index is padding (checked above)
+        return torch.full_like(idx, -1).to(torch.int32)
+    page = pages.gather(1, page_index.clamp(max=pages.shape[1] - 1))
+    unassigned = (idx >= 0) & (page < 0)
+    if bool(unassigned.any()):
+        raise ValueError(f"entry index {int(idx[unassigned][0])} falls in an unassigned page (-1) of its "
+                         f"sequence's block table")
     slots = page * 64 + safe % 64
     return torch.where(idx >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)
