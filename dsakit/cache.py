@@ -244,8 +244,9 @@ class PagedCache:
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize fp32 entries x [N, head_dim] with the reference codec and store them at slots [N]."""
         x = self.fmt.check_entries(x)
-        if slots.dim() != 1 or slots.shape[0] != x.shape[0]:
-            raise ValueError(f"slots must be [N] with N = {x.shape[0]} rows of x, got {list(slots.shape)}")
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.shape[0] != x.shape[0]:
+            raise ValueError(f"slots must be an int tensor [N] with N = {x.shape[0]} rows of x, got "
+                             f"{list(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__}")
         check_slots(slots, num_slots(self.pool))
         values, scales = self.fmt.quantize(x)
         write_entries(self.pool, self.fmt, slots, values, scales)

@@ -251,7 +251,7 @@ def test_pool_shape_and_contiguity_are_checked():
 
 @pytest.mark.parametrize("case,match", [
     ("out_of_range", "slot 640"), ("duplicate", "duplicate slot 1"), ("int_rows", "int64"),
-    ("wrong_dim", r"\[2, 64\]"), ("count_mismatch", r"N = 3")])
+    ("wrong_dim", r"\[2, 64\]"), ("count_mismatch", r"N = 3"), ("list_slots", "list")])
 def test_paged_cache_write_bad_input(case, match):
     cache = PagedCache(KeyFormat.FP8, num_pages=10)
     seq = cache.add_sequence()
@@ -268,6 +268,8 @@ def test_paged_cache_write_bad_input(case, match):
         x = torch.randn(2, 64)
     elif case == "count_mismatch":
         x = torch.randn(3, 128)
+    elif case == "list_slots":  # regression: was an AttributeError
+        slots = [0, 1]
     with pytest.raises(ValueError, match=match):
         cache.write(slots, x)
     assert torch.equal(cache.pool, before)
