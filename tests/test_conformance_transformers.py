@@ -279,3 +279,14 @@ def test_wrong_rope_layout_is_detected(layer):
     ours = ix.topk(hidden, q_res, key_format="bf16", k=TOPK, backend="reference")
     differing = sum(1 for t in range(96) if set(ours[t].tolist()) != set(theirs[t].tolist()))
     assert differing > 96 // 4
+
+
+def test_config_without_rope_parameters_has_no_yarn():
+    """A DeepseekV4Config built without rope_parameters gives the compress rope no YaRN at all; dsakit's V4
+    preset always uses it, and from_transformers follows the module (docs/conventions.md row 5)."""
+    indexer = modeling.DeepseekV4Indexer(tiny_config(rope_parameters=None))
+    rope = rope_from_transformers(indexer.rotary_emb)
+    assert rope.yarn is None and rope.theta == 160000.0 and rope.rope_dim == 64
+    preset = get_preset("deepseek-v4-flash").rope
+    slow = preset.inv_freq()[-1] / rope.inv_freq()[-1]
+    assert float(slow) == pytest.approx(1 / 16)  # the slowest pairs differ by the YaRN factor
