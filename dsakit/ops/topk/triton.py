@@ -187,6 +187,8 @@ def _radix_select_kernel(
 def _launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int, sort: bool,
                    slots: torch.Tensor | None = None, seq: torch.Tensor | None = None,
                    block_table: torch.Tensor | None = None, block: int = 4096, num_warps: int = 8) -> None:
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
     rows = scores.shape[0]
     if rows == 0:
         return
@@ -250,7 +252,8 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor
                       block_table: torch.Tensor, entry_counts: torch.Tensor, query_seq: torch.Tensor, k: int,
                       query_positions: torch.Tensor | None = None, ratio: int = 1, *,
                       return_slots: bool = False, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
-                      q_scale: torch.Tensor | None = None, sort: bool = True):
+                      q_scale: torch.Tensor | None = None, sort: bool = True,
+                      select_block: int = 4096, select_warps: int = 8):
     """Top-k entries per query of a ragged paged batch, scores fused with an exact radix select.
 
     Arguments as :func:`dsakit.ops.topk.reference.index_topk`: q [T, H, 128] (fp32/bf16, or fp8 e4m3 with
@@ -261,6 +264,8 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor
     ``(indices, slots)`` with ``return_slots=True`` (slots = page * 64 + entry % 64 via the block table, -1
     kept). Never materializes [T, N]: scores go through one fp32 workspace of at most
     max(workspace_bytes, 4 * W) bytes (W = max(entry_counts); see the module docstring).
+    ``sort=False`` returns each row's set in index order; ``select_block`` / ``select_warps``: tuning of the
+    select kernel (benchmarks).
     """
     from ..scores.triton import index_scores_triton  # the scores kernel (separate module, same contract)
 
@@ -302,5 +307,5 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor
             out=workspace[:rows], q_scale=None if q_scale is None else q_scale[start:stop])
         _launch_select(scores, visible[start:stop], indices[start:stop], k, sort,
                        slots=None if slots is None else slots[start:stop], seq=seq[start:stop],
-                       block_table=table)
+                       block_table=table, block=select_block, num_warps=select_warps)
     return (indices, slots) if return_slots else indices
