@@ -125,7 +125,8 @@ def test_page_layout_values_then_scales(name):
 
 @pytest.mark.parametrize("name,slot,value_offset,scale_offset", [
     # fp8: page 8448 B = 64 x 128 value bytes (8192) + 64 x 4 scale bytes
-    ("fp8", 0, 0, 8192), ("fp8", 65, 8448 + 128, 8448 + 8192 + 4), ("fp8", 130, 2 * 8448 + 2 * 128, 2 * 8448 + 8192 + 8),
+    ("fp8", 0, 0, 8192), ("fp8", 65, 8448 + 128, 8448 + 8192 + 4),
+    ("fp8", 130, 2 * 8448 + 2 * 128, 2 * 8448 + 8192 + 8),
     # fp4: page 4352 B = 64 x 64 (4096) + 64 x 4
     ("fp4", 63, 63 * 64, 4096 + 63 * 4), ("fp4", 64, 4352, 4352 + 4096),
     # bf16: no scales, scale offset = end of the value area
@@ -384,6 +385,7 @@ def test_scaleless_formats_split_pages(fmt):
 def test_dequantize_rejects_wrong_encoded_shapes(values_shape, scales_shape, match):
     """Regression: a values tensor of the wrong width decoded silently into [N, 127] elements."""
     with pytest.raises(ValueError, match=match):
-        KeyFormat.FP8.dequantize(torch.zeros(values_shape, dtype=torch.uint8), torch.zeros(scales_shape, dtype=torch.uint8))
+        KeyFormat.FP8.dequantize(torch.zeros(values_shape, dtype=torch.uint8),
+                                 torch.zeros(scales_shape, dtype=torch.uint8))
     with pytest.raises(ValueError, match="float32"):
         AttentionKVFormat.FP8_ROPE_BF16.dequantize(torch.zeros(1, 576), torch.zeros(1, 8, dtype=torch.uint8))

@@ -69,8 +69,8 @@ def _check_rows(x: Any, width: int, what: str) -> None:
 def _check_positions(positions: Any, t: int) -> torch.Tensor:
     if not isinstance(positions, torch.Tensor) or positions.shape != (t,) \
             or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be an int32/int64 [T] = [{t}] tensor, got "
-                         f"{(positions.dtype, list(positions.shape)) if isinstance(positions, torch.Tensor) else positions!r}")
+        got = (positions.dtype, list(positions.shape)) if isinstance(positions, torch.Tensor) else positions
+        raise ValueError(f"positions must be an int32/int64 [T] = [{t}] tensor, got {got!r}")
     pos = positions.detach().cpu().long()
     if t and int(pos.min()) < 0:
         raise ValueError(f"positions must be >= 0, got {int(pos.min())}")
@@ -108,8 +108,8 @@ class DSAIndexer(torch.nn.Module):
         if d != INDEX_HEAD_DIM:
             raise ValueError(f"index head dim must be {INDEX_HEAD_DIM}, preset {preset.name!r} has {d}")
         if not isinstance(weights_proj, torch.Tensor) or weights_proj.dim() != 2:
-            raise ValueError(f"weights_proj must be a [H, hidden] tensor, got "
-                             f"{list(weights_proj.shape) if isinstance(weights_proj, torch.Tensor) else weights_proj!r}")
+            got = list(weights_proj.shape) if isinstance(weights_proj, torch.Tensor) else weights_proj
+            raise ValueError(f"weights_proj must be a [H, hidden] tensor, got {got!r}")
         heads, hidden = weights_proj.shape
         if not isinstance(wq_b, torch.Tensor) or wq_b.dim() != 2:
             raise ValueError(f"wq_b must be a [H * D, q_lora_rank] tensor, got {wq_b!r}")
@@ -122,7 +122,8 @@ class DSAIndexer(torch.nn.Module):
         self.register_buffer("norm_weight", _as_matrix(norm_weight, (d,), "norm_weight"))
         rope = preset.rope if rope is None else rope
         if rope.rope_dim != preset.key_transform.rope_dim:
-            raise ValueError(f"rope_dim {rope.rope_dim} differs from the key transform's {preset.key_transform.rope_dim}")
+            raise ValueError(f"rope_dim {rope.rope_dim} differs from the key transform's "
+                             f"{preset.key_transform.rope_dim}")
         self.preset = dataclasses.replace(preset, rope=rope,
                                           index_topk=preset.index_topk if index_topk is None else index_topk,
                                           index_heads=heads)
@@ -208,7 +209,8 @@ class DSAIndexer(torch.nn.Module):
                              f"prefill where every token is a query (use queries() / weights() otherwise)")
         return hidden
 
-    def store_keys(self, hidden: torch.Tensor, cache: PagedCache, seq_id: int, *, backend: str = "auto") -> torch.Tensor:
+    def store_keys(self, hidden: torch.Tensor, cache: PagedCache, seq_id: int, *,
+                   backend: str = "auto") -> torch.Tensor:
         """Compress hidden [S, hidden] (the sequence from token 0) and store the entries the cache does not
         hold yet (entries cache.length(seq_id) .. S // 4 - 1); returns their slots int64 [new]."""
         if not isinstance(cache, PagedCache) or not isinstance(cache.fmt, KeyFormat):
@@ -330,7 +332,8 @@ def rope_from_transformers(rotary_emb: torch.nn.Module, layer_type: str = "compr
             raise ValueError("YaRN with truncate=False is not the V4 rule (floor / ceil of the ramp bounds)")
         yarn = YarnConfig(factor=float(params["factor"]),
                           original_max_position=int(params["original_max_position_embeddings"]),
-                          beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0))
+                          beta_fast=float(params.get("beta_fast") or 32.0),
+                          beta_slow=float(params.get("beta_slow") or 1.0))
     elif rope_type != "default":
         raise ValueError(f"unsupported rope_type {rope_type!r} (V4 uses 'yarn' or 'default')")
     rope = RopeConfig(rope_dim=2 * inv_freq.numel(), theta=float(params["rope_theta"]), yarn=yarn)
