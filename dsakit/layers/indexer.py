@@ -112,7 +112,8 @@ class DSAIndexer(torch.nn.Module):
             raise ValueError(f"weights_proj must be a [H, hidden] tensor, got {got!r}")
         heads, hidden = weights_proj.shape
         if not isinstance(wq_b, torch.Tensor) or wq_b.dim() != 2:
-            raise ValueError(f"wq_b must be a [H * D, q_lora_rank] tensor, got {wq_b!r}")
+            got = list(wq_b.shape) if isinstance(wq_b, torch.Tensor) else type(wq_b).__name__
+            raise ValueError(f"wq_b must be a [H * D, q_lora_rank] tensor, got {got}")
         self.ratio = preset.compress_ratio
         self.register_buffer("wq_b", _as_matrix(wq_b, (heads * d, wq_b.shape[1]), "wq_b"))
         self.register_buffer("weights_proj", _as_matrix(weights_proj, (heads, hidden), "weights_proj"))
