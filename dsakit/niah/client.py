@@ -1,7 +1,7 @@
 """Async client for OpenAI-compatible endpoints (chat and completions) with retries and backoff.
 
 One :class:`OpenAIClient` wraps one ``httpx.AsyncClient``. :meth:`OpenAIClient.complete` sends one request
-and retries, with exponential backoff and jitter (honouring ``Retry-After``), on HTTP 408/409/429/5xx,
+(each attempt bounded by ``timeout_s`` of wall time, streaming included) and retries, with exponential backoff and jitter (honouring ``Retry-After``), on HTTP 408/409/429/5xx,
 timeouts and connection errors (refused, reset, dropped mid-response), so a sweep survives a server that
 restarts. Other statuses (400 context overflow, 401, 404 unknown model) raise :class:`EndpointError` at once.
 
@@ -176,10 +176,9 @@ class OpenAIClient:
         for attempt in range(1, cfg.max_retries + 2):
             retry_after = None
             try:
-                if cfg.stream:
-                    result = await self._send_stream(body)
-                else:
-                    result = await self._send(body)
+                # timeout_s bounds the whole attempt (httpx's own timeouts bound each read/connect only)
+                send = self._send_stream(body) if cfg.stream else self._send(body)
+                result = await asyncio.wait_for(send, cfg.timeout_s)
                 if isinstance(result, Completion):
                     result.attempts = attempt
                     result.latency_s = time.monotonic() - started
@@ -188,6 +187,8 @@ class OpenAIClient:
                 last_error = f"HTTP {status}: {message}"
                 if status not in RETRY_STATUSES:
                     raise EndpointError(last_error, status, attempt)
+            except asyncio.TimeoutError:
+                last_error = f"Timeout: no complete response within {cfg.timeout_s} s"
             except (httpx.TransportError, httpx.StreamError, json.JSONDecodeError, KeyError, IndexError,
                     TypeError) as exc:
                 last_error = f"{type(exc).__name__}: {exc}"

@@ -347,6 +347,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(exc.status, str(exc), exc.kind)
         except ValueError as exc:
             self._send_error(400, str(exc), "invalid_request_error")
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client went away: nobody to answer
+        except Exception as exc:  # noqa: BLE001 - a bug must reach the client as a 500, not a dropped socket
+            self._send_error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
     def _stream(self, events: list[dict]) -> None:
         self.send_response(200)
