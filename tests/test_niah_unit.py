@@ -297,6 +297,23 @@ def test_tokenizer_json_counter(tmp_path):
         load_counter(str(tmp_path / "missing.json"))
 
 
+def test_transformers_directory_counts_chat_with_its_template(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "the": 1, "<s>": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>")
+    fast.chat_template = ("{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}assistant :{% endif %}")
+    fast.save_pretrained(str(tmp_path))
+    counter = load_counter(str(tmp_path))
+    assert counter.counts_chat_template
+    assert counter.count("the cat", "completions") == 2
+    assert counter.count("the cat", "chat") == 7  # <s> user : the cat assistant :
+
+
 def test_calibration_line_fit():
     cal = Calibration()
     assert cal.predict_words(1000) == 750
