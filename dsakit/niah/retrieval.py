@@ -17,9 +17,11 @@ model's do. The procedure, for one prompt of S tokens:
 4. Store the keys with :func:`dsakit.ops.store.store_index_keys` into a :class:`dsakit.cache.PagedCache` of
    the chosen :class:`~dsakit.formats.KeyFormat` (RMSNorm with unit weight, V4 rope at position r*j with
    the V4 YaRN table, Hadamard, quantization in the format's byte layout).
-5. Query: the question is the last paragraph of the prompt. q = mean of g(t) over its non-stopword tokens
-   (no mu: the question asks for content, not for "any text"), rope at the last prompt position, Hadamard;
-   one head, weight 1. Selection with :func:`dsakit.ops.topk.index_topk` (k = ``topk``, ratio r, causal).
+5. Query: the question is the last paragraph of the prompt. c = mean of g(t) over its non-stopword tokens,
+   with its component along mu removed (the question asks for content, not for "any text"); then
+   q = c + ``query_common_share`` * |c| * mu/|mu|, a positive share of mu so that relu(q . k) passes every
+   entry; rope at the last prompt position, Hadamard; one head, weight 1. Selection with
+   :func:`dsakit.ops.topk.index_topk` (k = ``topk``, ratio r, causal, reference backend).
 6. Reading: each selected entry is read together with the ``read_ahead_tokens`` tokens that follow it (a
    fact's value follows its key in text, and a sliding window would see it). The answer is every distinct
    code (``WORD-1234-WORD``) found in the read text, in rank order of the entries, joined by ", ";
@@ -60,8 +62,8 @@ STOPWORDS = frozenset(
 class SimpleTokenizer:
     """Deterministic tokenizer: runs of letters, single digits, single punctuation marks; spaces dropped.
 
-    ``tokenize(text)`` -> (tokens, char spans [(start, end)]). Roughly 4-5 characters per token on English-like
-    text, close to real subword tokenizers, so calibration code sees realistic ratios.
+    ``tokenize(text)`` -> (tokens, char spans [(start, end)]). About 5.3 characters per token on the sweep's
+    filler (real subword tokenizers: about 4-5), so calibration code sees realistic ratios.
     """
 
     def tokenize(self, text: str) -> tuple[list[str], list[tuple[int, int]]]:

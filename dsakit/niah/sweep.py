@@ -324,12 +324,17 @@ async def run_sweep(config: SweepConfig, endpoint: EndpointConfig, out_dir: "str
                     counter: TokenCounter | None = None, tokenizer_spec: str | None = None, resume: bool = False,
                     listener: SweepListener | None = None,
                     client_factory: Callable[[EndpointConfig, int], OpenAIClient] = OpenAIClient) -> SweepOutcome:
-    """Run (or resume) a sweep; rows go to ``out_dir/results.jsonl`` as cells finish."""
+    """Run (or resume) a sweep; rows go to ``out_dir/results.jsonl`` as cells finish.
+
+    ``counter`` fits prompts locally (else lengths are calibrated against the server); ``tokenizer_spec``
+    names it in ``run.json``. Cells that already have a row are skipped when ``resume`` is set; a fresh run
+    refuses a directory that holds results. Failed cells go to ``errors.jsonl`` and get no row.
+    """
     listener = listener or SweepListener()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config.templates.check_filler_is_distinct()
-    fingerprint = config.fingerprint(endpoint, tokenizer_spec)
+    fingerprint = config.fingerprint(endpoint, tokenizer_spec or (counter.name if counter is not None else None))
     check_run_file(out, fingerprint, resume)
     builder = PromptBuilder(config, endpoint.endpoint)
     cells = config.cells()
