@@ -44,6 +44,7 @@ def env() -> None:
 
 # Subcommands living in their own packages register themselves here (one line each).
 # -- subcommands --
+from .recall.cli import recall as _recall; app.command(name="recall")(_recall)  # noqa: E402,E702
 from .niah.cli import niah as _niah, serve_reference as _serve_reference  # noqa: E402
 app.command("niah")(_niah); app.command("serve-reference")(_serve_reference)  # noqa: E702
 

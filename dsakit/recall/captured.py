@@ -1,0 +1,251 @@
+"""Captured tensors: run the recall lab on q, k and weights dumped from a real deployment.
+
+File format (safetensors, see docs/recall.md)::
+
+    q                 fp32/bf16 [T, H, D]   indexer queries as scored (after rope, and after the Hadamard
+                                            rotation if the deployment rotates; see metadata)
+    k                 fp32/bf16 [N, D]      index keys before quantization (after norm, rope, rotation)
+    weights           fp32      [T, H]      head weights with every constant folded in (D^-0.5 H^-0.5 ...)
+    needle_entries    int64     [E]         optional: entries holding the fact the queries look for
+    query_positions   int64     [T]         optional: token position of each query (causal mask)
+    metadata          {"ratio": "4", "rotated": "true" | "false"}
+
+``rotated = "false"`` (what transformers' DeepseekV4 indexer produces: it applies no Hadamard rotation) makes
+the lab rotate both q and k before quantizing, as DeepSeek's reference and the serving engines do; exact
+scores are unchanged by it (the rotation is orthogonal), quantization error is not.
+
+:func:`capture_deepseek_v4_indexer` records these tensors from transformers' ``DeepseekV4Indexer`` with
+forward hooks; :func:`save_captured` writes the file; :func:`run_captured` runs the formats and top-k values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..cache import PagedCache
+from ..formats import KeyFormat
+from ..ops import scores as scores_ops
+from ..ops import topk as topk_ops
+from ..ops._backend import resolve_backend
+from ..ops.scores.reference import visible_counts
+from ..transforms import hadamard_transform
+from . import metrics
+
+
+@dataclass
+class CapturedTensors:
+    """q [T, H, D], k [N, D], weights [T, H] (fp32, CPU); needle_entries [E] or None; query_positions [T] or
+    None; ratio; rotated (whether q and k already went through the Hadamard rotation)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    weights: torch.Tensor
+    needle_entries: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
+    ratio: int = 4
+    rotated: bool = True
+
+    def __post_init__(self):
+        q, k, w = self.q, self.k, self.weights
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise ValueError(f"q must be [T, H, D], got {getattr(q, 'shape', type(q).__name__)}")
+        t, h, d = q.shape
+        if not isinstance(k, torch.Tensor) or k.dim() != 2 or k.shape[1] != d:
+            raise ValueError(f"k must be [N, {d}] (D of q), got {getattr(k, 'shape', type(k).__name__)}")
+        if d != 128:
+            raise ValueError(f"index head dim must be 128 for the dsakit key formats, got {d}")
+        if not isinstance(w, torch.Tensor) or w.shape != (t, h):
+            raise ValueError(f"weights must be [T, H] = [{t}, {h}], got {getattr(w, 'shape', type(w).__name__)}")
+        if k.shape[0] == 0 or t == 0:
+            raise ValueError(f"need at least one query and one key, got T={t}, N={k.shape[0]}")
+        for name in ("q", "k", "weights"):
+            x = getattr(self, name)
+            if not x.is_floating_point():
+                raise ValueError(f"{name} must be a floating tensor, got {x.dtype}")
+            setattr(self, name, x.detach().cpu().float())
+        if self.needle_entries is not None:
+            e = torch.as_tensor(self.needle_entries).detach().cpu().long().flatten()
+            if e.numel() == 0 or bool((e < 0).any()) or bool((e >= k.shape[0]).any()):
+                raise ValueError(f"needle_entries must be non-empty entry indices in 0..{k.shape[0] - 1}, got {e.tolist()}")
+            self.needle_entries = e
+        if self.query_positions is not None:
+            p = torch.as_tensor(self.query_positions).detach().cpu().long().flatten()
+            if p.shape != (t,) or bool((p < 0).any()):
+                raise ValueError(f"query_positions must be [T] = [{t}] non-negative ints, got {p.tolist()[:8]}")
+            self.query_positions = p
+        if not isinstance(self.ratio, int) or self.ratio < 1:
+            raise ValueError(f"ratio must be a positive int, got {self.ratio!r}")
+
+
+def save_captured(path: "str | Path", captured: CapturedTensors) -> Path:
+    """Write a captured-tensor file (module docstring)."""
+    from safetensors.torch import save_file
+
+    tensors = {"q": captured.q.contiguous(), "k": captured.k.contiguous(), "weights": captured.weights.contiguous()}
+    if captured.needle_entries is not None:
+        tensors["needle_entries"] = captured.needle_entries.contiguous()
+    if captured.query_positions is not None:
+        tensors["query_positions"] = captured.query_positions.contiguous()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"ratio": str(captured.ratio), "rotated": str(captured.rotated).lower()})
+    return path
+
+
+def load_captured(path: "str | Path") -> CapturedTensors:
+    """Read a captured-tensor file; raises ValueError naming what is missing or malformed."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"captured tensor file {str(path)!r} does not exist")
+    with safe_open(str(path), framework="pt") as fh:
+        names = set(fh.keys())
+        missing = {"q", "k", "weights"} - names
+        if missing:
+            raise ValueError(f"{path} lacks tensor(s) {sorted(missing)}; it needs q [T,H,D], k [N,D], weights [T,H]")
+        meta = fh.metadata() or {}
+        get = {name: fh.get_tensor(name) for name in names}
+    rotated = meta.get("rotated", "true").lower()
+    if rotated not in ("true", "false"):
+        raise ValueError(f"metadata 'rotated' must be 'true' or 'false', got {rotated!r}")
+    try:
+        ratio = int(meta.get("ratio", "4"))
+    except ValueError as err:
+        raise ValueError(f"metadata 'ratio' must be an int, got {meta.get('ratio')!r}") from err
+    return CapturedTensors(q=get["q"], k=get["k"], weights=get["weights"], needle_entries=get.get("needle_entries"),
+                           query_positions=get.get("query_positions"), ratio=ratio, rotated=rotated == "true")
+
+
+def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Sequence[int],
+                 backend: str = "reference", source: str = "captured") -> list[dict]:
+    """Quantize the captured keys into a paged cache per format and compare the ops' top-k with exact scoring.
+
+    One record per (format, k). Needle metrics use, per query row, the best needle entry; ``needle_rank`` and
+    ``found`` report the worst row among the rows that can see a needle entry (every such row must find it).
+    """
+    from .lab import _finite_or_none, call_op, lab_device
+
+    device = lab_device(backend)
+    q, k = captured.q, captured.k
+    if not captured.rotated:
+        q, k = hadamard_transform(q), hadamard_transform(k)
+    t, n = q.shape[0], k.shape[0]
+    pos = captured.query_positions
+    exact_scores = scores_ops.index_scores_dense(q, captured.weights, k, pos, captured.ratio)
+    counts = visible_counts(torch.full((t,), n), pos, captured.ratio) if pos is not None else torch.full((t,), n)
+    needle = captured.needle_entries
+    records = []
+    for name in formats:
+        fmt = KeyFormat.parse(name)
+        cache = PagedCache(fmt, max(1, (n + 63) // 64), device=device)
+        seq = cache.add_sequence()
+        cache.write(cache.append(seq, n), k)  # the format's reference codec: the keys are already transformed
+        common = dict(q=q.to(device), weights=captured.weights.to(device), pool=cache.pool, fmt=fmt,
+                      block_table=cache.block_table([seq]), entry_counts=cache.entry_counts([seq]),
+                      query_seq=torch.zeros(t, dtype=torch.int32, device=device),
+                      query_positions=None if pos is None else pos.to(device), ratio=captured.ratio)
+        scores = call_op(scores_ops.index_scores, backend, **common).float().cpu()
+        for kk in topks:
+            exact_topk = topk_ops.select_topk(exact_scores, kk)
+            if resolve_backend(backend, cache.pool) == "reference":
+                topk = topk_ops.select_topk(scores, kk)
+            else:
+                topk = call_op(topk_ops.index_topk, backend, **common, k=kk).cpu()
+            rec = {"kind": "run", "source": source, "fault": "none", "format": fmt.name, "index_topk": kk,
+                   "context_tokens": n * captured.ratio, "entries": n, "query_tokens": t, "depth": None,
+                   "set_recall": metrics.set_recall(topk, exact_topk),
+                   "nan_fraction": max(metrics.nan_fraction(row) for row in scores),
+                   "leaked": metrics.future_selected(topk, counts), "trial": 0}
+            if needle is not None:
+                rows = [i for i in range(t) if bool((needle < counts[i]).any())]
+                ranks = [metrics.needle_rank(scores[i], needle) for i in rows]
+                exact_ranks = [metrics.needle_rank(exact_scores[i], needle) for i in rows]
+                found = [metrics.topk_contains(topk[i], needle) for i in rows]
+                worst = max(range(len(rows)), key=lambda j: -1 if ranks[j] is None else ranks[j]) if rows else None
+                rec.update({
+                    "needle_entries": needle.tolist(), "needle_rows": rows, "row_ranks": ranks,
+                    "row_exact_ranks": exact_ranks,
+                    "needle_rank": None if worst is None else ranks[worst],
+                    "exact_rank": None if worst is None else exact_ranks[worst],
+                    "found": bool(rows) and all(found),
+                    "exact_found": bool(rows) and all(metrics.topk_contains(exact_topk[i], needle) for i in rows),
+                    "margin": None if worst is None else _finite_or_none(metrics.score_margin(scores[rows[worst]], needle)),
+                    "exact_margin": None if worst is None else _finite_or_none(
+                        metrics.score_margin(exact_scores[rows[worst]], needle)),
+                })
+            else:
+                rec.update({"needle_rank": None, "exact_rank": None, "found": None, "exact_found": None,
+                            "margin": None, "exact_margin": None})
+            records.append(rec)
+    return records
+
+
+# --------------------------------------------------------------------------------------------------
+# Dump helper for transformers' DeepseekV4 indexer
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class IndexerCapture:
+    """Tensors recorded by :func:`capture_deepseek_v4_indexer`, one entry per indexer forward call."""
+
+    calls: list[CapturedTensors]
+
+    @property
+    def last(self) -> CapturedTensors:
+        if not self.calls:
+            raise ValueError("no indexer forward call was recorded (is the layer a compressed-sparse-attention one?)")
+        return self.calls[-1]
+
+
+@contextlib.contextmanager
+def capture_deepseek_v4_indexer(indexer: torch.nn.Module, batch_index: int = 0) -> Iterator[IndexerCapture]:
+    """Record q, the compressed keys and the head weights of a transformers ``DeepseekV4Indexer`` while the
+    model runs inside the ``with`` block.
+
+    Hooks: a forward pre-hook on the indexer keeps ``position_ids``; a forward hook on ``indexer.scorer``
+    receives (q [B, S, H, D] after rope, compressed keys [B, N, D] after norm and rope, hidden states) and
+    folds the scorer's constants into the weights: ``weights_proj(x) * H^-0.5 * D^-0.5`` (relu commutes
+    with the positive ``softmax_scale``). transformers applies no Hadamard rotation: ``rotated=False``.
+
+    >>> layer = model.model.layers[2].self_attn.compressor.indexer      # a CSA layer's indexer
+    >>> with capture_deepseek_v4_indexer(layer) as cap:
+    ...     model(input_ids)
+    >>> save_captured("indexer.safetensors", cap.last)
+    """
+    scorer = getattr(indexer, "scorer", None)
+    if scorer is None or not hasattr(scorer, "weights_proj"):
+        raise ValueError(f"{type(indexer).__name__} has no .scorer with weights_proj: pass a DeepseekV4Indexer")
+    ratio = int(getattr(indexer, "compress_rate", 4))
+    capture = IndexerCapture(calls=[])
+    state: dict[str, torch.Tensor | None] = {"positions": None}
+
+    def pre_hook(module, args, kwargs):
+        positions = kwargs.get("position_ids")
+        if positions is None and len(args) >= 3:
+            positions = args[2]
+        state["positions"] = None if positions is None else positions.detach()
+
+    def scorer_hook(module, args, output):
+        q, compressed, hidden = args[0], args[1], args[2]
+        with torch.no_grad():
+            weights = module.weights_proj(hidden).float() * module.weights_scaling * module.softmax_scale
+        positions = state["positions"]
+        capture.calls.append(CapturedTensors(
+            q=q[batch_index].detach().float().cpu(), k=compressed[batch_index].detach().float().cpu(),
+            weights=weights[batch_index].cpu(),
+            query_positions=None if positions is None else positions[min(batch_index, positions.shape[0] - 1)].cpu(),
+            ratio=ratio, rotated=False))
+
+    handles = [indexer.register_forward_pre_hook(pre_hook, with_kwargs=True), scorer.register_forward_hook(scorer_hook)]
+    try:
+        yield capture
+    finally:
+        for handle in handles:
+            handle.remove()

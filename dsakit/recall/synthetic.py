@@ -1,0 +1,287 @@
+"""Synthetic needle-in-a-haystack data for the recall lab (the model of SPEC.md section 6).
+
+What is generated, for one *haystack* of N cached entries (context L = N * ratio tokens):
+
+1. Token states. For every context token s the compressor's two projections are drawn as
+   ``kv[s] = [mu, mu] + z[s]`` and ``gate[s] = gate_std * g[s]`` (z, g standard normal, [S, 2 * D]); the
+   position bias ``ape`` [ratio, 2 * D] is a fixed draw of the same seed. ``mu`` [D] is a *shared
+   component*: the same vector in every token (pooled keys of a real model share a large common
+   direction). It lives in the dims rope leaves alone (dims 0..63 for V4, 64..127 for V3.2), because a
+   common vector in the rotated dims would turn with the position and stop being common.
+2. Pooling. The token states go through the V4 compressor (:func:`dsakit.ops.compress.compress_projected`,
+   ratio 4 with overlapping windows) and give the pre-norm keys ``k[j] = mu + zp[j]`` [N, D]; the softmax
+   weights of the gated pooling sum to one per channel, so the shared part passes through unchanged while
+   the individual part shrinks (``zp`` has the per-element spread ``sigma``, measured on the haystack).
+   Presets without compression (V3.2) use ``k[j] = mu + z[j]`` directly.
+3. The knobs are defined on the pooled keys, what the cache really stores:
+
+   * ``shared_ratio`` = |mu| / |zp| (both over D dims): how far the keys sit from the origin compared to
+     how much they differ from each other. Per-entry scaling sets each entry's quantization step from its
+     largest element, which grows with |mu|, while the needle is separated from the other entries only
+     by the individual part: a large ratio is what costs fp8 and fp4 their reach (SPEC.md 2.3.4, 6).
+   * ``needle_strength`` = how many standard deviations (of the distractors' spread along the query
+     direction) the needle entry stands out. The needle is written into the 4 tokens of one block as an
+     extra direction ``u`` orthogonal to mu, so after pooling it lands in entry p (own-block half) and,
+     weaker, in entry p + 1 (the overlapping previous-block half); the amplitude is set so that entry p
+     exceeds an average entry along u by exactly ``needle_strength * sigma``.
+   * ``outlier_channels`` / ``outlier_scale``: that many channels of the key norm's learned weight are
+     multiplied by ``outlier_scale`` (large, position-independent channels, as trained norms often have);
+     they inflate every entry's largest element, the Hadamard rotation spreads them out again.
+   * ``head_weight_spread``: head weights are ``D^-0.5 H^-0.5 * exp(spread * n_h)``: 0 = all heads count
+     the same, larger = a few heads dominate (fewer heads to average the per-head noise away).
+   * ``query_noise``: each head's query is ``a + query_noise * e_h`` with ``a`` the unit needle direction
+     (as stored: norm weight applied, at the needle's rope phase) and ``e_h`` a random unit vector.
+4. Queries are the last ``query_tokens`` tokens of the context. Each is built so that after rope at its
+   own position it points at the needle's stored key (the ideal retrieval query), then goes through rope
+   and the Hadamard rotation exactly like the keys (:func:`prepare_queries`).
+
+Everything is drawn from one ``torch.Generator`` on the CPU, so a seed fixes every number.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..ops.compress import compress_projected
+from ..presets import DSAPreset, KeyTransform, get_preset
+from ..transforms import RopeLayout, apply_rope, hadamard_transform
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Knobs of the synthetic generator (module docstring gives their physical meaning)."""
+
+    preset: str = "deepseek-v4-flash"
+    shared_ratio: float = 100.0
+    needle_strength: float = 5.0
+    outlier_channels: int = 0
+    outlier_scale: float = 8.0
+    head_weight_spread: float = 0.5
+    query_noise: float = 0.5
+    gate_std: float = 1.0
+    query_tokens: int = 4
+    compressed: bool = True
+
+    def __post_init__(self):
+        preset = get_preset(self.preset)  # raises ValueError for an unknown name
+        checks = [
+            ("shared_ratio", self.shared_ratio, self.shared_ratio >= 0),
+            ("needle_strength", self.needle_strength, self.needle_strength >= 0),
+            ("outlier_channels", self.outlier_channels, isinstance(self.outlier_channels, int)
+             and 0 <= self.outlier_channels <= preset.index_head_dim),
+            ("outlier_scale", self.outlier_scale, self.outlier_scale > 0),
+            ("head_weight_spread", self.head_weight_spread, self.head_weight_spread >= 0),
+            ("query_noise", self.query_noise, self.query_noise >= 0),
+            ("gate_std", self.gate_std, self.gate_std >= 0),
+            ("query_tokens", self.query_tokens, isinstance(self.query_tokens, int) and self.query_tokens >= 1),
+        ]
+        for name, value, ok in checks:
+            if not ok or (isinstance(value, float) and not math.isfinite(value)):
+                raise ValueError(f"SyntheticConfig.{name} has an invalid value {value!r}")
+        if self.compressed and preset.compress_ratio != 4 and preset.compress_ratio != 1:
+            raise ValueError(f"preset {preset.name} has compress ratio {preset.compress_ratio}; the synthetic "
+                             f"compressor path models ratio 4 (V4 CSA) or 1 (no compression)")
+
+    @property
+    def geometry(self) -> DSAPreset:
+        return get_preset(self.preset)
+
+    @property
+    def ratio(self) -> int:
+        return self.geometry.compress_ratio
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def rope_free_dims(transform: KeyTransform, head_dim: int) -> torch.Tensor:
+    """Indices [head_dim - rope_dim] of the dims rope does not rotate."""
+    seg = transform.rope_layout.segment(head_dim, transform.rope_dim)
+    keep = torch.ones(head_dim, dtype=torch.bool)
+    keep[seg] = False
+    return torch.nonzero(keep).flatten()
+
+
+@dataclass
+class Haystack:
+    """One synthetic context: pre-norm keys and what is needed to add a needle to it.
+
+    keys [N, D] fp32 pre-norm pooled keys; kv_gate [S, 2D] (compressed presets: the gate rows, to pool a
+    needle with the same weights) or None; ape [ratio, 2D] or None; mu [D]; sigma = per-element spread of
+    the individual part; norm_weight [D].
+    """
+
+    config: SyntheticConfig
+    keys: torch.Tensor
+    gate: torch.Tensor | None
+    ape: torch.Tensor | None
+    mu: torch.Tensor
+    sigma: float
+    norm_weight: torch.Tensor
+
+    @property
+    def num_entries(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def context_tokens(self) -> int:
+        return self.num_entries * self.config.ratio
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm().clamp(min=1e-30)
+
+
+def model_weights(config: SyntheticConfig, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed per-config draws: (norm_weight [D], ape [ratio, 2D]); drawn first from the generator."""
+    d = config.geometry.index_head_dim
+    norm_weight = torch.ones(d)
+    if config.outlier_channels:
+        channels = torch.randperm(d, generator=generator)[: config.outlier_channels]
+        norm_weight[channels] = config.outlier_scale
+    ape = 0.5 * torch.randn(config.ratio, 2 * d, generator=generator)
+    return norm_weight, ape
+
+
+def make_haystack(config: SyntheticConfig, num_entries: int, generator: torch.Generator,
+                  norm_weight: torch.Tensor, ape: torch.Tensor) -> Haystack:
+    """Draw a haystack of ``num_entries`` pre-norm keys (module docstring, steps 1-3)."""
+    if not isinstance(num_entries, int) or num_entries < 1:
+        raise ValueError(f"num_entries must be a positive int, got {num_entries!r}")
+    geo = config.geometry
+    d = geo.index_head_dim
+    free = rope_free_dims(geo.key_transform, d)
+    mu_dir = torch.zeros(d)
+    mu_dir[free] = torch.randn(free.numel(), generator=generator)
+    mu_dir = _unit(mu_dir)
+    use_compressor = config.compressed and config.ratio == 4
+    if use_compressor:
+        tokens = num_entries * config.ratio
+        z = torch.randn(tokens, 2 * d, generator=generator)
+        gate = config.gate_std * torch.randn(tokens, 2 * d, generator=generator)
+        # The shared part [mu, mu] is identical in every row; the per-channel softmax weights of the pooling
+        # sum to one, so pooling (mu + z) = mu + pooling(z). Pool z alone first to measure sigma.
+        pooled = compress_projected(z, gate, ape, config.ratio)
+    else:
+        pooled = torch.randn(num_entries, d, generator=generator)
+        gate, ape = None, None
+    sigma = float(pooled.pow(2).mean().sqrt())
+    mu = mu_dir * config.shared_ratio * sigma * math.sqrt(d)
+    return Haystack(config=config, keys=pooled + mu, gate=gate, ape=ape, mu=mu, sigma=sigma,
+                    norm_weight=norm_weight)
+
+
+@dataclass
+class Needle:
+    """A needle placed at entry ``entry`` of a haystack.
+
+    entries: int64 [E] the entries that carry it (p, and p + 1 through the overlapping pooling);
+    keys: fp32 [E, D] their new pre-norm keys; direction: unit u [D] (orthogonal to mu).
+    """
+
+    entry: int
+    entries: torch.Tensor
+    keys: torch.Tensor
+    direction: torch.Tensor
+
+
+def needle_direction(haystack: Haystack, generator: torch.Generator) -> torch.Tensor:
+    """A random unit direction u [D] orthogonal to the shared component mu."""
+    u = torch.randn(haystack.keys.shape[1], generator=generator)
+    mu_hat = _unit(haystack.mu) if float(haystack.mu.norm()) > 0 else torch.zeros_like(u)
+    return _unit(u - (u @ mu_hat) * mu_hat)
+
+
+def place_needle(haystack: Haystack, entry: int, direction: torch.Tensor) -> Needle:
+    """Write the needle direction into the tokens of block ``entry`` and pool them (module docstring)."""
+    n = haystack.num_entries
+    if not isinstance(entry, int) or not 0 <= entry < n:
+        raise ValueError(f"needle entry must be an int in 0..{n - 1}, got {entry!r}")
+    cfg = haystack.config
+    strength = cfg.needle_strength * haystack.sigma
+    if haystack.gate is None:
+        entries = torch.tensor([entry])
+        keys = haystack.keys[entry:entry + 1] + strength * direction
+        return Needle(entry, entries, keys, direction)
+    ratio = cfg.ratio
+    # Pooling a window of blocks p-1 .. p+1 is enough: entry p needs block p-1 for its softmax, entry p+1
+    # reads block p as its previous block. The needle rows are nonzero only in block p.
+    first_block = max(entry - 1, 0)
+    last_block = min(entry + 1, n - 1)
+    rows = slice(first_block * ratio, (last_block + 1) * ratio)
+    gate = haystack.gate[rows]
+    needle_rows = torch.zeros_like(gate)
+    local = (entry - first_block) * ratio
+    needle_rows[local:local + ratio] = torch.cat([direction, direction])
+    pooled = compress_projected(needle_rows, gate, haystack.ape, ratio)  # [blocks in window, D]
+    own = entry - first_block
+    along = float(pooled[own] @ direction)  # > 0: a convex combination of u's channels
+    scale = strength / max(along, 1e-12)
+    entries = torch.arange(entry, last_block + 1)
+    keys = haystack.keys[entries] + scale * pooled[own:]
+    return Needle(entry, entries, keys, direction)
+
+
+def needle_entry_for_depth(depth: float, visible_entries: int) -> int:
+    """Entry index of a needle at relative depth in [0, 1] of the entries the last query sees."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    if visible_entries < 1:
+        raise ValueError(f"a needle needs at least one visible entry, got {visible_entries}")
+    return min(visible_entries - 1, int(round(depth * (visible_entries - 1))))
+
+
+def query_positions(config: SyntheticConfig, context_tokens: int, query_tokens: int | None = None) -> torch.Tensor:
+    """int64 [T]: the last T token positions of a context of ``context_tokens`` tokens."""
+    t = config.query_tokens if query_tokens is None else query_tokens
+    if context_tokens < t:
+        raise ValueError(f"context of {context_tokens} tokens is shorter than {t} query tokens")
+    return torch.arange(context_tokens - t, context_tokens)
+
+
+def make_queries(haystack: Haystack, needle: Needle, positions: torch.Tensor,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-rope queries [T, H, D] and head weights [T, H] that look for ``needle``.
+
+    The target direction is the needle's stored direction (norm weight applied), rotated to the needle's
+    rope phase relative to each query: after rope at the query's own position it matches rope(u) at the
+    needle's position 4p. Each head adds its own noise (``query_noise``).
+    """
+    cfg = haystack.config
+    geo = cfg.geometry
+    tr = geo.key_transform
+    t = positions.shape[0]
+    h, d = geo.index_heads, geo.index_head_dim
+    target = haystack.norm_weight * needle.direction  # [D]
+    relative = needle.entry * cfg.ratio - positions  # [T] rope phase the query must carry
+    cos, sin = geo.rope.cos_sin(relative)
+    target = apply_rope(target.expand(t, d), cos, sin, tr.rope_layout, tr.rope_dim)  # [T, D]
+    target = target / target.norm(dim=-1, keepdim=True)
+    noise = torch.randn(t, h, d, generator=generator)
+    # Head noise is kept orthogonal to the stored shared component: a query that also leaned on mu would add
+    # the same large offset to every entry and decide per head, at random, whether relu passes or kills it.
+    shared = haystack.norm_weight * haystack.mu
+    if float(shared.norm()) > 0:
+        shared = _unit(shared)
+        noise = noise - (noise @ shared).unsqueeze(-1) * shared
+    noise = noise / noise.norm(dim=-1, keepdim=True)
+    q = target.unsqueeze(1) + cfg.query_noise * noise
+    spread = torch.randn(t, h, generator=generator) * cfg.head_weight_spread
+    weights = torch.exp(spread) * (d ** -0.5) * (h ** -0.5)
+    return q, weights
+
+
+def prepare_queries(q: torch.Tensor, positions: torch.Tensor, rope_cos_sin: torch.Tensor,
+                    layout: "RopeLayout | str", rope_dim: int, hadamard: bool) -> torch.Tensor:
+    """Pre-rope queries [T, H, D] -> fp32 [T, H, D] after rope at their positions [T] and the rotation.
+
+    The query side of the indexer transform (SPEC.md 2.1): no norm, rope on the rope dims with ``layout``,
+    then the Hadamard rotation when ``hadamard``.
+    """
+    table = rope_cos_sin.detach().cpu().float()[positions.detach().cpu().long()]
+    half = rope_dim // 2
+    out = apply_rope(q, table[:, :half], table[:, half:], layout, rope_dim)
+    return hadamard_transform(out) if hadamard else out
