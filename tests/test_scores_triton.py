@@ -350,3 +350,75 @@ def test_validation_errors(device):
                torch.zeros(6, dtype=torch.int32, device=device), kernel="group")
     with pytest.raises(ValueError, match="out must be fp32"):
         kernel(q, w, pool, fmt, table, counts, query_seq, out=torch.empty(3, 70, dtype=torch.float16, device=device))
+
+
+# --------------------------------------------------------------------------------------------------
+# Plans (tiles=) and the sync-free path (validate=False)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_reused_tile_plan_and_decode_plan(device):
+    scores_triton = _triton()
+    lengths = [70, 129, 5]
+    fmt, pool, table, counts, _ = make_cache("fp8", lengths, device)
+    b, next_n, h = len(lengths), 2, 16
+    q = torch.randn(b * next_n, h, 128, dtype=torch.bfloat16, device=device)
+    w = torch.rand(b * next_n, h, device=device)
+    query_seq = torch.arange(b, dtype=torch.int32, device=device).repeat_interleave(next_n)
+    positions = (counts.long().repeat_interleave(next_n) - 1).to(torch.int32)
+    general = scores_triton.plan_query_tiles(query_seq, b, h)
+    decode = scores_triton.plan_decode_tiles(b, next_n, h, device)
+    assert general.kernel == decode.kernel == "group" and general.size == decode.size == 2
+    for name in ("rows", "tile_seq", "tile_start", "tile_len"):
+        assert torch.equal(getattr(general, name).cpu(), getattr(decode, name).cpu()), name
+    first = run_kernel(q, w, pool, fmt, table, counts, query_seq, positions, 1, tiles=general)
+    second = run_kernel(q, w, pool, fmt, table, counts, query_seq, positions, 1, tiles=general, validate=False)
+    assert torch.equal(first.cpu(), second.cpu())
+    ref = reference_scores(q.float().cpu(), w.cpu(), pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq.cpu(),
+                           positions.cpu(), 1)
+    assert_scores_match(first, ref)
+    # a tile-kernel plan for the same queries gives the same scores
+    tile_plan = scores_triton.plan_query_tiles(query_seq, b, h, kernel="tile")
+    assert tile_plan.kernel == "tile" and tile_plan.size == 16
+    assert_scores_match(run_kernel(q, w, pool, fmt, table, counts, query_seq, positions, 1, tiles=tile_plan), ref)
+    with pytest.raises(ValueError, match="QueryTiles plan"):
+        run_kernel(q[:3], w[:3], pool, fmt, table, counts, query_seq[:3], positions[:3], 1, tiles=general)
+    with pytest.raises(ValueError, match="block_t"):
+        scores_triton.plan_query_tiles(query_seq, b, h, kernel="tile", block_t=24)
+
+
+def test_unvalidated_bad_input_stays_in_bounds(device):
+    """validate=False with page ids outside the pool and counts past the block table: no out-of-bounds access
+    (the kernels clamp), and nothing is written outside out[:T, :W']."""
+    fmt, pool, table, counts, _ = make_cache("fp4", [100, 40], device, pages_extra=0)
+    scores_triton = _triton()
+    t, h = 4, 16
+    q = torch.randn(t, h, 128, dtype=torch.bfloat16, device=device)
+    w = torch.rand(t, h, device=device)
+    query_seq = torch.tensor([0, 1, 0, 1], dtype=torch.int32, device=device)
+    bad_table = table.clone()
+    bad_table[0, 1] = 10_000  # not a page of the pool
+    bad_table[1, 0] = -7
+    bad_counts = torch.tensor([100, 500], dtype=torch.int32, device=device)  # 500 > block table width x 64
+    ws = torch.full((t + 2, 600), float("nan"), device=device)
+    for kernel in ("tile", "group"):
+        plan = scores_triton.plan_query_tiles(query_seq, 2, h, kernel=kernel)
+        ws.fill_(float("nan"))
+        out = scores_triton.index_scores_triton(q, w, pool, fmt, bad_table, bad_counts, query_seq, None, 1,
+                                                out=ws[:, :512], tiles=plan, validate=False)
+        assert out.shape == (t, 512)
+        assert not torch.isnan(out).any(), f"{kernel}: unwritten element inside out[:T, :W']"
+        assert torch.isnan(ws[t:]).all() and torch.isnan(ws[:, 512:]).all(), f"{kernel}: wrote outside out[:T, :W']"
+    with pytest.raises(ValueError, match="entry_counts"):
+        scores_triton.index_scores_triton(q, w, pool, fmt, table, bad_counts, query_seq, None, 1, out=ws[:, :512])
+
+
+def test_decode_wrapper_unvalidated_matches(device):
+    lengths = [65, 3]
+    fmt, pool, table, counts, _ = make_cache("bf16", lengths, device)
+    q = torch.randn(2, 1, 16, 128, dtype=torch.bfloat16, device=device)
+    w = torch.rand(2, 16, device=device)
+    out = torch.full((2, 65), float("nan"), device=device)
+    fast = _triton().index_scores_decode(q, w, pool, fmt, table, counts, out=out, validate=False)
+    slow = _triton().index_scores_decode(q, w, pool, fmt, table, counts)
+    assert torch.equal(fast.cpu(), slow.cpu())

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
-from .triton import index_scores_triton
+from .triton import index_scores_triton, plan_decode_tiles
 
 _FP8 = KeyFormat.FP8
 
@@ -48,10 +48,12 @@ def _as_pool(kv_cache: torch.Tensor) -> torch.Tensor:
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
                          clean_logits: bool = True, *, schedule_metadata: torch.Tensor | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     """DeepGEMM-compatible paged fp8 logits -> fp32 [B * next_n, max_context_len] (module docstring).
 
     ``out`` (optional, fp32 [B * next_n, max_context_len]) is written in place and returned.
+    ``validate=False`` skips the value checks (context_lens >= 0, page ids, lengths <= max_context_len), which
+    cost a device->host sync; the kernel still never reads or writes out of bounds (see index_scores_triton).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[3] != INDEX_HEAD_DIM:
         raise ValueError(f"q must be fp8 [B, next_n, H, {INDEX_HEAD_DIM}], got "
@@ -69,7 +71,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                          f"{getattr(context_lens, 'dtype', None)} {list(getattr(context_lens, 'shape', []))}")
     if not isinstance(max_context_len, int) or max_context_len < 0:
         raise ValueError(f"max_context_len must be a non-negative int, got {max_context_len!r}")
-    if rows and bool((context_lens < 0).any()):
+    if validate and rows and bool((context_lens < 0).any()):
         raise ValueError(f"context_lens must be >= 0, got minimum {int(context_lens.min())}")
     pool = _as_pool(kv_cache)
 
@@ -86,7 +88,8 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         raise ValueError(f"out must be [{rows}, {max_context_len}], got {list(out.shape)}")
     query_seq = torch.arange(b, device=q.device, dtype=torch.int32).repeat_interleave(next_n)
     return index_scores_triton(q.reshape(rows, h, INDEX_HEAD_DIM), weights, pool, _FP8, block_table,
-                               entry_counts, query_seq, positions.reshape(rows).to(torch.int32), ratio=1, out=out)
+                               entry_counts, query_seq, positions.reshape(rows).to(torch.int32), ratio=1, out=out,
+                               tiles=plan_decode_tiles(b, next_n, h, q.device), validate=validate)
 
 
 def deepgemm_fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,

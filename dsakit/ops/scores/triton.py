@@ -52,7 +52,7 @@ import triton.language as tl
 
 from ...cache import check_pool
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
-from .reference import check_batch, check_queries
+from .reference import check_queries
 
 _KIND_CODE = {"bf16": 0, "fp8": 1, "fp4": 2}
 _FP8_Q_DTYPES = (torch.float8_e4m3fn,)
@@ -121,6 +121,14 @@ def _load_key_tile(values_ptr, scales_ptr, pages, slot, valid, KIND: tl.constexp
 
 
 @triton.jit
+def _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages):
+    """int64 [BLOCK_N] page of each entry, clamped to the block-table row and to the pool (memory safety)."""
+    column = tl.minimum(offs_n // 64, max_pages - 1)
+    pages = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + column, mask=entry_ok, other=0)
+    return tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)
+
+
+@triton.jit
 def _load_key_scales(scales_ptr, pages, slot, valid, D: tl.constexpr):
     """fp8 per-entry fp32 scales [BLOCK_N] (scales_ptr is the fp32 view of the pool)."""
     page_words = (64 * D + 64 * 4) // 4
@@ -131,7 +139,8 @@ def _load_key_scales(scales_ptr, pages, slot, valid, D: tl.constexpr):
 def _index_scores_tile_kernel(
     q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
     tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
-    width, ratio, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
+    width, ratio, num_pages, num_seqs, max_pages,
+    stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
     HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, KIND: tl.constexpr,
     FP8_DOT: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -142,7 +151,7 @@ def _index_scores_tile_kernel(
     n_tiles = tl.cdiv(width, BLOCK_N)
     tile = pid // n_tiles
     n_start = (pid % n_tiles) * BLOCK_N
-    seq = tl.load(tile_seq_ptr + tile)
+    seq = tl.minimum(tl.load(tile_seq_ptr + tile), num_seqs - 1)  # clamps only matter with validate=False
     first = tl.load(tile_start_ptr + tile)
     length = tl.load(tile_len_ptr + tile)
     count = tl.load(counts_ptr + seq)
@@ -164,8 +173,7 @@ def _index_scores_tile_kernel(
 
     if n_start < tile_visible:
         entry_ok = offs_n < tile_visible
-        pages = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + offs_n // 64, mask=entry_ok,
-                        other=0).to(tl.int64)
+        pages = _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages)
         slot = offs_n % 64
         k = _load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, KIND, FP8_DOT, D)  # [BLOCK_N, D]
         k_t = tl.trans(k)  # [D, BLOCK_N], K-major for the tensor cores
@@ -197,16 +205,17 @@ def _index_scores_tile_kernel(
 def _index_scores_group_kernel(
     q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
     tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
-    width, ratio, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
+    width, ratio, num_pages, num_seqs, max_pages,
+    stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
     HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, KIND: tl.constexpr,
-    FP8_DOT: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_DOT: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # grid: (query groups, cdiv(width, BLOCK_N * TILES_PER_PROGRAM))
     # dot per key tile: keys [BLOCK_N, D] (M) x q^T [D, GROUP * H] (N, column c = g * H + h); the head sum is
     # then a reduction along the dot's N axis, which stays inside a thread quad.
     group = tl.program_id(0)
-    seq = tl.load(tile_seq_ptr + group)
+    seq = tl.minimum(tl.load(tile_seq_ptr + group), num_seqs - 1)  # clamps only matter with validate=False
     first = tl.load(tile_start_ptr + group)
     length = tl.load(tile_len_ptr + group)
     count = tl.load(counts_ptr + seq)
@@ -244,14 +253,14 @@ def _index_scores_group_kernel(
         for i in range(TILES_PER_PROGRAM):
             _score_group_tile(chunk_start + i * BLOCK_N, q_t, w, seq, g_rows, g_ok, visible, group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                              KIND, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
+                              num_pages, max_pages, KIND, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
     else:
         # tiles holding visible entries: a counted loop without a branch inside, so the key loads pipeline
         busy_tiles = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, BLOCK_N), 0), TILES_PER_PROGRAM)
         for i in range(0, busy_tiles):
             _score_group_tile(chunk_start + i * BLOCK_N, q_t, w, seq, g_rows, g_ok, visible, group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                              KIND, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
+                              num_pages, max_pages, KIND, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
         for i in range(busy_tiles, TILES_PER_PROGRAM):
             offs_n = chunk_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None],
@@ -262,13 +271,12 @@ def _index_scores_group_kernel(
 @triton.jit
 def _score_group_tile(n_start, q_t, w, seq, g_rows, g_ok, visible, group_visible,
                       values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                      KIND: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr,
+                      num_pages, max_pages, KIND: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr,
                       BLOCK_N: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr):
     """Scores of one key tile (entries n_start ..+BLOCK_N) for a query group: store [BLOCK_N, GROUP] columns."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     entry_ok = offs_n < group_visible
-    pages = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + offs_n // 64, mask=entry_ok,
-                    other=0).to(tl.int64)
+    pages = _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages)
     slot = offs_n % 64
     k = _load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, KIND, FP8_DOT, D)  # [BLOCK_N, D]
     logits = _dot(k, q_t, INTERPRET)  # [BLOCK_N, GROUP * H]
@@ -289,49 +297,114 @@ def _score_group_tile(n_start, q_t, w, seq, g_rows, g_ok, visible, group_visible
 # --------------------------------------------------------------------------------------------------
 
 
+# Launch defaults measured on the H200 (benchmarks/results/scores_h200_c7d9b66.json, T = 8192 x N = 64K and
+# B = 64 x N = 64K / 128K): prefill (BLOCK_T, BLOCK_N, warps, stages) = (64, 128, 4, 3) was fastest for every
+# format; decode (BLOCK_N, tiles per program, warps, stages) = (64, 8, 4, 3) for bf16 / fp8 and (128, 8, 4, 3)
+# for fp4.
+PREFILL_BLOCK_T, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 64, 128, 4, 3
+DECODE_TILES_PER_PROGRAM, DECODE_WARPS, DECODE_STAGES = 8, 4, 3
+DECODE_BLOCK_N = {"bf16": 64, "fp8": 64, "fp4": 128}
+GROUP_MAX_QUERIES = 4  # the decode kernel handles up to 4 queries of one sequence per program
+
+
 @dataclass(frozen=True)
 class QueryTiles:
-    """Queries stably sorted by sequence and cut into tiles of at most ``size`` rows of one sequence.
+    """How the queries of a batch are cut into kernel tiles (a reusable plan; see :func:`plan_query_tiles`).
 
-    rows int32 [T] original row of each sorted position; tile_seq / tile_start / tile_len int32 [num_tiles].
+    Queries are stably sorted by sequence and cut into tiles of at most ``size`` rows that never mix
+    sequences. ``kernel`` is "tile" (prefill: BLOCK_T = size) or "group" (decode: GROUP = size).
+    rows int32 [T]: original row of each sorted position; tile_seq / tile_start / tile_len int32 [num_tiles].
     """
 
+    kernel: str
     size: int
     rows: torch.Tensor
     tile_seq: torch.Tensor
     tile_start: torch.Tensor
     tile_len: torch.Tensor
-    max_per_sequence: int
 
     @property
     def num_tiles(self) -> int:
         return int(self.tile_seq.shape[0])
 
+    @property
+    def num_queries(self) -> int:
+        return int(self.rows.shape[0])
 
-def queries_per_sequence(query_seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """int64 [B]: how many queries each sequence has."""
-    return torch.bincount(query_seq.long(), minlength=num_seqs)
+
+def _group_kernel_fits(num_heads: int, max_per_sequence: int) -> bool:
+    heads_ok = num_heads >= 16 and num_heads & (num_heads - 1) == 0
+    return heads_ok and max_per_sequence <= GROUP_MAX_QUERIES and max_per_sequence * num_heads <= 256
 
 
-def build_query_tiles(query_seq: torch.Tensor, num_seqs: int, size: int,
-                      per_seq: torch.Tensor | None = None) -> QueryTiles:
-    """Tile metadata for ``query_seq`` [T] (values in 0..num_seqs-1); one host sync for the tile count."""
-    device = query_seq.device
-    seq = query_seq.long()
-    per_seq = queries_per_sequence(seq, num_seqs) if per_seq is None else per_seq
-    rows = torch.argsort(seq, stable=True).to(torch.int32)
+def _tile_size(kernel: str, max_per_sequence: int, block_t: int | None) -> int:
+    if kernel == "group":
+        return max(1, triton.next_power_of_2(max(1, max_per_sequence)))
+    return block_t or max(16, min(PREFILL_BLOCK_T, triton.next_power_of_2(max(1, max_per_sequence))))
+
+
+def _tiles_from_counts(per_seq: torch.Tensor, rows: torch.Tensor, num_tiles: int, kernel: str,
+                       size: int) -> QueryTiles:
+    device = per_seq.device
+    num_seqs = per_seq.shape[0]
     tiles_per_seq = (per_seq + size - 1) // size
-    num_tiles = int(tiles_per_seq.sum())
-    max_per_sequence = int(per_seq.max()) if per_seq.numel() else 0
-    tile_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), tiles_per_seq,
-                                       output_size=num_tiles)
+    tile_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), tiles_per_seq, output_size=num_tiles)
     seq_first_row = torch.cumsum(per_seq, 0) - per_seq
     seq_first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
     tile_in_seq = torch.arange(num_tiles, device=device) - seq_first_tile[tile_seq]
     tile_start = seq_first_row[tile_seq] + tile_in_seq * size
     tile_len = torch.clamp(per_seq[tile_seq] - tile_in_seq * size, max=size)
-    return QueryTiles(size, rows, tile_seq.to(torch.int32), tile_start.to(torch.int32),
-                      tile_len.to(torch.int32), max_per_sequence)
+    return QueryTiles(kernel, size, rows.to(torch.int32), tile_seq.to(torch.int32), tile_start.to(torch.int32),
+                      tile_len.to(torch.int32))
+
+
+def plan_query_tiles(query_seq: torch.Tensor, num_seqs: int, num_heads: int, kernel: str = "auto",
+                     block_t: int | None = None) -> QueryTiles:
+    """Tile plan for queries ``query_seq`` int [T] (values 0..num_seqs-1) with H = ``num_heads``.
+
+    One device->host sync. Build it once per batch and pass it as ``tiles=`` to every
+    :func:`index_scores_triton` call on that batch (every indexer layer, every chunk of the same rows).
+    kernel: "auto" (group kernel when each sequence has <= 4 queries and H is a power of two >= 16),
+    "tile" or "group".
+    """
+    if kernel not in ("auto", "tile", "group"):
+        raise ValueError(f"kernel must be 'auto', 'tile' or 'group', got {kernel!r}")
+    if block_t is not None and (not isinstance(block_t, int) or block_t < 16 or block_t & (block_t - 1)):
+        raise ValueError(f"block_t must be a power of two >= 16, got {block_t!r}")
+    if query_seq.dim() != 1 or query_seq.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"query_seq must be int [T], got {query_seq.dtype} {list(query_seq.shape)}")
+    seq = query_seq.long()
+    per_seq = torch.bincount(seq, minlength=num_seqs)
+    if per_seq.shape[0] != num_seqs:
+        raise ValueError(f"query_seq values must be in 0..{num_seqs - 1}, got maximum {per_seq.shape[0] - 1}")
+    # every candidate tile size's tile count in the same sync as the largest per-sequence count
+    sizes = (1, 2, 4, 16, 32, 64, 128) if block_t is None else (1, 2, 4, block_t)
+    if num_seqs:
+        max_per_sequence, *counts = torch.stack([per_seq.max()] + [((per_seq + z - 1) // z).sum() for z in sizes]).tolist()
+    else:
+        max_per_sequence, counts = 0, [0] * len(sizes)
+    choice = kernel
+    if kernel == "auto":
+        choice = "group" if _group_kernel_fits(num_heads, max_per_sequence) else "tile"
+    if choice == "group" and not _group_kernel_fits(num_heads, max_per_sequence):
+        raise ValueError(f"kernel='group' needs a power-of-two head count >= 16 (got H = {num_heads}) and at most "
+                         f"{GROUP_MAX_QUERIES} queries per sequence (got {max_per_sequence})")
+    size = _tile_size(choice, max_per_sequence, block_t)
+    rows = torch.argsort(seq, stable=True)
+    return _tiles_from_counts(per_seq, rows, counts[sizes.index(size)], choice, size)
+
+
+def plan_decode_tiles(batch: int, next_n: int, num_heads: int, device: "torch.device | str") -> QueryTiles:
+    """Tile plan of a decode batch (row b * next_n + i = query i of sequence b) built without any host sync."""
+    if batch < 0 or not 1 <= next_n:
+        raise ValueError(f"batch must be >= 0 and next_n >= 1, got {batch}, {next_n}")
+    kernel = "group" if _group_kernel_fits(num_heads, next_n) else "tile"
+    size = _tile_size(kernel, next_n, None)
+    if next_n > size:  # many queries per sequence: the general plan (one sync) handles the split
+        return plan_query_tiles(torch.arange(batch, device=device).repeat_interleave(next_n), batch, num_heads)
+    arange = torch.arange(batch, device=device, dtype=torch.int32)
+    return QueryTiles(kernel, size, torch.arange(batch * next_n, device=device, dtype=torch.int32), arange,
+                      arange * next_n, torch.full((batch,), next_n, device=device, dtype=torch.int32))
 
 
 def _interpreting() -> bool:
@@ -348,17 +421,41 @@ def _pool_views(pool: torch.Tensor, fmt: KeyFormat) -> tuple[torch.Tensor, torch
     return flat, flat
 
 
-def _check_pages(block_table: torch.Tensor, entry_counts: torch.Tensor, num_pages: int) -> None:
-    """Every page a sequence's entries need must be a valid page id (else the kernel would read outside)."""
-    if block_table.numel() == 0:
-        return
-    needed = (entry_counts.long() + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE  # [B]
-    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < needed[:, None]
-    bad = used & ((block_table < 0) | (block_table >= num_pages))
-    if bool(bad.any()):
-        b, p = (int(v) for v in torch.nonzero(bad)[0])
-        raise ValueError(f"block_table[{b}, {p}] = {int(block_table[b, p])} is not a page of the pool "
-                         f"(0..{num_pages - 1}) but sequence {b} needs it for its {int(entry_counts[b])} entries")
+def _check_shapes(q, weights, pool, fmt, block_table, entry_counts, query_seq, query_positions, ratio, q_scale,
+                  out) -> None:
+    """Shape / dtype / device checks (no device->host sync)."""
+    check_queries(q, weights, INDEX_HEAD_DIM)
+    check_pool(pool, fmt)
+    t, num_heads, _ = q.shape
+    if q.dtype not in _Q_DTYPES:
+        raise ValueError(f"q dtype must be one of {[str(x) for x in _Q_DTYPES]}, got {q.dtype}")
+    if not weights.is_floating_point() or weights.dtype in _FP8_Q_DTYPES:
+        raise ValueError(f"weights must be fp32 / fp16 / bf16, got {weights.dtype}")
+    if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_table must be int [B, max_pages], got {block_table.dtype} {list(block_table.shape)}")
+    b = block_table.shape[0]
+    if entry_counts.shape != (b,) or entry_counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"entry_counts must be int [B] = [{b}], got {entry_counts.dtype} {list(entry_counts.shape)}")
+    if query_seq.shape != (t,) or query_seq.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"query_seq must be int [T] = [{t}], got {query_seq.dtype} {list(query_seq.shape)}")
+    if query_positions is not None and (query_positions.shape != (t,)
+                                        or query_positions.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"query_positions must be int [T] = [{t}] or None, got {list(query_positions.shape)}")
+    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
+        raise ValueError(f"ratio must be a positive int, got {ratio!r}")
+    if q_scale is not None and (not isinstance(q_scale, torch.Tensor) or q_scale.shape != (t, num_heads)
+                                or q_scale.dtype != torch.float32):
+        raise ValueError(f"q_scale must be fp32 [T, H] = [{t}, {num_heads}], got "
+                         f"{getattr(q_scale, 'dtype', type(q_scale).__name__)} {list(getattr(q_scale, 'shape', []))}")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 2
+                            or out.shape[0] < t or (out.shape[1] > 1 and out.stride(1) != 1)):
+        raise ValueError(f"out must be fp32 [>= {t}, W'] with unit column stride, got "
+                         f"{getattr(out, 'dtype', None)} {list(getattr(out, 'shape', []))}")
+    named = {"weights": weights, "pool": pool, "block_table": block_table, "entry_counts": entry_counts,
+             "query_seq": query_seq, "query_positions": query_positions, "q_scale": q_scale, "out": out}
+    for name, tensor in named.items():
+        if tensor is not None and tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}; put every input on one device")
 
 
 def _visible_counts(entry_counts: torch.Tensor, query_seq: torch.Tensor, query_positions: torch.Tensor | None,
@@ -369,18 +466,48 @@ def _visible_counts(entry_counts: torch.Tensor, query_seq: torch.Tensor, query_p
     return torch.minimum(counts, torch.div(query_positions.long() + 1, ratio, rounding_mode="floor").clamp(min=0))
 
 
-def _pick_kernel(num_heads: int, max_per_sequence: int) -> str:
-    """Group kernel (heads as the dot's M) for decode-like batches, tile kernel otherwise."""
-    heads_ok = num_heads >= 16 and num_heads & (num_heads - 1) == 0
-    if heads_ok and max_per_sequence <= 4 and max_per_sequence * num_heads <= 256:
-        return "group"
-    return "tile"
+def _check_values(pool, block_table, entry_counts, query_seq, query_positions, ratio, q_scale, width) -> None:
+    """Value checks of every input, gathered into one device->host sync; raises ValueError naming the value."""
+    t = query_seq.shape[0]
+    b, max_pages = block_table.shape
+    device = block_table.device
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    counts = entry_counts.long()
+    needed = (counts.clamp(min=0) + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
+    used = torch.arange(max_pages, device=device)[None, :] < needed[:, None]
+    bad_pages = used & ((block_table < 0) | (block_table >= pool.shape[0]))
+    seq = query_seq.long()
+    in_range = (seq >= 0) & (seq < b)
+    visible = _visible_counts(counts.clamp(min=0), seq.clamp(0, max(b - 1, 0)), query_positions, ratio) \
+        if t and b else zero
+    stats = torch.stack([
+        counts.min() if b else zero, counts.max() if b else zero,
+        (~in_range).sum() if t else zero, bad_pages.sum(),
+        (q_scale <= 0).logical_or(q_scale.isnan()).sum() if q_scale is not None and t else zero,
+        visible.max() if t and b else zero,
+    ]).tolist()
+    count_min, count_max, bad_seq, bad_page_count, bad_scale, visible_max = stats
+    if count_min < 0 or count_max > max_pages * ENTRIES_PER_PAGE:
+        raise ValueError(f"entry_counts must be in 0..{max_pages * ENTRIES_PER_PAGE} (block table width x 64), "
+                         f"got {entry_counts.tolist()}")
+    if bad_seq:
+        raise ValueError(f"query_seq values must be in 0..{b - 1}, got range {int(seq.min())}..{int(seq.max())}")
+    if bad_page_count:
+        row, col = (int(v) for v in torch.nonzero(bad_pages)[0])
+        raise ValueError(f"block_table[{row}, {col}] = {int(block_table[row, col])} is not a page of the pool "
+                         f"(0..{pool.shape[0] - 1}) but sequence {row} needs it for its {int(counts[row])} entries")
+    if bad_scale:
+        raise ValueError("q_scale must be > 0 everywhere (it is moved through the relu: relu(c x) = c relu(x))")
+    if width is not None and visible_max > width:
+        raise ValueError(f"out has {width} columns but a query sees {visible_max} entries; "
+                         f"W' must be >= every row's visible count")
 
 
 def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt: "KeyFormat | str",
                         block_table: torch.Tensor, entry_counts: torch.Tensor, query_seq: torch.Tensor,
                         query_positions: torch.Tensor | None = None, ratio: int = 1, *,
                         out: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
+                        tiles: QueryTiles | None = None, validate: bool = True,
                         kernel: str = "auto", block_t: int | None = None, block_n: int | None = None,
                         num_warps: int | None = None, num_stages: int | None = None,
                         tiles_per_program: int | None = None) -> torch.Tensor:
@@ -398,117 +525,88 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tens
     out[:T] is returned. W' must be >= every row's visible count (entries past W' are never scored), so a
     caller can score a slice of rows into a bounded workspace. Without out, W = max(entry_counts).
 
+    Host cost. Shape checks are free; ``validate=True`` adds one device->host sync for every value check
+    (page ids, counts, query_seq range, q_scale > 0, W' >= visible counts); planning the tiles adds one more
+    unless ``tiles`` (from :func:`plan_query_tiles` / :func:`plan_decode_tiles` for these queries) is given.
+    With ``tiles``, ``out`` and ``validate=False`` a call does no sync (hot loops, CUDA graphs): the caller
+    then guarantees the values, and the kernels still clamp every page id and block-table column into range,
+    so bad values give wrong scores but never an out-of-bounds access; writes stay inside out[:T, :W'].
+
     kernel / block_t / block_n / num_warps / num_stages / tiles_per_program: tuning overrides (benchmarks and
     tests); ``kernel`` is "auto", "tile" (prefill) or "group" (decode, <= 4 queries per sequence).
     """
     fmt = KeyFormat.parse(fmt)
-    check_queries(q, weights, INDEX_HEAD_DIM)
-    check_pool(pool, fmt)
+    _check_shapes(q, weights, pool, fmt, block_table, entry_counts, query_seq, query_positions, ratio, q_scale, out)
     t, num_heads, d = q.shape
-    check_batch(block_table, entry_counts, query_seq, t, query_positions, ratio)
-    if q.dtype not in _Q_DTYPES:
-        raise ValueError(f"q dtype must be one of {[str(x) for x in _Q_DTYPES]}, got {q.dtype}")
-    if not weights.is_floating_point() or weights.dtype in _FP8_Q_DTYPES:
-        raise ValueError(f"weights must be fp32 / fp16 / bf16, got {weights.dtype}")
-    device = q.device
-    tensors = {"weights": weights, "pool": pool, "block_table": block_table, "entry_counts": entry_counts,
-               "query_seq": query_seq}
-    if query_positions is not None:
-        tensors["query_positions"] = query_positions
-    if q_scale is not None:
-        if not isinstance(q_scale, torch.Tensor) or q_scale.shape != (t, num_heads) or q_scale.dtype != torch.float32:
-            raise ValueError(f"q_scale must be fp32 [T, H] = [{t}, {num_heads}], got "
-                             f"{getattr(q_scale, 'dtype', type(q_scale).__name__)} {list(getattr(q_scale, 'shape', []))}")
-        if t and not bool((q_scale > 0).all()):
-            raise ValueError("q_scale must be > 0 everywhere (it is moved through the relu: relu(c x) = c relu(x))")
-        tensors["q_scale"] = q_scale
-    if out is not None:
-        tensors["out"] = out
-    for name, tensor in tensors.items():
-        if tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device} but q is on {device}; put every input on one device")
     if kernel not in ("auto", "tile", "group"):
         raise ValueError(f"kernel must be 'auto', 'tile' or 'group', got {kernel!r}")
-    _check_pages(block_table, entry_counts, pool.shape[0])
-
-    num_seqs = block_table.shape[0]
-    visible = _visible_counts(entry_counts, query_seq, query_positions, ratio) if t else None
+    if tiles is not None and (not isinstance(tiles, QueryTiles) or tiles.num_queries != t
+                              or tiles.rows.device != q.device):
+        raise ValueError(f"tiles must be a QueryTiles plan of these {t} queries on {q.device}")
+    if tiles is not None and tiles.kernel == "group" and not _group_kernel_fits(num_heads, tiles.size):
+        raise ValueError(f"tiles plan the group kernel, which needs a power-of-two H >= 16, got H = {num_heads}")
+    if validate:
+        _check_values(pool, block_table, entry_counts, query_seq, query_positions, ratio, q_scale,
+                      None if out is None else out.shape[1])
+    device = q.device
     if out is None:
         width = int(entry_counts.max()) if entry_counts.numel() else 0
         out = torch.empty(t, width, dtype=torch.float32, device=device)
-    else:
-        if out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] < t or (out.shape[1] > 1 and out.stride(1) != 1):
-            raise ValueError(f"out must be fp32 [>= {t}, W'] with unit column stride, got {out.dtype} "
-                             f"{list(out.shape)} strides {list(out.stride())}")
-        width = out.shape[1]
-        if t and int(visible.max()) > width:
-            raise ValueError(f"out has {width} columns but a query sees {int(visible.max())} entries; "
-                             f"W' must be >= every row's visible count")
+    width = out.shape[1]
     result = out[:t]
-    if t == 0 or width == 0:
+    if t == 0 or width == 0 or block_table.shape[0] == 0:
         return result
 
+    if tiles is None:
+        tiles = plan_query_tiles(query_seq, block_table.shape[0], num_heads, kernel, block_t)
     if q.dtype in (torch.float32, torch.float16):
         # Rounded once here (nearest even) rather than in the kernel: the interpreter truncates in-kernel
         # fp32 -> bf16 casts, and every head of every key tile would otherwise repeat the conversion.
         q = q.to(torch.bfloat16)
     if q.stride(2) != 1:
         q = q.contiguous()
-    fp8_q = q.dtype in _FP8_Q_DTYPES
-    fp8_dot = fp8_q and fmt.kind == "fp8"
+    fp8_dot = q.dtype in _FP8_Q_DTYPES and fmt.kind == "fp8"
     values_view, scales_view = _pool_views(pool, fmt)
-    per_seq = queries_per_sequence(query_seq, num_seqs)
-    max_per_sequence = int(per_seq.max())
-    choice = _pick_kernel(num_heads, max_per_sequence) if kernel == "auto" else kernel
     has_pos = query_positions is not None
     pos_arg = query_positions if has_pos else entry_counts  # any int tensor; never read when HAS_POS is False
     qs_arg = q_scale if q_scale is not None else weights
     qs_strides = (q_scale.stride(0), q_scale.stride(1)) if q_scale is not None else (0, 0)
-    common = dict(HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, KIND=_KIND_CODE[fmt.kind],
-                  FP8_DOT=fp8_dot, D=d, INTERPRET=_interpreting())
-
-    if choice == "group":
-        if num_heads & (num_heads - 1) or num_heads < 16:
-            raise ValueError(f"kernel='group' needs a power-of-two head count >= 16, got H = {num_heads}")
-        group = max(1, triton.next_power_of_2(max_per_sequence))
-        if group > 4:
-            raise ValueError(f"kernel='group' handles at most 4 queries per sequence, got {max_per_sequence}")
-        tiles = build_query_tiles(query_seq, num_seqs, group, per_seq)
-        bn = block_n or 64
-        per_program = tiles_per_program or max(1, min(8, triton.cdiv(width, bn * 4)))
-        grid = (tiles.num_tiles, triton.cdiv(width, bn * per_program))
-        _index_scores_group_kernel[grid](
-            q, weights, qs_arg, values_view, scales_view, block_table, entry_counts, pos_arg, tiles.rows,
+    args = (q, weights, qs_arg, values_view, scales_view, block_table, entry_counts, pos_arg, tiles.rows,
             tiles.tile_seq, tiles.tile_start, tiles.tile_len, out,
-            width, ratio, q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), *qs_strides,
-            block_table.stride(0), out.stride(0),
-            GROUP=group, H=num_heads, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
-            num_warps=num_warps or 4, num_stages=num_stages or 2, **common)
+            width, ratio, pool.shape[0], block_table.shape[0], block_table.shape[1],
+            q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), *qs_strides,
+            block_table.stride(0), out.stride(0))
+    common = dict(HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, KIND=_KIND_CODE[fmt.kind],
+                  FP8_DOT=fp8_dot, H=num_heads, D=d, INTERPRET=_interpreting())
+
+    if tiles.kernel == "group":
+        bn = block_n or DECODE_BLOCK_N[fmt.kind]
+        per_program = tiles_per_program or max(1, min(DECODE_TILES_PER_PROGRAM, triton.cdiv(width, bn * 4)))
+        grid = (tiles.num_tiles, triton.cdiv(width, bn * per_program))
+        _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
+                                         num_warps=num_warps or DECODE_WARPS,
+                                         num_stages=num_stages or DECODE_STAGES, **common)
         return result
 
-    bt = block_t or max(16, min(128, triton.next_power_of_2(max_per_sequence)))
-    bn = block_n or 128
-    tiles = build_query_tiles(query_seq, num_seqs, bt, per_seq)
+    bn = block_n or PREFILL_BLOCK_N
     grid = (tiles.num_tiles * triton.cdiv(width, bn),)
-    _index_scores_tile_kernel[grid](
-        q, weights, qs_arg, values_view, scales_view, block_table, entry_counts, pos_arg, tiles.rows,
-        tiles.tile_seq, tiles.tile_start, tiles.tile_len, out,
-        width, ratio, q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), *qs_strides,
-        block_table.stride(0), out.stride(0),
-        H=num_heads, BLOCK_T=bt, BLOCK_N=bn, num_warps=num_warps or (8 if bt * bn >= 128 * 128 else 4),
-        num_stages=num_stages or 3, **common)
+    _index_scores_tile_kernel[grid](*args, BLOCK_T=tiles.size, BLOCK_N=bn,
+                                    num_warps=num_warps or (PREFILL_WARPS if tiles.size * bn <= 64 * 128 else 8),
+                                    num_stages=num_stages or PREFILL_STAGES, **common)
     return result
 
 
 def index_scores_decode(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt: "KeyFormat | str",
                         block_table: torch.Tensor, entry_counts: torch.Tensor,
                         query_positions: torch.Tensor | None = None, ratio: int = 1, *,
-                        out: torch.Tensor | None = None, q_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
+                        validate: bool = True) -> torch.Tensor:
     """Decode scores: q [B, next_n, H, 128], weights [B * next_n, H] or [B, next_n, H] -> fp32 [B * next_n, W].
 
     Row b * next_n + i is query i of sequence b. query_positions int [B, next_n] (or [B * next_n]) or None
-    (every cached entry visible); q_scale fp32 [B * next_n, H] or [B, next_n, H]. Thin wrapper over
-    :func:`index_scores_triton` with query_seq = repeat_interleave(arange(B), next_n).
+    (every cached entry visible); q_scale fp32 [B * next_n, H] or [B, next_n, H]. Wrapper over
+    :func:`index_scores_triton` with query_seq = repeat_interleave(arange(B), next_n) and a tile plan built
+    without a host sync; with ``out`` and ``validate=False`` the call does no sync at all.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be [B, next_n, H, D], got "
@@ -516,6 +614,8 @@ def index_scores_decode(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tens
     b, next_n, h, d = q.shape
     if block_table.dim() != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table must be [B = {b}, max_pages], got {list(block_table.shape)}")
+    if next_n < 1:
+        raise ValueError(f"next_n must be >= 1, got q of shape {list(q.shape)}")
     rows = b * next_n
     if weights.shape not in ((rows, h), (b, next_n, h)):
         raise ValueError(f"weights must be [B * next_n, H] = [{rows}, {h}] or [B, next_n, H], got {list(weights.shape)}")
@@ -528,7 +628,8 @@ def index_scores_decode(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tens
     return index_scores_triton(
         q.reshape(rows, h, d), weights.reshape(rows, h), pool, fmt, block_table, entry_counts, query_seq,
         None if query_positions is None else query_positions.reshape(rows), ratio, out=out,
-        q_scale=None if q_scale is None else q_scale.reshape(rows, h))
+        q_scale=None if q_scale is None else q_scale.reshape(rows, h),
+        tiles=plan_decode_tiles(b, next_n, h, q.device), validate=validate)
 
 
 def flops(visible_pairs: int, num_heads: int, head_dim: int = INDEX_HEAD_DIM) -> int:
@@ -536,4 +637,5 @@ def flops(visible_pairs: int, num_heads: int, head_dim: int = INDEX_HEAD_DIM) ->
     return 2 * num_heads * head_dim * int(visible_pairs)
 
 
-__all__ = ["index_scores_triton", "index_scores_decode", "build_query_tiles", "QueryTiles", "flops"]
+__all__ = ["index_scores_triton", "index_scores_decode", "plan_query_tiles", "plan_decode_tiles", "QueryTiles",
+           "flops"]
