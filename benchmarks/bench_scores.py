@@ -28,7 +28,7 @@ import torch
 
 from dsakit.formats import KeyFormat
 from dsakit.ops.scores.deepgemm_compat import fp8_paged_mqa_logits
-from dsakit.ops.scores.triton import index_scores_triton
+from dsakit.ops.scores.triton import index_scores_decode, index_scores_triton, plan_decode_tiles, plan_query_tiles
 
 HEADS, DIM = 64, 128
 DEEPGEMM_LOGITS_MS = {8192: 1.08, 16384: 2.18, 32768: 4.40, 65536: 8.69}  # PERF.md, 8192 q, fp8
@@ -226,8 +226,9 @@ def failed(row: dict) -> bool:
             or row["rel_l2"] > tight_bound(row["format"], row["q"]))
 
 
-def timed(fn, rep_ms: int = 200) -> tuple[float, float]:
-    """(median ms, peak extra GiB) of fn()."""
+def timed(fn, graph: bool, rep_ms: int = 200) -> tuple[float, float]:
+    """(median ms, peak extra GiB) of fn(). graph=True times CUDA-graph replays (sync-free calls only),
+    which removes the Python launch cost from the figure; graph=False times plain calls, host work included."""
     import triton.testing
 
     fn()
@@ -237,19 +238,35 @@ def timed(fn, rep_ms: int = 200) -> tuple[float, float]:
     fn()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    ms = triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+    if graph:
+        ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+    else:
+        ms = triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
     return float(ms), float(peak)
 
 
-def prefill_bench(device: str, quick: bool) -> list[dict]:
+def measure(results: list[dict], base: dict, fn, graph: bool, extra) -> None:
+    """Time fn, append base + timing + extra(ms) to results (errors are recorded, not fatal)."""
+    try:
+        ms, peak = timed(fn, graph)
+    except Exception as exc:  # a config that does not compile (shared memory) is reported, not fatal
+        row = {**base, "error": repr(exc)[:300]}
+    else:
+        row = {**base, "ms": ms, "peak_extra_gib": peak, **extra(ms)}
+    results.append(row)
+    print(row, flush=True)
+
+
+def prefill_bench(device: str, quick: bool, t: int = 8192, sizes: list[int] | None = None) -> list[dict]:
+    """Kernel rows: tiles planned once, validate=False, CUDA-graph timing. One 'default call' row per size:
+    the plain public call (validation + planning + launch), to show the host cost."""
     results = []
-    t = 8192
-    configs = {  # (block_t, block_n, num_warps, num_stages)
+    configs = {  # (block_t, block_n, num_warps, num_stages); the first is the launcher default
         "fp8": [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (64, 256, 8, 3), (64, 64, 4, 3)],
         "bf16": [(64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3)],
         "fp4": [(64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3)],
     }
-    sizes = [65536] if quick else [8192, 16384, 32768, 65536]
+    sizes = sizes or ([65536] if quick else [8192, 16384, 32768, 65536])
     for fmt_name, q_dtype in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16), ("fp4", torch.bfloat16)):
         fmt = KeyFormat.parse(fmt_name)
         for n in sizes:
@@ -259,62 +276,64 @@ def prefill_bench(device: str, quick: bool) -> list[dict]:
             w = torch.rand(t, HEADS, device=device, generator=g)
             query_seq = torch.zeros(t, dtype=torch.int32, device=device)
             out = torch.empty(t, n, device=device)
-            cfgs = configs[fmt_name] if n == 65536 else configs[fmt_name][:1]
+            flop = 2 * HEADS * DIM * t * n
+
+            def extra(ms, n=n, flop=flop):
+                return {"tflops": flop / ms / 1e9, "deepgemm_logits_ms": DEEPGEMM_LOGITS_MS.get(n)}
+
+            base = {"case": "prefill", "format": fmt_name, "q": str(q_dtype), "T": t, "N": n, "H": HEADS, "D": DIM}
+            measure(results, {**base, "mode": "default call"},
+                    lambda: index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1, out=out),
+                    False, extra)
+            cfgs = configs[fmt_name] if n == sizes[-1] else configs[fmt_name][:1]
             for bt, bn, warps, stages in cfgs:
-                def run():
-                    index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1, out=out,
-                                        kernel="tile", block_t=bt, block_n=bn, num_warps=warps, num_stages=stages)
-                try:
-                    ms, peak = timed(run)
-                except Exception as exc:  # a config that does not compile (shared memory) is reported, not fatal
-                    row = {"case": "prefill", "format": fmt_name, "N": n, "config": [bt, bn, warps, stages],
-                           "error": repr(exc)[:300]}
-                    results.append(row)
-                    print(row, flush=True)
-                    continue
-                tflops = 2 * HEADS * DIM * t * n / ms / 1e9
-                row = {"case": "prefill", "format": fmt_name, "q": str(q_dtype), "T": t, "N": n, "H": HEADS,
-                       "D": DIM, "config": [bt, bn, warps, stages], "ms": ms, "tflops": tflops,
-                       "peak_extra_gib": peak, "deepgemm_logits_ms": DEEPGEMM_LOGITS_MS.get(n)}
-                results.append(row)
-                print(row, flush=True)
+                plan = plan_query_tiles(query_seq, 1, HEADS, kernel="tile", block_t=bt)
+
+                def run(plan=plan, bn=bn, warps=warps, stages=stages):
+                    index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1, out=out, tiles=plan,
+                                        validate=False, block_n=bn, num_warps=warps, num_stages=stages)
+                measure(results, {**base, "mode": "planned, graph", "config": [bt, bn, warps, stages]}, run, True,
+                        extra)
             del pool, out
     return results
 
 
-def decode_bench(device: str, quick: bool) -> list[dict]:
+def decode_bench(device: str, quick: bool, b: int = 64, sizes: list[int] | None = None) -> list[dict]:
     results = []
-    b = 64
+    configs = {  # (block_n, tiles per program, num_warps, num_stages); the first is the launcher default
+        "fp8": [(64, 8, 4, 3), (64, 16, 4, 4), (128, 8, 4, 3), (64, 4, 4, 3)],
+        "bf16": [(64, 8, 4, 3), (64, 16, 4, 4), (128, 8, 4, 3)],
+        "fp4": [(128, 8, 4, 3), (64, 8, 4, 3), (128, 4, 4, 3)],
+    }
     for fmt_name, q_dtype in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16), ("fp4", torch.bfloat16)):
         fmt = KeyFormat.parse(fmt_name)
-        for n in ((65536,) if quick else (65536, 131072)):
+        for n in sizes or ((65536,) if quick else (65536, 131072)):
             pool, table, counts = timing_pool(fmt, [n] * b, device, seed=9)
             g = torch.Generator(device=device).manual_seed(10)
-            q = torch.randn(b, HEADS, DIM, device=device, generator=g).to(q_dtype)
+            q = torch.randn(b, 1, HEADS, DIM, device=device, generator=g).to(q_dtype)
             w = torch.rand(b, HEADS, device=device, generator=g)
             query_seq = torch.arange(b, dtype=torch.int32, device=device)
             out = torch.empty(b, n, device=device)
-            for bn, per_prog, warps, stages in ((64, 8, 4, 3), (64, 16, 4, 4), (128, 8, 4, 3), (128, 4, 8, 3),
-                                                (64, 32, 4, 4)):
-                def run():
-                    index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1, out=out,
-                                        kernel="group", block_n=bn, tiles_per_program=per_prog,
-                                        num_warps=warps, num_stages=stages)
-                try:
-                    ms, peak = timed(run)
-                except Exception as exc:
-                    row = {"case": "decode", "format": fmt_name, "N": n, "config": [bn, per_prog, warps, stages],
-                           "error": repr(exc)[:300]}
-                    results.append(row)
-                    print(row, flush=True)
-                    continue
-                key_bytes = b * n * fmt.bytes_per_entry
-                row = {"case": "decode", "format": fmt_name, "q": str(q_dtype), "B": b, "next_n": 1, "N": n,
-                       "config": [bn, per_prog, warps, stages], "ms": ms,
-                       "key_tb_per_s": key_bytes / ms / 1e9, "out_tb_per_s": b * n * 4 / ms / 1e9,
-                       "peak_extra_gib": peak, "deepgemm_logits_ms": DEEPGEMM_DECODE_MS.get(n)}
-                results.append(row)
-                print(row, flush=True)
+            key_bytes = b * n * fmt.bytes_per_entry
+
+            def extra(ms, key_bytes=key_bytes, n=n):
+                return {"key_tb_per_s": key_bytes / ms / 1e9, "out_tb_per_s": b * n * 4 / ms / 1e9,
+                        "deepgemm_logits_ms": DEEPGEMM_DECODE_MS.get(n)}
+
+            base = {"case": "decode", "format": fmt_name, "q": str(q_dtype), "B": b, "next_n": 1, "N": n}
+            measure(results, {**base, "mode": "default call"},
+                    lambda: index_scores_decode(q, w, pool, fmt, table, counts, out=out), False, extra)
+            measure(results, {**base, "mode": "decode wrapper, validate=False"},
+                    lambda: index_scores_decode(q, w, pool, fmt, table, counts, out=out, validate=False), False,
+                    extra)
+            plan = plan_decode_tiles(b, 1, HEADS, device)
+            for bn, per_prog, warps, stages in configs[fmt_name]:
+                def run(bn=bn, per_prog=per_prog, warps=warps, stages=stages):
+                    index_scores_triton(q.view(b, HEADS, DIM), w, pool, fmt, table, counts, query_seq, None, 1,
+                                        out=out, tiles=plan, validate=False, block_n=bn,
+                                        tiles_per_program=per_prog, num_warps=warps, num_stages=stages)
+                measure(results, {**base, "mode": "planned, graph", "config": [bn, per_prog, warps, stages]}, run,
+                        True, extra)
             del pool, out
     return results
 
@@ -358,13 +377,14 @@ def main() -> int:
     report["decode"] = decode_bench(device, args.quick)
     save()
     print(f"total {time.time() - t0:.0f} s")
-    print("\nformat  case     N       config               ms      TFLOP/s  key TB/s  peak GiB")
+    print("\nformat  case     N       mode                            config            ms      TFLOP/s  key TB/s  peak GiB")
     for row in report["prefill"] + report["decode"]:
+        head = f"{row['format']:6}  {row['case']:7}  {row['N']:6}  {row['mode']:30}  {str(row.get('config', '')):16}"
         if "ms" not in row:
-            print(f"{row['format']:6}  {row['case']:7}  {row['N']:6}  {str(row['config']):20} ERROR")
+            print(f"{head}  ERROR")
             continue
-        print(f"{row['format']:6}  {row['case']:7}  {row['N']:6}  {str(row['config']):20} {row['ms']:7.3f}  "
-              f"{row.get('tflops', 0):7.1f}  {row.get('key_tb_per_s', 0):8.2f}  {row['peak_extra_gib']:7.2f}")
+        print(f"{head}  {row['ms']:7.3f}  {row.get('tflops', 0):7.1f}  {row.get('key_tb_per_s', 0):8.2f}  "
+              f"{row['peak_extra_gib']:7.2f}")
     bad = [r for r in report.get("correctness", []) if failed(r)]
     print(f"correctness failures: {len(bad)}")
     return 1 if bad else 0
