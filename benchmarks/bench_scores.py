@@ -35,7 +35,8 @@ DEEPGEMM_LOGITS_MS = {8192: 1.08, 16384: 2.18, 32768: 4.40, 65536: 8.69}  # PERF
 DEEPGEMM_DECODE_MS = {65536: 0.150, 131072: 0.288}  # PERF.md, B = 64
 
 
-def build_pool(fmt: KeyFormat, lengths: list[int], device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def build_pool(fmt: KeyFormat, lengths: list[int], device: str,
+               seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random keys for sequences of ``lengths`` entries in shuffled pages.
 
     Returns (pool uint8 [P, page_bytes], block_table int32 [B, max_pages], entry_counts int32 [B],
@@ -57,7 +58,8 @@ def build_pool(fmt: KeyFormat, lengths: list[int], device: str, seed: int) -> tu
             dequant.to(device))
 
 
-def timing_pool(fmt: KeyFormat, lengths: list[int], device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def timing_pool(fmt: KeyFormat, lengths: list[int], device: str,
+                seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random valid page bytes built on the GPU (no CPU quantization of millions of keys), shuffled pages.
 
     bf16: randn values; fp8: randn cast to e4m3 with scales in [0.5, 1.5); fp4: random nibbles with ue8m0
@@ -157,7 +159,8 @@ def correctness(device: str, small: bool = False) -> list[dict]:
                 g = torch.Generator(device=device).manual_seed(2)
                 t = 700 // shrink
                 query_seq = torch.randint(0, 3, (t,), device=device, generator=g).to(torch.int32)
-                positions = torch.randint(0, max(lengths) * ratio + 50, (t,), device=device, generator=g).to(torch.int32)
+                positions = torch.randint(0, max(lengths) * ratio + 50, (t,), device=device,
+                                          generator=g).to(torch.int32)
                 q = torch.randn(t, HEADS, DIM, device=device, generator=g)
                 w = torch.rand(t, HEADS, device=device, generator=g) - 0.3
                 q_k = q.to(q_dtype)
@@ -213,7 +216,8 @@ def correctness(device: str, small: bool = False) -> list[dict]:
     logits = fp8_paged_mqa_logits(q, pool.view(-1, 64, 1, 132), w, counts, table, max_len)
     query_seq = torch.arange(b, device=device).repeat_interleave(next_n)
     positions = counts.long().repeat_interleave(next_n) - next_n + torch.arange(next_n, device=device).repeat(b)
-    ref = torch_scores(q.reshape(b * next_n, HEADS, DIM).float(), w, keys, table, counts, query_seq, positions, 1, max_len)
+    ref = torch_scores(q.reshape(b * next_n, HEADS, DIM).float(), w, keys, table, counts, query_seq, positions, 1,
+                       max_len)
     row = {"case": "deepgemm fp8_paged_mqa_logits next_n=2", "format": "fp8", "q": str(q.dtype),
            **compare(logits, ref)}
     results.append(row)
@@ -352,7 +356,8 @@ def main() -> int:
 
     device = args.device
     torch.backends.cuda.matmul.allow_tf32 = False  # the torch comparison must be true fp32
-    meta = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)", "torch": torch.__version__, "triton": triton.__version__,
+    meta = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+            "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "commit": args.commit, "H": HEADS, "D": DIM,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     report = {"meta": meta}
@@ -377,7 +382,8 @@ def main() -> int:
     report["decode"] = decode_bench(device, args.quick)
     save()
     print(f"total {time.time() - t0:.0f} s")
-    print("\nformat  case     N       mode                            config            ms      TFLOP/s  key TB/s  peak GiB")
+    print("\nformat  case     N       mode                            config            "
+          "ms      TFLOP/s  key TB/s  peak GiB")
     for row in report["prefill"] + report["decode"]:
         head = f"{row['format']:6}  {row['case']:7}  {row['N']:6}  {row['mode']:30}  {str(row.get('config', '')):16}"
         if "ms" not in row:

@@ -96,7 +96,8 @@ def operand_queries(q: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kernel", ["tile", "group"])
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn], ids=["q-bf16", "q-fp32", "q-fp8"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn],
+                         ids=["q-bf16", "q-fp32", "q-fp8"])
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_matches_reference(fmt_name, q_dtype, kernel, device):
     lengths = [130, 0, 67, 1]  # non-powers of two, an empty sequence, a one-entry sequence

@@ -18,27 +18,33 @@ of all entries then scales of all entries):
 Tensor-core operands (documented numerical semantics, tested against the reference run on the same
 rounded inputs with a tight bound):
 
-    q dtype        key format   dot operands                  rounding versus the fp32 reference
-    fp8 e4m3       fp8          e4m3 x e4m3 (fp8 tensor cores) none (both exact), fp32 accumulation
-    fp8 e4m3       bf16 / fp4   bf16 x bf16 (q upcast, exact)  none
-    bf16           any          bf16 x bf16 (keys exact)       none
-    fp32 / fp16    any          bf16 x bf16                    q rounded to bf16 (nearest even)
+    q dtype        key format   dot operands                   rounding versus the fp32 reference
+    fp8 e4m3       fp8          e4m3 x e4m3 (fp8 tensor cores)  products exact; Hopper's fp8 wgmma accumulates
+                                                                with fewer than fp32 mantissa bits (measured
+                                                                relative L2 6e-5 on the H200); exact under the
+                                                                interpreter
+    fp8 e4m3       bf16 / fp4   bf16 x bf16 (q upcast, exact)   none
+    bf16           any          bf16 x bf16 (keys exact)        none
+    fp32 / fp16    any          bf16 x bf16                     q rounded once to bf16 (nearest even)
 
-Accumulation is fp32 but in a different order from the reference (per head, per 128-dim dot), so scores
-differ from the reference by fp32 rounding only when the operands are equal.
+Otherwise accumulation is fp32 in a different order from the reference (per head, per 128-dim dot), so
+scores differ from the reference by fp32 rounding only.
 
-Two kernels, chosen by the launcher from how many queries each sequence has:
+Two kernels, chosen by the tile plan from how many queries each sequence has:
 
 * ``_index_scores_tile_kernel`` (prefill): program = (tile of BLOCK_T queries of one sequence, BLOCK_N
-  entries). The key tile is loaded once; a loop over the H heads does [BLOCK_T, 128] x [128, BLOCK_N] dots,
+  entries) on a 1-D grid with the entry tile fastest (programs in flight share one query tile, whose q stays
+  in L2). The key tile is loaded once; a loop over the H heads does [BLOCK_T, 128] x [128, BLOCK_N] dots,
   relu, times w[t, h], accumulated in fp32 registers. Tiles past every row's visible count only write -inf.
 * ``_index_scores_group_kernel`` (decode, <= 4 queries per sequence): program = (group of G queries of one
   sequence, a run of N tiles). Keys are the M dimension and the G * H query heads the N dimension:
   [BLOCK_N, 128] x [128, G * H] per key tile, relu, times w, summed over heads; q stays on chip while the
   program streams its key tiles (memory bound).
 
-Host metadata (one device->host sync for the number of tiles): queries are stably sorted by sequence and
-cut into tiles that never mix sequences; each tile records (sequence, first sorted row, number of rows).
+Host side: queries are stably sorted by sequence and cut into tiles that never mix sequences
+(:class:`QueryTiles`, built by :func:`plan_query_tiles` with one device->host sync, or without any sync by
+:func:`plan_decode_tiles`); value checks cost one more sync unless ``validate=False`` (the kernels then clamp
+every page id and block-table column, so bad values never cause an out-of-bounds access).
 """
 
 from __future__ import annotations
@@ -271,7 +277,8 @@ def _index_scores_group_kernel(
 @triton.jit
 def _score_group_tile(n_start, q_t, w, seq, g_rows, g_ok, visible, group_visible,
                       values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                      num_pages, max_pages, KIND: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr,
+                      num_pages, max_pages, KIND: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr,
+                      H: tl.constexpr,
                       BLOCK_N: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr):
     """Scores of one key tile (entries n_start ..+BLOCK_N) for a query group: store [BLOCK_N, GROUP] columns."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
@@ -380,7 +387,8 @@ def plan_query_tiles(query_seq: torch.Tensor, num_seqs: int, num_heads: int, ker
     # every candidate tile size's tile count in the same sync as the largest per-sequence count
     sizes = (1, 2, 4, 16, 32, 64, 128) if block_t is None else (1, 2, 4, block_t)
     if num_seqs:
-        max_per_sequence, *counts = torch.stack([per_seq.max()] + [((per_seq + z - 1) // z).sum() for z in sizes]).tolist()
+        tile_counts = [((per_seq + z - 1) // z).sum() for z in sizes]
+        max_per_sequence, *counts = torch.stack([per_seq.max()] + tile_counts).tolist()
     else:
         max_per_sequence, counts = 0, [0] * len(sizes)
     choice = kernel
@@ -618,7 +626,8 @@ def index_scores_decode(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tens
         raise ValueError(f"next_n must be >= 1, got q of shape {list(q.shape)}")
     rows = b * next_n
     if weights.shape not in ((rows, h), (b, next_n, h)):
-        raise ValueError(f"weights must be [B * next_n, H] = [{rows}, {h}] or [B, next_n, H], got {list(weights.shape)}")
+        raise ValueError(f"weights must be [B * next_n, H] = [{rows}, {h}] or [B, next_n, H], "
+                         f"got {list(weights.shape)}")
     if query_positions is not None and query_positions.shape not in ((b, next_n), (rows,)):
         raise ValueError(f"query_positions must be [B, next_n] = [{b}, {next_n}] or [B * next_n], "
                          f"got {list(query_positions.shape)}")
