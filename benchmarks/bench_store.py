@@ -267,7 +267,8 @@ def bench_ms(fn, graph: bool = False) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def bandwidth_row(kind: str, fmt_name: str, n: int, table: torch.Tensor, block_n=None, num_warps=None) -> dict:
+def bandwidth_row(kind: str, fmt_name: str, n: int, table: torch.Tensor, block_n=None, num_warps=None,
+                  generic: bool = False) -> dict:
     if kind == "index":
         fmt, dim, ratio = KeyFormat.parse(fmt_name), 128, 4
     else:
@@ -279,9 +280,9 @@ def bandwidth_row(kind: str, fmt_name: str, n: int, table: torch.Tensor, block_n
     cases = [make_case(n, dim, fmt.page_bytes, table.shape[0], ratio, seed=100 + i) for i in range(sets)]
     w = torch.rand(dim, device="cuda") + 0.5
     cycle = itertools.cycle(cases)
-    kw = {}
+    kw = {"generic": generic}
     if block_n:
-        kw = {"block_n": block_n, "num_warps": num_warps}
+        kw.update(block_n=block_n, num_warps=num_warps)
 
     def run():
         rows, positions, slots, pool = next(cycle)
@@ -302,9 +303,33 @@ def bandwidth_row(kind: str, fmt_name: str, n: int, table: torch.Tensor, block_n
     row["fraction_of_copy_ceiling"] = row["gb_per_s"] / (COPY_CEILING_TBS * 1e3)
     if block_n:
         row["block_n"], row["num_warps"] = block_n, num_warps
+    row["kernel"] = "generic" if generic else "fast"
     del cases
     torch.cuda.empty_cache()
     return row
+
+
+def configs_identical(table: torch.Tensor, index_configs, attention_configs) -> dict:
+    """Every swept launch config must write the same bytes (the per-row arithmetic does not depend on it)."""
+    verdict = {}
+    for kind, fmt_name, configs in (("index", "fp4", index_configs), ("index", "fp8", index_configs),
+                                    ("attention", "fp8-rope-bf16", attention_configs)):
+        fmt = KeyFormat.parse(fmt_name) if kind == "index" else AttentionKVFormat.parse(fmt_name)
+        rows, positions, slots, pool = make_case(4099, 128 if kind == "index" else 512, fmt.page_bytes,
+                                                 table.shape[0], 4, seed=5)
+        w = torch.rand(rows.shape[1], device=DEVICE) + 0.5
+        outs = []
+        for block_n, warps in configs:
+            out = pool.clone()
+            if kind == "index":
+                launch_store_index_keys(rows, positions, slots, out, table, w, None, fmt, "rmsnorm", "interleaved",
+                                        "trailing", True, 1e-6, block_n=block_n, num_warps=warps)
+            else:
+                launch_store_attention_kv(rows, positions, slots, out, table, w, fmt, "interleaved", "trailing", 1e-6,
+                                          block_n=block_n, num_warps=warps)
+            outs.append(out)
+        verdict[f"{kind}/{fmt_name}"] = all(torch.equal(outs[0], o) for o in outs[1:])
+    return verdict
 
 
 def measure_copy_tbs() -> float:
@@ -418,26 +443,43 @@ def main() -> None:
             print(checks[-1], flush=True)
         result["correctness"] = checks
 
+    best = {"index": {}, "attention": {}}
+
     def run_sweep():
         sweep = []
+        # index: two lanes per row, so BLOCK_N = 16 rows per warp (or 32: two row pairs per lane pair)
+        index_configs = [(32, 2), (64, 4), (128, 8), (128, 4)]
         for fmt_name in ("fp4", "bf16"):
-            for block_n, warps in itertools.product((8, 16, 32), (4, 8)):
+            for block_n, warps in index_configs:
                 sweep.append(bandwidth_row("index", fmt_name, 2**20, table, block_n, warps))
                 print({k: sweep[-1][k] for k in ("format", "block_n", "num_warps", "us", "gb_per_s")}, flush=True)
-        for block_n, warps in itertools.product((2, 4), (4, 8)):
+        totals = {cfg: sum(r["us"] for r in sweep if r["kind"] == "index" and (r["block_n"], r["num_warps"]) == cfg)
+                  for cfg in index_configs}
+        best["index"] = dict(zip(("block_n", "num_warps"), min(totals, key=totals.get)))
+        # attention: eight lanes per row, so BLOCK_N = 4 rows per warp
+        attention_configs = [(8, 2), (16, 4), (32, 8)]
+        for block_n, warps in attention_configs:
             sweep.append(bandwidth_row("attention", "fp8-rope-bf16", 2**18, table, block_n, warps))
             print({k: sweep[-1][k] for k in ("format", "block_n", "num_warps", "us", "gb_per_s")}, flush=True)
+        att = {(r["block_n"], r["num_warps"]): r["us"] for r in sweep if r["kind"] == "attention"}
+        result["sweep_configs_identical_bytes"] = configs_identical(table, index_configs, attention_configs)
+        best["attention"] = dict(zip(("block_n", "num_warps"), min(att, key=att.get)))
+        # the generic kernels (any rope geometry; the v1 design) at the same sizes, for the record
+        sweep.append(bandwidth_row("index", "fp4", 2**20, table, generic=True))
+        sweep.append(bandwidth_row("attention", "fp8-rope-bf16", 2**18, table, generic=True))
         result["sweep"] = sweep
+        result["chosen_config"] = best
+        print("chosen", best, flush=True)
 
     def run_bandwidth():
         sizes = [int(s) for s in args.sizes.split(",")]
         bw = []
         for fmt_name in KEY_FORMATS:
             for n in sizes:
-                bw.append(bandwidth_row("index", fmt_name, n, table))
+                bw.append(bandwidth_row("index", fmt_name, n, table, **best["index"]))
         for fmt_name in KV_FORMATS:
             for n in sizes:
-                bw.append(bandwidth_row("attention", fmt_name, n, table))
+                bw.append(bandwidth_row("attention", fmt_name, n, table, **best["attention"]))
         result["bandwidth"] = bw
 
     def run_memory():
@@ -470,6 +512,12 @@ def main() -> None:
             graph = f" graph {r['us_cudagraph']:.2f} us" if "us_cudagraph" in r else ""
             print(f"  {r['kind']:<9} {r['format']:<14} N={r['n']:<8} {r['us']:9.2f} us{graph:<22} "
                   f"{r['gb_per_s']:8.1f} GB/s {100 * r['fraction_of_copy_ceiling']:5.1f}%")
+    if "sweep" in result:
+        print("\nsweep (N = 1M index, 256K attention):")
+        for r in result["sweep"]:
+            print(f"  {r['kind']:<9} {r['format']:<14} {r['kernel']:<8} BLOCK_N={r.get('block_n', '-')!s:<4} "
+                  f"warps={r.get('num_warps', '-')!s:<2} {r['us']:9.2f} us {r['gb_per_s']:8.1f} GB/s "
+                  f"{100 * r['fraction_of_copy_ceiling']:5.1f}%")
     if "memory" in result:
         print("\npeak memory above cache + inputs (MiB):")
         for r in result["memory"]:

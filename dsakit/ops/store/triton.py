@@ -1,37 +1,42 @@
 """Fused Triton store kernels: norm -> rope -> (Hadamard) -> quantize -> paged write, one launch.
 
-Two kernels, one per entry family; every option is a compile-time constant:
+Per row n (pseudocode; the reference in ``reference.py`` is the spec)::
 
-* ``_store_index_keys_kernel``: pre-norm keys [N, 128] (fp32 / bf16 / fp16) -> index-key cache entries in
-  bf16, fp8 (fp32 or ue8m0 scale) or fp4 (threshold or round-half-even ties).
-* ``_store_attention_kv_kernel``: pre-norm V4 main-attention KV [N, 512] -> ``fp8-rope-bf16`` (584 B: 448
-  e4m3 + 64 bf16 rope values, 7 ue8m0 scales + 1 zero pad byte) or plain ``bf16`` [512] entries.
-
-Each program handles ``BLOCK_N`` rows held in registers as fp32 [BLOCK_N, D]; nothing but the cache entry
-is written to global memory. Per row n (pseudocode; the reference in ``reference.py`` is the spec)::
-
-    x      = keys[n]                                 # fp32 [D]
+    x      = keys[n]                                 # fp32 [D], D = 128 (index keys) or 512 (attention KV)
     x      = x * rsqrt(mean(x^2) + eps) * w          # or (x - mean) * rsqrt(var + eps) * w + b
-    x[a_i], x[b_i] = a c - b s, a s + b c            # rope pairs of the layout, c/s = table[pos[n]]
-    x      = x @ H128 / sqrt(128)                    # index keys, optional: 7-stage butterfly in registers
+    x[a_i], x[b_i] = a c - b s, a s + b c            # rope pairs of the layout, c / s = table[pos[n]]
+    x      = x @ H128 / sqrt(128)                    # index keys, optional: butterfly in registers
     pool[page(slot[n])] <- bytes of quantize(x)      # byte layout: dsakit.formats
+
+Nothing but the cache entry is written to global memory. Two kernel families, every option a
+compile-time constant:
+
+* fast kernels for the preset geometry (rope_dim 64; attention rope on the trailing dims), shaped so that
+  Triton keeps rows inside registers: ``_store_index_keys_kernel`` tiles [2, BLOCK_N, 8, 8] = (half, row,
+  piece, e), so each lane holds one 64-dim half of a row and the row's two halves sit on two lanes (norm
+  sums and Hadamard bit 6 are 2-lane shuffle reductions, everything else, including the rope pairs, the
+  other 6 Hadamard stages and the fp4 blocks, is in-register); ``_store_attention_kv_kernel`` tiles
+  [8, BLOCK_N, 8, 8] = (64-dim block, row, piece, e), one block per lane, so the per-block fp8 amax is
+  in-register. No shared memory, no gathers.
+* generic kernels (``*_generic_kernel``) for any even rope width and placement: [BLOCK_N, D] tiles, the
+  rope partner of each dim reloaded from global memory (an L1 hit).
 
 Byte-exactness with the reference (CPU, fp32) is the goal, so the arithmetic mirrors it:
 
 * every division the reference does is a correctly rounded ``div_rn``; ``rsqrt(v)`` is ``1 / sqrt_rn(v)``
   (what torch's CPU rsqrt computes); the launcher disables fp contraction so ``a * c - b * s`` is not fused
   into an FMA (the reference rounds each product);
-* casts to bf16 / e4m3fn / e2m1 and the ue8m0 exponent are integer bit arithmetic (round-to-nearest-even
-  written out), identical on the GPU and in the Triton interpreter (whose own float casts truncate);
+* e2m1 codes and ue8m0 exponents are integer bit arithmetic; bf16 and e4m3 use the GPU's round-to-nearest-
+  even conversions, and in the Triton interpreter (whose float casts truncate) an exact integer emulation;
 * what cannot be identical is the order of the fp32 sums (mean of squares over 128 / 512 elements, the
-  Hadamard butterfly versus the reference's matmul). Those differ in the last fp32 bit now and then, which
-  changes a stored byte only when the reference value lies within that rounding of a code boundary: then
-  the byte differs by one code (one ulp of the stored format; an fp32 fp8 scale by one fp32 ulp). The
-  tests check exactly this bound.
+  Hadamard butterfly versus the reference's matmul). Those differ in the last fp32 bits now and then, which
+  changes a stored byte only when the reference value lies within that rounding of a code boundary (one
+  code of fp8 / fp4; an fp32 fp8 scale by a few fp32 ulps). tests/test_store_triton.py states and checks
+  the bound; inputs whose pipeline is exact in fp32 give identical bytes.
 
 Safety without validation (CUDA-graph capture, torch.compile): rows whose slot is negative or
->= num_slots, or whose position is outside the rope table, are not written; no address outside the pool,
-the inputs or the table is ever formed.
+>= num_slots, or whose position is outside the rope table, are neither read nor written; no address
+outside the pool, the inputs or the table is ever formed.
 
 The launchers are registered as ``torch.library`` custom ops (``dsakit::store_index_keys``,
 ``dsakit::store_attention_kv``) that mutate ``pool`` and have fake (meta) implementations, so the public
