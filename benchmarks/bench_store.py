@@ -431,6 +431,8 @@ def main() -> None:
             import traceback
             traceback.print_exc()
             result.setdefault("errors", {})[name] = traceback.format_exc()[-2000:]
+        with open(f"{args.out}/store_bench.json", "w") as f:  # partial results survive a timeout
+            json.dump(result, f, indent=1)
 
     def run_checks():
         checks = []
