@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.deepgemm_compat import fp8_paged_mqa_logits
+from dsakit.ops.scores.deepgemm_compat import fp8_mqa_logits, fp8_paged_mqa_logits
 from dsakit.ops.scores.triton import index_scores_decode, index_scores_triton, plan_decode_tiles, plan_query_tiles
 
 HEADS, DIM = 64, 128
@@ -220,6 +220,24 @@ def correctness(device: str, small: bool = False) -> list[dict]:
                        max_len)
     row = {"case": "deepgemm fp8_paged_mqa_logits next_n=2", "format": "fp8", "q": str(q.dtype),
            **compare(logits, ref)}
+    results.append(row)
+    print(row, flush=True)
+    # non-paged DeepGEMM convention: row t sees kv[ks[t]:ke[t]]
+    t, n = 300 // shrink, 5000 // shrink
+    keys32 = torch.randn(n, DIM, device=device, generator=g)
+    scale = keys32.abs().amax(dim=1).clamp(min=1e-4) / 448
+    values = (keys32 / scale[:, None]).to(torch.float8_e4m3fn)
+    q = torch.randn(t, HEADS, DIM, device=device, generator=g).to(torch.float8_e4m3fn)
+    w = torch.randn(t, HEADS, device=device, generator=g)
+    ke = torch.randint(0, n + 1, (t,), device=device, generator=g).to(torch.int32)
+    ks = (ke - torch.randint(0, n // 2, (t,), device=device, generator=g)).clamp(min=0).to(torch.int32)
+    logits = fp8_mqa_logits(q, (values, scale), w, ks, ke)
+    k = values.float() * scale[:, None]
+    ref = torch.cat([(torch.einsum("thd,nd->thn", q[i:i + 50].float(), k).relu() * w[i:i + 50, :, None]).sum(1)
+                     for i in range(0, t, 50)])
+    j = torch.arange(n, device=device)[None, :]
+    ref = ref.masked_fill((j < ks[:, None].long()) | (j >= ke[:, None].long()), float("-inf"))
+    row = {"case": "deepgemm fp8_mqa_logits (non-paged)", "format": "fp8", "q": str(q.dtype), **compare(logits, ref)}
     results.append(row)
     print(row, flush=True)
     return results

@@ -423,3 +423,26 @@ def test_decode_wrapper_unvalidated_matches(device):
     fast = _triton().index_scores_decode(q, w, pool, fmt, table, counts, out=out, validate=False)
     slow = _triton().index_scores_decode(q, w, pool, fmt, table, counts)
     assert torch.equal(fast.cpu(), slow.cpu())
+
+
+def test_deepgemm_non_paged_logits(device):
+    from dsakit.ops.scores.deepgemm_compat import fp8_mqa_logits
+
+    t, h, n = 7, 16, 150
+    q = torch.randn(t, h, 128).to(torch.float8_e4m3fn)
+    keys = torch.randn(n, 128)
+    scale = keys.abs().amax(dim=1).clamp(min=1e-4) / 448
+    values = (keys / scale[:, None]).to(torch.float8_e4m3fn)
+    w = torch.randn(t, h)
+    ks = torch.tensor([0, 0, 5, 10, 149, 30, 0], dtype=torch.int32)
+    ke = torch.tensor([1, 150, 80, 10, 150, 20, 64], dtype=torch.int32)  # row 3: empty, row 5: ke < ks
+    logits = fp8_mqa_logits(q.to(device), (values.to(device), scale.to(device)), w.to(device), ks.to(device),
+                            ke.to(device)).cpu()
+    k32 = values.float() * scale[:, None]
+    expect = (torch.einsum("thd,nd->thn", q.float(), k32).relu() * w[:, :, None]).sum(1)
+    j = torch.arange(n)[None, :]
+    expect = expect.masked_fill((j < ks[:, None].long()) | (j >= ke[:, None].long()), float("-inf"))
+    assert_scores_match(logits, expect, tight_rtol("fp8", q.dtype, device))
+    with pytest.raises(ValueError, match="kv scales"):
+        fp8_mqa_logits(q.to(device), (values.to(device), scale[:-1].to(device)), w.to(device), ks.to(device),
+                       ke.to(device))

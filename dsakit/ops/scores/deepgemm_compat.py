@@ -16,6 +16,11 @@ DeepGEMM convention (read from its tests/test_attention.py; restated, not copied
                                           the last query sees all context_lens[b] entries)
     visible j, context_lens [B, next_n]:  j <  context_lens[b, i]
 
+Non-paged variant (``fp8_mqa_logits``, DeepGEMM's prefill logits):
+
+    q       fp8 e4m3fn [T, H, D];  kv = (fp8 e4m3fn [N, D], fp32 scales [N]);  weights fp32 [T, H]
+    ks, ke  int32 [T]: row t sees kv[ks[t] : ke[t]]         -> logits fp32 [T, N], -inf outside [ks, ke)
+
 The masked value is -inf. DeepGEMM writes it only with ``clean_logits=True`` (otherwise masked columns hold
 unspecified values); dsakit always writes -inf, so ``clean_logits=False`` is accepted and gives the same,
 fully defined output. DeepGEMM's schedule metadata (``get_paged_mqa_logits_metadata``) has no counterpart:
@@ -101,4 +106,49 @@ def deepgemm_fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weigh
                                 schedule_metadata=schedule_metadata)
 
 
-__all__ = ["fp8_paged_mqa_logits", "deepgemm_fp8_paged_mqa_logits"]
+def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor,
+                   ks: torch.Tensor, ke: torch.Tensor, clean_logits: bool = True) -> torch.Tensor:
+    """DeepGEMM-compatible non-paged fp8 logits -> fp32 [T, N], -inf outside each row's [ks, ke).
+
+    The keys are copied once into an fp8 page pool (N x 132 bytes, the layout the kernels read) and scored
+    with the paged kernel: row t sees the prefix [0, ke[t]) through the causal rule (position ke[t] - 1,
+    ratio 1); the lower bound ks is then applied with one masked fill of the (materialized) output.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != INDEX_HEAD_DIM or q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"q must be float8_e4m3fn [T, H, {INDEX_HEAD_DIM}], got "
+                         f"{getattr(q, 'dtype', None)} {list(getattr(q, 'shape', []))}")
+    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+        raise ValueError("kv must be a pair (fp8 values [N, D], fp32 scales [N])")
+    values, scales = kv
+    n = values.shape[0] if isinstance(values, torch.Tensor) and values.dim() == 2 else -1
+    if n < 0 or values.shape[1] != INDEX_HEAD_DIM or values.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"kv values must be float8_e4m3fn [N, {INDEX_HEAD_DIM}], got "
+                         f"{getattr(values, 'dtype', None)} {list(getattr(values, 'shape', []))}")
+    if not isinstance(scales, torch.Tensor) or scales.shape != (n,) or scales.dtype != torch.float32:
+        raise ValueError(f"kv scales must be fp32 [N] = [{n}], got {getattr(scales, 'dtype', None)} "
+                         f"{list(getattr(scales, 'shape', []))}")
+    t, h, _ = q.shape
+    for name, bound in (("ks", ks), ("ke", ke)):
+        if not isinstance(bound, torch.Tensor) or bound.shape != (t,) or bound.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int [T] = [{t}], got {getattr(bound, 'dtype', None)} "
+                             f"{list(getattr(bound, 'shape', []))}")
+    device = q.device
+    pages = max(1, (n + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE)
+    padded_values = torch.zeros(pages * ENTRIES_PER_PAGE, INDEX_HEAD_DIM, dtype=torch.uint8, device=device)
+    padded_values[:n] = values.view(torch.uint8)
+    padded_scales = torch.ones(pages * ENTRIES_PER_PAGE, dtype=torch.float32, device=device)
+    padded_scales[:n] = scales
+    pool = torch.empty(pages, _FP8.page_bytes, dtype=torch.uint8, device=device)
+    pool[:, : _FP8.scale_offset_in_page] = padded_values.reshape(pages, -1)
+    pool[:, _FP8.scale_offset_in_page:] = padded_scales.view(torch.uint8).reshape(pages, -1)
+    block_table = torch.arange(pages, device=device, dtype=torch.int32)[None, :]
+    entry_counts = torch.tensor([n], device=device, dtype=torch.int32)
+    query_seq = torch.zeros(t, device=device, dtype=torch.int32)
+    positions = ke.to(torch.int32) - 1  # visible = min(N, ke)
+    logits = torch.empty(t, n, dtype=torch.float32, device=device)
+    index_scores_triton(q, weights, pool, _FP8, block_table, entry_counts, query_seq, positions, 1, out=logits)
+    below = torch.arange(n, device=device)[None, :] < ks.to(device).long()[:, None]
+    return logits.masked_fill_(below, float("-inf"))
+
+
+__all__ = ["fp8_paged_mqa_logits", "deepgemm_fp8_paged_mqa_logits", "fp8_mqa_logits"]
