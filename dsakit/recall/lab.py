@@ -44,7 +44,8 @@ from ..transforms import RopeLayout
 from . import metrics
 from .faults import FAULTS, Fault, decode_fp8_entries
 from .synthetic import (Haystack, SyntheticConfig, make_haystack, make_queries, model_weights, needle_direction,
-                        needle_entry_for_depth, place_needle, prepare_queries, query_positions)
+                        needle_entry_for_depth, place_needle, place_needles, prepare_queries,
+                        query_positions)
 
 ALL_FORMATS = ("bf16", "fp8", "fp8-ue8m0", "fp4", "fp4-rne")
 DEFAULT_FORMATS = ("bf16", "fp8", "fp4")
@@ -68,10 +69,10 @@ class RecallSettings:
     depths: tuple[float, ...] = DEFAULT_DEPTHS
     trials: int = 1
     horizon: bool = True
-    horizon_topks: tuple[int, ...] = (256, 512, 1024)
+    horizon_topks: tuple[int, ...] = (128, 256, 512, 1024)
     horizon_trials: int = 100
     horizon_quantile: float = 0.99
-    horizon_min: int = 1024
+    horizon_min: int = 512
     horizon_max: int = 32768
     horizon_steps_per_octave: int = 4
     faults: tuple[str, ...] = tuple(FAULTS)
@@ -428,20 +429,35 @@ def horizon_grid(settings: RecallSettings) -> list[int]:
     return grid
 
 
-class HorizonProbe:
-    """One haystack at one context length, stored once per format through the store op and read back.
+def haystack_prefix(haystack: Haystack, num_entries: int) -> Haystack:
+    """The first ``num_entries`` entries of a haystack as a haystack of its own.
 
-    :meth:`ranks` scores batches of independent trials against it (each trial its own needle entry,
-    direction, queries and head weights; one query token at the end of the context, which sees every entry).
-    Trials of a probe share the distractor keys but not their projections: every trial draws a new needle
-    direction, so the distractors' scores are redrawn.
+    Pooling is causal (entry j reads tokens up to ratio * (j + 1) - 1), so a prefix of a long haystack is
+    exactly the haystack a shorter context would have produced.
+    """
+    if not 1 <= num_entries <= haystack.num_entries:
+        raise ValueError(f"prefix of {num_entries} entries outside 1..{haystack.num_entries}")
+    tokens = num_entries * haystack.config.ratio
+    return dataclasses.replace(haystack, keys=haystack.keys[:num_entries],
+                               gate=None if haystack.gate is None else haystack.gate[:tokens])
+
+
+class HorizonHaystack:
+    """One haystack at the longest horizon length, stored once per format through the store op and read back.
+
+    :meth:`ranks` runs trials at a context length L on its prefix. Trial i draws its relative needle depth,
+    needle direction, queries and head weights from a generator of its own index, the same at every length
+    (common random numbers): the found-rate then falls smoothly with L and the bisection sees a consistent
+    curve. Each trial has one query token at the end of the context (it sees every entry); its needle
+    entries go through the store op too and are patched into the scores.
     """
 
-    def __init__(self, haystack: Haystack, rope_cos_sin: torch.Tensor, backend: str, device: torch.device):
+    def __init__(self, haystack: Haystack, rope_cos_sin: torch.Tensor, backend: str, device: torch.device, seed: int):
         self.haystack = haystack
         self.table = rope_cos_sin
         self.backend = backend
         self.device = device
+        self.seed = seed
         self._keys: dict[str, torch.Tensor] = {}
 
     def _stored(self, fmt: KeyFormat, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -460,22 +476,21 @@ class HorizonProbe:
             self._keys[fmt.name] = self._stored(fmt, hay.keys, torch.arange(hay.num_entries) * hay.config.ratio)
         return self._keys[fmt.name]
 
-    def ranks(self, formats: Sequence[str], trials: int, generator: torch.Generator) -> dict[str, list[int | None]]:
-        """Needle ranks of ``trials`` new trials for each format (None = needle not visible)."""
-        hay = self.haystack
-        cfg = hay.config
-        tr = cfg.geometry.key_transform
+    def ranks(self, formats: Sequence[str], context_tokens: int, trial_ids: Sequence[int]) -> dict[str, list[int | None]]:
+        """Needle ranks of the given trials at ``context_tokens`` for each format (None = needle not visible)."""
+        cfg = self.haystack.config
         ratio = cfg.ratio
-        qpos = query_positions(cfg, hay.context_tokens, 1)
-        needles, qs, ws = [], [], []
-        for _ in range(trials):
-            entry = int(torch.randint(0, hay.num_entries, (1,), generator=generator))
-            needle = place_needle(hay, entry, needle_direction(hay, generator))
-            q_pre, w = make_queries(hay, needle, qpos, generator)
-            needles.append(needle)
-            qs.append(prepare_queries(q_pre, qpos, self.table, tr.rope_layout, tr.rope_dim, tr.hadamard))
-            ws.append(w)
-        q, w = torch.cat(qs), torch.cat(ws)  # [trials, H, D], [trials, H]
+        tr = cfg.geometry.key_transform
+        n = context_tokens // ratio
+        hay = haystack_prefix(self.haystack, n)
+        qpos = query_positions(cfg, context_tokens, 1)
+        gens = [generator_for(self.seed, "horizon-trial", trial) for trial in trial_ids]
+        entries = [needle_entry_for_depth(float(torch.rand(1, generator=g)), n) for g in gens]
+        directions = torch.stack([needle_direction(hay, g) for g in gens])
+        needles = place_needles(hay, entries, directions)
+        q_pre, w = zip(*(make_queries(hay, nd, qpos, g) for nd, g in zip(needles, gens)))
+        q_pre, w = torch.cat(q_pre), torch.cat(w)  # [trials, H, D], [trials, H]
+        q = prepare_queries(q_pre, qpos.expand(len(needles)), self.table, tr.rope_layout, tr.rope_dim, tr.hadamard)
         needle_keys = torch.cat([nd.keys for nd in needles])
         needle_positions = torch.cat([nd.entries for nd in needles]) * ratio
         bounds = [0]
@@ -485,11 +500,12 @@ class HorizonProbe:
         for name in formats:
             fmt = KeyFormat.parse(name)
             needle_rows = self._stored(fmt, needle_keys, needle_positions)
-            scores = scores_ops.index_scores_dense(q, w, self.keys(fmt))  # [trials, N]
+            scores = scores_ops.index_scores_dense(q, w, self.keys(fmt)[:n])  # [trials, n]
+            # every trial against every trial's needle rows [trials, rows]; each keeps its own
+            needle_scores = scores_ops.index_scores_dense(q, w, needle_rows)
             ranks = []
             for i, nd in enumerate(needles):
-                rows = needle_rows[bounds[i]:bounds[i + 1]]
-                scores[i, nd.entries] = scores_ops.index_scores_dense(q[i:i + 1], w[i:i + 1], rows)[0]
+                scores[i, nd.entries] = needle_scores[i, bounds[i]:bounds[i + 1]]
                 ranks.append(metrics.needle_rank(scores[i], nd.entries))
             out[fmt.name] = ranks
         return out
@@ -522,10 +538,11 @@ def recall_horizon(settings: RecallSettings, formats: Sequence[str] | None = Non
                    on_point: ProgressFn | None = None) -> tuple[list[dict], list[dict]]:
     """Bisection over context length of the longest context where the needle is found in >= quantile of trials.
 
-    Returns (horizon rows, one per (format, k); point rows, one per evaluated (context, format)). Each probed
-    length draws one haystack; its trials run in batches of 25 and a format stops early at a length once even
-    the largest k has failed too often. The first probe is the longest length (a format that passes there is
-    done); then bisection on the geometric grid, which assumes the found-rate falls with length.
+    Returns (horizon rows, one per (format, k); point rows, one per evaluated (context, format)). One haystack
+    of the longest length serves every probe through its prefixes, and trial i is the same draw at every
+    length (see :class:`HorizonHaystack`). Trials run in batches of 25; a format stops early at a length once
+    even the largest k has failed too often. The first probe is the longest length (a format that passes there
+    is done); then bisection on the geometric grid, which assumes the found-rate falls with length.
     """
     formats = [KeyFormat.parse(f).name for f in (formats or settings.formats)]
     ks = sorted(set(settings.horizon_topks))
@@ -536,22 +553,22 @@ def recall_horizon(settings: RecallSettings, formats: Sequence[str] | None = Non
     trials, quantile = settings.horizon_trials, settings.horizon_quantile
     batch = min(25, trials)
     points: dict[tuple[int, str], HorizonPoint] = {}
+    longest = make_haystack(settings.config, grid[-1] // settings.config.ratio,
+                            generator_for(settings.seed, "horizon-haystack"), norm_weight, ape)
+    probe = HorizonHaystack(longest, table, settings.backend, device, settings.seed)
 
     def evaluate(index: int, fmts: list[str]) -> None:
         ctx = grid[index]
         todo = [f for f in fmts if (ctx, f) not in points]
         for f in todo:
             points[(ctx, f)] = HorizonPoint(ctx, f)
-        hay_gen = generator_for(settings.seed, "horizon-haystack", ctx)
-        probe = HorizonProbe(make_haystack(settings.config, ctx // settings.config.ratio, hay_gen, norm_weight, ape),
-                             table, settings.backend, device)
         b = 0
         while todo:
             size = min(batch, trials - b * batch)
             if size <= 0:
                 break
-            # trials of batch b are the same whichever formats still run, so results do not depend on the order
-            ranks = probe.ranks(todo, size, generator_for(settings.seed, "horizon-trials", ctx, b))
+            # trial ids, not formats, fix the draws: results do not depend on which formats are still running
+            ranks = probe.ranks(todo, ctx, range(b * batch, b * batch + size))
             for f in todo:
                 points[(ctx, f)].ranks.extend(ranks[f])
             b += 1

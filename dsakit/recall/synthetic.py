@@ -197,32 +197,51 @@ def needle_direction(haystack: Haystack, generator: torch.Generator) -> torch.Te
 
 def place_needle(haystack: Haystack, entry: int, direction: torch.Tensor) -> Needle:
     """Write the needle direction into the tokens of block ``entry`` and pool them (module docstring)."""
+    return place_needles(haystack, [entry], direction.unsqueeze(0))[0]
+
+
+def place_needles(haystack: Haystack, entries: "list[int]", directions: torch.Tensor) -> list[Needle]:
+    """:func:`place_needle` for several independent needles at once (each against the clean haystack).
+
+    directions [B, D] unit vectors. With the compressor, each needle is pooled in a window of three blocks
+    (p - 1, p, p + 1): entry p needs block p - 1 in its softmax and entry p + 1 reads block p as its
+    previous block; the needle rows are nonzero only in block p. Missing neighbours (p = 0, p = N - 1) are
+    padding blocks whose gates are -inf, which the softmax ignores exactly like the compressor's own j = 0
+    case. All windows are pooled in one call; the first block of each window (whose own previous block is
+    the neighbouring window) is discarded.
+    """
     n = haystack.num_entries
-    if not isinstance(entry, int) or not 0 <= entry < n:
-        raise ValueError(f"needle entry must be an int in 0..{n - 1}, got {entry!r}")
-    cfg = haystack.config
-    strength = cfg.needle_strength * haystack.sigma
+    if directions.dim() != 2 or directions.shape[0] != len(entries):
+        raise ValueError(f"directions must be [B, D] with B = {len(entries)} needles, got {list(directions.shape)}")
+    for entry in entries:
+        if not isinstance(entry, int) or not 0 <= entry < n:
+            raise ValueError(f"needle entry must be an int in 0..{n - 1}, got {entry!r}")
+    strength = haystack.config.needle_strength * haystack.sigma
     if haystack.gate is None:
-        entries = torch.tensor([entry])
-        keys = haystack.keys[entry:entry + 1] + strength * direction
-        return Needle(entry, entries, keys, direction)
-    ratio = cfg.ratio
-    # Pooling a window of blocks p-1 .. p+1 is enough: entry p needs block p-1 for its softmax, entry p+1
-    # reads block p as its previous block. The needle rows are nonzero only in block p.
-    first_block = max(entry - 1, 0)
-    last_block = min(entry + 1, n - 1)
-    rows = slice(first_block * ratio, (last_block + 1) * ratio)
-    gate = haystack.gate[rows]
-    needle_rows = torch.zeros_like(gate)
-    local = (entry - first_block) * ratio
-    needle_rows[local:local + ratio] = torch.cat([direction, direction])
-    pooled = compress_projected(needle_rows, gate, haystack.ape, ratio)  # [blocks in window, D]
-    own = entry - first_block
-    along = float(pooled[own] @ direction)  # > 0: a convex combination of u's channels
-    scale = strength / max(along, 1e-12)
-    entries = torch.arange(entry, last_block + 1)
-    keys = haystack.keys[entries] + scale * pooled[own:]
-    return Needle(entry, entries, keys, direction)
+        return [Needle(p, torch.tensor([p]), haystack.keys[p:p + 1] + strength * u, u)
+                for p, u in zip(entries, directions)]
+    ratio = haystack.config.ratio
+    width = haystack.gate.shape[1]
+    gates, rows = [], []
+    for p, u in zip(entries, directions):
+        for block in (p - 1, p, p + 1):
+            if 0 <= block < n:
+                gates.append(haystack.gate[block * ratio:(block + 1) * ratio])
+            else:
+                gates.append(torch.full((ratio, width), float("-inf")))
+            needle_rows = torch.zeros(ratio, width)
+            if block == p:
+                needle_rows[:] = torch.cat([u, u])
+            rows.append(needle_rows)
+    pooled = compress_projected(torch.cat(rows), torch.cat(gates), haystack.ape, ratio).reshape(len(entries), 3, -1)
+    needles = []
+    for i, (p, u) in enumerate(zip(entries, directions)):
+        along = float(pooled[i, 1] @ u)  # > 0: a convex combination of u's channels
+        scale = strength / max(along, 1e-12)
+        carried = torch.arange(p, min(p + 1, n - 1) + 1)
+        contribution = pooled[i, 1:1 + carried.numel()]
+        needles.append(Needle(p, carried, haystack.keys[carried] + scale * contribution, u))
+    return needles
 
 
 def needle_entry_for_depth(depth: float, visible_entries: int) -> int:
