@@ -7,7 +7,8 @@ What is generated, for one *haystack* of N cached entries (context L = N * ratio
    position bias ``ape`` [ratio, 2 * D] is a fixed draw of the same seed. ``mu`` [D] is a *shared
    component*: the same vector in every token (pooled keys of a real model share a large common
    direction). It lives in the dims rope leaves alone (dims 0..63 for V4, 64..127 for V3.2), because a
-   common vector in the rotated dims would turn with the position and stop being common.
+   common vector in the rotated dims would turn with the position and stop being common. It has zero mean over
+   the channels (so LayerNorm's centering leaves it alone), as has the needle direction below.
 2. Pooling. The token states go through the V4 compressor (:func:`dsakit.ops.compress.compress_projected`,
    ratio 4 with overlapping windows) and give the pre-norm keys ``k[j] = mu + zp[j]`` [N, D]; the softmax
    weights of the gated pooling sum to one per channel, so the shared part passes through unchanged while
@@ -156,6 +157,9 @@ def make_haystack(config: SyntheticConfig, num_entries: int, generator: torch.Ge
     free = rope_free_dims(geo.key_transform, d)
     mu_dir = torch.zeros(d)
     mu_dir[free] = torch.randn(free.numel(), generator=generator)
+    # Zero mean over the channels: LayerNorm (V3.2) subtracts each key's channel mean, which would otherwise
+    # turn part of the shared vector into a per-entry offset that every query sees.
+    mu_dir[free] -= mu_dir[free].mean()
     mu_dir = _unit(mu_dir)
     use_compressor = config.compressed and config.ratio == 4
     if use_compressor:
@@ -189,8 +193,9 @@ class Needle:
 
 
 def needle_direction(haystack: Haystack, generator: torch.Generator) -> torch.Tensor:
-    """A random unit direction u [D] orthogonal to the shared component mu."""
+    """A random unit direction u [D] orthogonal to the shared component mu, with zero channel mean."""
     u = torch.randn(haystack.keys.shape[1], generator=generator)
+    u = u - u.mean()
     mu_hat = _unit(haystack.mu) if float(haystack.mu.norm()) > 0 else torch.zeros_like(u)
     return _unit(u - (u @ mu_hat) * mu_hat)
 
