@@ -17,7 +17,8 @@ compile-time constant:
   sums and Hadamard bit 6 are 2-lane shuffle reductions, everything else, including the rope pairs, the
   other 6 Hadamard stages and the fp4 blocks, is in-register); ``_store_attention_kv_kernel`` tiles
   [8, BLOCK_N, 8, 8] = (64-dim block, row, piece, e), one block per lane, so the per-block fp8 amax is
-  in-register. No shared memory, no gathers.
+  in-register (fp8-rope-bf16 entries only: for plain bf16 entries the generic kernel measured faster).
+  No shared memory, no gathers.
 * generic kernels (``*_generic_kernel``) for any even rope width and placement: [BLOCK_N, D] tiles, the
   rope partner of each dim reloaded from global memory (an L1 hit).
 
@@ -66,16 +67,19 @@ _PLACEMENTS = {"trailing": 0, "leading": 1}
 _KEY_KINDS = {"bf16": 0, "fp8": 1, "fp4": 2}
 _ATTENTION_KINDS = {"bf16": 0, "fp8-rope-bf16": 1}
 
-# Rows per program of the fast kernels. Index keys: two lanes per row, so 16 rows per warp; attention KV:
-# eight lanes per row (one 64-dim block each), so 4 rows per warp. H200 sweep: benchmarks/NOTES.md.
-INDEX_BLOCK_N = 64
-INDEX_NUM_WARPS = 4
-ATTENTION_BLOCK_N = 16
-ATTENTION_NUM_WARPS = 4
-# The generic kernels (any rope width / placement) keep 16 rows x 4 warps: larger row blocks trip a Triton
-# 3.6 layout pass (RemoveLayoutConversions) on their 1-D row vectors.
+# Rows per program of the fast kernels, from the H200 sweep (benchmarks/results/store_h200_v2_inregister.json):
+# index keys have two lanes per row (16 rows per warp), 32 rows x 2 warps was fastest (64 x 4 within 1%);
+# attention KV has eight lanes per row (4 rows per warp), 8 rows x 2 warps was fastest.
+INDEX_BLOCK_N = 32
+INDEX_NUM_WARPS = 2
+ATTENTION_BLOCK_N = 8
+ATTENTION_NUM_WARPS = 2
+# The generic kernels (any rope width / placement) use 16 rows x 4 warps for index keys (larger row blocks
+# trip a Triton 3.6 layout pass, RemoveLayoutConversions, on their 1-D row vectors) and 4 rows x 4 warps
+# for attention KV (the configuration measured in benchmarks/results/store_h200_v1_butterfly.json).
 GENERIC_BLOCK_N = 16
 GENERIC_NUM_WARPS = 4
+GENERIC_ATTENTION_BLOCK_N = 4
 
 
 # --------------------------------------------------------------------------------------------------
@@ -580,10 +584,10 @@ def _store_index_keys_kernel(
 def _store_attention_kv_kernel(
         kv_ptr, positions_ptr, slots_ptr, pool_ptr, table_ptr, w_ptr,
         n_rows, kv_row_stride, num_slots, max_position, eps,
-        PAIRING: tl.constexpr, KIND: tl.constexpr,
+        PAIRING: tl.constexpr,
         VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr,
         BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
-    """V4 attention KV with rope on the trailing 64 dims (either pairing).
+    """V4 attention KV in the fp8-rope-bf16 entry, rope on the trailing 64 dims (either pairing).
 
     The tile is x [8, BLOCK_N, 8, 8]: (64-dim block, row, piece, e), dim = 64 * block + 8 * piece + e.
     Listing the block first makes Triton spread a row's 8 blocks over 8 lanes of one warp, each lane
@@ -629,17 +633,15 @@ def _store_attention_kv_kernel(
     value_base = page * PAGE_BYTES + entry * VALUE_BYTES  # [1, BLOCK_N, 1, 1]
     scale_base = page * PAGE_BYTES + PAGE * VALUE_BYTES + entry * SCALE_BYTES
     halfword_ptr = pool_ptr.to(tl.pointer_type(tl.uint16))
-    if KIND == 0:  # bf16 [512]
-        tl.store(halfword_ptr + value_base // 2 + cols, _bf16_u16(x, NATIVE), mask=live)
-    else:  # blocks 0..6: e4m3 with one ue8m0 scale each; block 7: 64 bf16 right after the 448 fp8 bytes
-        amax = tl.maximum(tl.max(tl.max(_finite_abs(x), axis=3), axis=2), 1e-4)  # [8, BLOCK_N]
-        exponent = _ue8m0_ceil(tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
-        v = _sanitize(x) * _pow2(254 - exponent)[:, :, None, None]  # exact: dividing by 2^k
-        codes = _e4m3_u8(tl.minimum(tl.maximum(v, -448.0), 448.0), NATIVE)
-        tl.store(pool_ptr + value_base + cols, codes, mask=live & (block < 7))
-        tl.store(halfword_ptr + (value_base + NOPE) // 2 + (cols - NOPE), _bf16_u16(x, NATIVE), mask=live & is_rope)
-        scale_byte = tl.where(block < 7, exponent[:, :, None, None], 0).to(tl.uint8)  # 7 scales + 1 zero pad
-        tl.store(pool_ptr + scale_base + block, scale_byte, mask=live)
+    # blocks 0..6: e4m3 with one ue8m0 scale each; block 7: 64 bf16 right after the 448 fp8 bytes
+    amax = tl.maximum(tl.max(tl.max(_finite_abs(x), axis=3), axis=2), 1e-4)  # [8, BLOCK_N]
+    exponent = _ue8m0_ceil(tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+    v = _sanitize(x) * _pow2(254 - exponent)[:, :, None, None]  # exact: dividing by 2^k
+    codes = _e4m3_u8(tl.minimum(tl.maximum(v, -448.0), 448.0), NATIVE)
+    tl.store(pool_ptr + value_base + cols, codes, mask=live & (block < 7))
+    tl.store(halfword_ptr + (value_base + NOPE) // 2 + (cols - NOPE), _bf16_u16(x, NATIVE), mask=live & is_rope)
+    scale_byte = tl.where(block < 7, exponent[:, :, None, None], 0).to(tl.uint8)  # 7 scales + 1 zero pad
+    tl.store(pool_ptr + scale_base + block, scale_byte, mask=live)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -668,9 +670,13 @@ def index_fast_path(rope_dim: int) -> bool:
     return rope_dim == 64
 
 
-def attention_fast_path(rope_dim: int, placement: str) -> bool:
-    """The fast attention kernel covers 64 rope dims at the tail (V4); the generic one everything else."""
-    return rope_dim == 64 and placement == "trailing"
+def attention_fast_path(rope_dim: int, placement: str, kind: str) -> bool:
+    """The fast attention kernel covers 64 rope dims at the tail (V4) for the fp8-rope-bf16 entry.
+
+    For the plain bf16 entry the generic kernel measured faster on the H200 (1M rows: 0.88 ms versus
+    1.39 ms, benchmarks/NOTES.md), so it keeps that format, and every other rope geometry.
+    """
+    return rope_dim == 64 and placement == "trailing" and kind == "fp8-rope-bf16"
 
 
 def launch_store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
@@ -706,24 +712,27 @@ def launch_store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: 
                               rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor, fmt: AttentionKVFormat,
                               pairing: str, placement: str, eps: float, block_n: int = ATTENTION_BLOCK_N,
                               num_warps: int = ATTENTION_NUM_WARPS, generic: bool = False) -> None:
-    """Launch the attention-KV kernel on validated inputs (see ``dsakit.ops.store.store_attention_kv``)."""
+    """Launch the attention-KV kernel on validated inputs (see ``dsakit.ops.store.store_attention_kv``).
+
+    ``block_n`` / ``num_warps`` tune the fast kernel; ``generic=True`` forces the generic one.
+    """
     n = kv.shape[0]
     if n == 0:
         return
     kv = _rows_view(kv)
     positions, slots = positions.contiguous(), slots.contiguous()
     table = rope_cos_sin.contiguous()
-    common = dict(PAIRING=_PAIRINGS[pairing], KIND=_ATTENTION_KINDS[fmt.kind], VALUE_BYTES=fmt.value_bytes,
-                  SCALE_BYTES=fmt.scale_bytes, PAGE_BYTES=fmt.page_bytes, **_launch_options(pool.device))
+    common = dict(PAIRING=_PAIRINGS[pairing], VALUE_BYTES=fmt.value_bytes, SCALE_BYTES=fmt.scale_bytes,
+                  PAGE_BYTES=fmt.page_bytes, **_launch_options(pool.device))
     args = (kv, positions, slots, pool, table, norm_weight, n, kv.stride(0), pool.shape[0] * ENTRIES_PER_PAGE,
             table.shape[0], float(eps))
-    if attention_fast_path(table.shape[1], placement) and not generic:
+    if attention_fast_path(table.shape[1], placement, fmt.kind) and not generic:
         _store_attention_kv_kernel[(triton.cdiv(n, block_n),)](
             *args, NATIVE=_native_casts(pool), BLOCK_N=block_n, num_warps=num_warps, **common)
     else:
-        _store_attention_kv_generic_kernel[(triton.cdiv(n, GENERIC_BLOCK_N),)](
-            *args, ROPE_DIM=table.shape[1], PLACEMENT=_PLACEMENTS[placement], BLOCK_N=GENERIC_BLOCK_N,
-            num_warps=GENERIC_NUM_WARPS, **common)
+        _store_attention_kv_generic_kernel[(triton.cdiv(n, GENERIC_ATTENTION_BLOCK_N),)](
+            *args, KIND=_ATTENTION_KINDS[fmt.kind], ROPE_DIM=table.shape[1], PLACEMENT=_PLACEMENTS[placement],
+            BLOCK_N=GENERIC_ATTENTION_BLOCK_N, num_warps=GENERIC_NUM_WARPS, **common)
 
 
 @torch.library.custom_op("dsakit::store_index_keys", mutates_args=("pool",))
