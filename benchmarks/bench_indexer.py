@@ -57,9 +57,11 @@ class Sizes:
         self.big_n = 1000 if smoke else 262144
         self.ks = [8, 32] if smoke else [512, 2048]
         self.naive_max_n = 512 if smoke else 32768
-        self.sweep = [(64, 4)] if smoke else [(2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8),
-                                               (8192, 16)]
-        self.decode_sweep = [(64, 4)] if smoke else [(2048, 4), (4096, 8), (8192, 16)]
+        # (BLOCK, num_warps, BINS) of the select kernel
+        self.sweep = [(64, 4, 32)] if smoke else [(4096, 8, 64), (4096, 8, 32), (4096, 8, 128), (2048, 4, 64),
+                                                   (2048, 8, 64), (4096, 4, 64), (8192, 16, 64)]
+        self.decode_sweep = [(64, 4, 32)] if smoke else [(4096, 8, 64), (2048, 4, 64), (8192, 16, 64),
+                                                         (4096, 8, 32)]
         self.rep_ms = 5 if smoke else 100
 
 
@@ -181,19 +183,20 @@ def select_sweep(device: str, sz: Sizes) -> tuple[list[dict], dict]:
                                     "decode": (sz.decode_b, sz.decode_n[-1], sz.decode_sweep)}.items():
         scores = torch.randn(t, n, device=device, generator=g).abs_()  # indexer scores are mostly >= 0
         k = sz.ks[-1]
-        for block, warps in configs:
-            ms, _ = timed(lambda: select_topk_triton(scores, k, block=block, num_warps=warps), device, sz.rep_ms)
-            row = {"sweep": regime, "T": t, "N": n, "K": k, "block": block, "num_warps": warps, "ms": ms,
-                   "gb_per_s_one_read": t * n * 4 / ms / 1e6}
+        for block, warps, bins in configs:
+            ms, _ = timed(lambda: select_topk_triton(scores, k, block=block, num_warps=warps, bins=bins), device,
+                          sz.rep_ms)
+            row = {"sweep": regime, "T": t, "N": n, "K": k, "block": block, "num_warps": warps, "bins": bins,
+                   "ms": ms, "gb_per_s_one_read": t * n * 4 / ms / 1e6}
             rows.append(row)
             print(row, flush=True)
             if regime not in best or ms < best[regime]["ms"]:
-                best[regime] = {"block": block, "num_warps": warps, "ms": ms}
+                best[regime] = {"block": block, "num_warps": warps, "bins": bins, "ms": ms}
         b = best[regime]
-        ms, _ = timed(lambda: select_topk_triton(scores, k, block=b["block"], num_warps=b["num_warps"], sort=False),
-                      device, sz.rep_ms)
+        ms, _ = timed(lambda: select_topk_triton(scores, k, block=b["block"], num_warps=b["num_warps"], bins=b["bins"],
+                                                 sort=False), device, sz.rep_ms)
         rows.append({"sweep": regime, "T": t, "N": n, "K": k, "block": b["block"], "num_warps": b["num_warps"],
-                     "sort": False, "ms": ms})
+                     "bins": b["bins"], "sort": False, "ms": ms})
         ms, _ = timed(lambda: torch.topk(scores, k, dim=1), device, sz.rep_ms)
         rows.append({"sweep": regime, "T": t, "N": n, "K": k, "torch_topk_ms": ms})
         print(rows[-2], rows[-1], flush=True)
@@ -210,7 +213,7 @@ def naive_indexer(q_bf16, w, keys_bf16, k):
 
 def prefill_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
     rows = []
-    sel = best.get("prefill", {"block": 4096, "num_warps": 8})
+    sel = best.get("prefill", {"block": 4096, "num_warps": 8, "bins": 64})
     t = sz.t
     for fmt_name in ("fp8", "bf16", "fp4"):
         fmt = KeyFormat.parse(fmt_name)
@@ -227,20 +230,27 @@ def prefill_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
             for k in sz.ks:
                 def run_e2e():
                     return index_topk_triton(q, w, pool, fmt, table, counts, query_seq, k, q_scale=q_scale,
-                                             select_block=sel["block"], select_warps=sel["num_warps"])
+                                             select_block=sel["block"], select_warps=sel["num_warps"],
+                                             select_bins=sel["bins"])
 
                 got = run_e2e()
                 run_scores()
                 check = same_selection(got, scores, k)
                 del got
                 ms_e2e, peak_e2e = timed(run_e2e, device, sz.rep_ms)
-                ms_sel, _ = timed(lambda: select_topk_triton(scores, k, block=sel["block"], num_warps=sel["num_warps"]),
+                ms_unsorted, _ = timed(lambda: index_topk_triton(
+                    q, w, pool, fmt, table, counts, query_seq, k, q_scale=q_scale, sort=False,
+                    select_block=sel["block"], select_warps=sel["num_warps"], select_bins=sel["bins"]),
+                    device, sz.rep_ms)
+                ms_sel, _ = timed(lambda: select_topk_triton(scores, k, block=sel["block"], num_warps=sel["num_warps"],
+                                                     bins=sel["bins"]),
                                   device, sz.rep_ms)
                 ms_torch_topk, _ = timed(lambda: torch.topk(scores, k, dim=1), device, sz.rep_ms)
                 anchor = DEEPGEMM_PREFILL.get(n)
                 deepgemm_total = None if anchor is None else anchor[0] + anchor[1 if k == 512 else 2]
                 row = {"case": "prefill", "format": fmt_name, "q": str(q.dtype), "T": t, "N": n, "H": sz.heads,
                        "D": DIM, "K": k, "ms": ms_e2e, "tflops": FLOPS_PER_PAIR * t * n / ms_e2e / 1e9,
+                       "unsorted_ms": ms_unsorted,
                        "peak_extra_gib": peak_e2e, "scores_ms": ms_scores, "scores_peak_gib": peak_scores,
                        "select_ms": ms_sel, "torch_topk_ms": ms_torch_topk,
                        "triton_scores_plus_torch_topk_ms": ms_scores + ms_torch_topk,
@@ -271,7 +281,7 @@ def prefill_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
 
 def decode_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
     rows = []
-    sel = best.get("decode", {"block": 4096, "num_warps": 8})
+    sel = best.get("decode", {"block": 4096, "num_warps": 8, "bins": 64})
     b = sz.decode_b
     for fmt_name in ("fp8", "bf16", "fp4"):
         fmt = KeyFormat.parse(fmt_name)
@@ -288,13 +298,15 @@ def decode_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
             for k in sz.ks:
                 def run_e2e():
                     return index_topk_triton(q, w, pool, fmt, table, counts, query_seq, k, q_scale=q_scale,
-                                             select_block=sel["block"], select_warps=sel["num_warps"])
+                                             select_block=sel["block"], select_warps=sel["num_warps"],
+                                             select_bins=sel["bins"])
 
                 got = run_e2e()
                 run_scores()
                 check = same_selection(got, scores, k)
                 ms_e2e, peak_e2e = timed(run_e2e, device, sz.rep_ms)
-                ms_sel, _ = timed(lambda: select_topk_triton(scores, k, block=sel["block"], num_warps=sel["num_warps"]),
+                ms_sel, _ = timed(lambda: select_topk_triton(scores, k, block=sel["block"], num_warps=sel["num_warps"],
+                                                     bins=sel["bins"]),
                                   device, sz.rep_ms)
                 ms_torch_topk, _ = timed(lambda: torch.topk(scores, k, dim=1), device, sz.rep_ms)
                 g = torch.Generator(device=device).manual_seed(33)
@@ -327,7 +339,7 @@ def decode_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
 def big_run(device: str, sz: Sizes, best: dict) -> list[dict]:
     """N = 262144 entries x T = 8192 queries, K 2048, default workspace: completes, peak extra memory < 1 GiB."""
     rows = []
-    sel = best.get("prefill", {"block": 4096, "num_warps": 8})
+    sel = best.get("prefill", {"block": 4096, "num_warps": 8, "bins": 64})
     t, n, k = sz.t, sz.big_n, sz.ks[-1]
     for fmt_name in ("fp8", "bf16", "fp4"):
         fmt = KeyFormat.parse(fmt_name)
@@ -337,7 +349,8 @@ def big_run(device: str, sz: Sizes, best: dict) -> list[dict]:
 
         def run_e2e():
             return index_topk_triton(q, w, pool, fmt, table, counts, query_seq, k, q_scale=q_scale,
-                                     select_block=sel["block"], select_warps=sel["num_warps"])
+                                     select_block=sel["block"], select_warps=sel["num_warps"],
+                                             select_bins=sel["bins"])
 
         if device == "cuda":
             torch.cuda.synchronize()

@@ -52,6 +52,8 @@ from ..scores.reference import check_batch, check_queries, visible_counts
 DEFAULT_WORKSPACE_BYTES = 512 << 20
 
 _INT32_MIN = tl.constexpr(-(1 << 31))
+# Candidates per row kept for the exact final select (fp32 value + int32 index = 8 bytes each).
+CANDIDATE_CAP = 2048
 
 
 @triton.jit
@@ -72,33 +74,16 @@ def _order_key(x, in_bounds):
 
 
 @triton.jit
-def _radix_select_kernel(
-    scores_ptr, stride_scores,      # fp32 [R, W] (row stride in elements)
-    counts_ptr,                     # int32 [R]: entries of the row to consider (<= W)
-    out_ptr, stride_out,            # int32 [R, K] entry indices, -1 padded
-    slots_ptr, stride_slots,        # int32 [R, K] global slot ids (only when WITH_SLOTS)
-    seq_ptr,                        # int32 [R] sequence of each row (only when WITH_SLOTS)
-    table_ptr, stride_table,        # int32 [B, max_pages] block table (only when WITH_SLOTS)
-    K,                              # runtime k
-    BLOCK: tl.constexpr,            # elements per tile of the streaming passes
-    K_PAD: tl.constexpr,            # next power of two >= K (register tile of the final sort)
-    SORT: tl.constexpr,             # order the output by (score desc, index asc)
-    WITH_SLOTS: tl.constexpr,
-):
-    row_id = tl.program_id(0)
-    n = tl.load(counts_ptr + row_id)
-    row = row_id.to(tl.int64)
-    row_scores = scores_ptr + row * stride_scores
-    row_out = out_ptr + row * stride_out
-    lane = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
+def _radix_threshold(vals_ptr, n, needed, lane, BLOCK: tl.constexpr):
+    """Exact threshold of the ``needed`` largest keys among vals_ptr[0:n] (fp32): 4 levels of 8-bit radix.
 
-    # Threshold found by the levels: select keys with (key >> thr_shift) > thr_prefix, plus the first
-    # n_equal (in index order) with (key >> thr_shift) == thr_prefix.
+    Returns (shift, prefix, n_equal): select keys with (key >> shift) > prefix, plus the first n_equal (in
+    array order) with (key >> shift) == prefix. Stops early when a bin must be taken whole.
+    """
+    bins = tl.arange(0, 256)
     thr_shift = 0
     thr_prefix = _INT32_MIN  # every candidate key is > INT32_MIN (the smallest, -FLT_MAX, is 0x80800000)
     n_equal = 0
-    needed = K
     prefix = 0
     done = 0
     for level in tl.static_range(4):
@@ -109,7 +94,7 @@ def _radix_select_kernel(
             while start < n:  # (a while loop: the interpreter cannot range() over a loaded scalar)
                 offs = start + lane
                 in_bounds = offs < n
-                tile = tl.load(row_scores + offs, mask=in_bounds, other=float("-inf"))
+                tile = tl.load(vals_ptr + offs, mask=in_bounds, other=float("-inf"))
                 key, valid = _order_key(tile, in_bounds)
                 digit = (key >> shift) & 255
                 if level == 0:
@@ -120,11 +105,11 @@ def _radix_select_kernel(
                 hist += tl.histogram(digit, 256, mask=match)
                 start += BLOCK
             total = tl.sum(hist, axis=0)
-            take_all = total <= K
+            take_all = total <= needed
             if level != 0:
                 take_all = False
             if take_all:
-                done = 1  # fewer candidates than K: take them all (thr_prefix = INT32_MIN)
+                done = 1  # no more candidates than needed: take them all (thr_prefix = INT32_MIN)
             else:
                 at_or_above = total - tl.cumsum(hist, axis=0) + hist  # keys in bins >= b
                 digit_k = tl.max(tl.where(at_or_above >= needed, bins, -1), axis=0)
@@ -140,26 +125,124 @@ def _radix_select_kernel(
                     thr_shift = shift
                     thr_prefix = prefix
                     n_equal = needed
+    return thr_shift, thr_prefix, n_equal
 
-    # Collect pass: compact the selected indices in index order (ties -> lowest indices first).
-    written = 0
-    equal_seen = 0
+
+@triton.jit
+def _radix_select_kernel(
+    scores_ptr, stride_scores,      # fp32 [R, W] (row stride in elements)
+    counts_ptr,                     # int32 [R]: entries of the row to consider (<= W)
+    out_ptr, stride_out,            # int32 [R, K] entry indices, -1 padded
+    cand_vals_ptr, cand_idx_ptr,    # fp32 / int32 [R, CAP] scratch: candidates of the threshold range
+    slots_ptr, stride_slots,        # int32 [R, K] global slot ids (only when WITH_SLOTS)
+    seq_ptr,                        # int32 [R] sequence of each row (only when WITH_SLOTS)
+    table_ptr, stride_table,        # int32 [B, max_pages] block table (only when WITH_SLOTS)
+    K,                              # runtime k
+    BLOCK: tl.constexpr,            # elements per tile of the streaming passes
+    BINS: tl.constexpr,             # buckets of the range-narrowing histograms (power of two, >= 32)
+    CAP: tl.constexpr,              # candidate buffer entries per row (power of two)
+    K_PAD: tl.constexpr,            # next power of two >= K (register tile of the final sort)
+    SORT: tl.constexpr,             # order the output by (score desc, index asc)
+    WITH_SLOTS: tl.constexpr,
+):
+    row_id = tl.program_id(0)
+    n = tl.load(counts_ptr + row_id)
+    row = row_id.to(tl.int64)
+    row_scores = scores_ptr + row * stride_scores
+    row_out = out_ptr + row * stride_out
+    row_cand_vals = cand_vals_ptr + row * CAP
+    row_cand_idx = cand_idx_ptr + row * CAP
+    lane = tl.arange(0, BLOCK)
+    buckets = tl.arange(0, BINS)
+
+    # Pass 1: candidate count and key range.
+    n_valid = 0
+    lo = 0x7FFFFFFF
+    hi = _INT32_MIN
     start = 0
     while start < n:
         offs = start + lane
-        in_bounds = offs < n
-        tile = tl.load(row_scores + offs, mask=in_bounds, other=float("-inf"))
-        key, valid = _order_key(tile, in_bounds)
-        high = key >> thr_shift
-        above = valid & (high > thr_prefix)
-        equal = valid & (high == thr_prefix)
-        equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), axis=0)  # 1-based among equal keys
-        take = above | (equal & (equal_rank <= n_equal))
-        position = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(row_out + position, offs, mask=take)
-        written += tl.sum(take.to(tl.int32), axis=0)
-        equal_seen += tl.sum(equal.to(tl.int32), axis=0)
+        key, valid = _order_key(tl.load(row_scores + offs, mask=offs < n, other=float("-inf")), offs < n)
+        n_valid += tl.sum(valid.to(tl.int32), axis=0)
+        lo = tl.minimum(lo, tl.min(tl.where(valid, key, 0x7FFFFFFF), axis=0))
+        hi = tl.maximum(hi, tl.max(tl.where(valid, key, _INT32_MIN), axis=0))
         start += BLOCK
+
+    # Range narrowing: keys in [lo, hi] hold the needed-th largest of what is not already above hi.
+    # Each pass histograms (key - lo) >> shift into BINS buckets and keeps the bucket of the needed-th key,
+    # until the range holds <= CAP keys, holds exactly the needed keys, or is a single key value.
+    needed = K
+    in_range = n_valid
+    if n_valid <= K:
+        hi = _INT32_MIN  # take every candidate (all keys > INT32_MIN); empty range
+        lo = 0x7FFFFFFF
+        in_range = 0
+        needed = 0
+    while (in_range > CAP) and (lo < hi) and (in_range != needed):
+        span = hi.to(tl.int64) - lo.to(tl.int64)
+        shift = 0
+        while (span >> shift) >= BINS:
+            shift += 1
+        hist = tl.zeros([BINS], dtype=tl.int32)
+        start = 0
+        while start < n:
+            offs = start + lane
+            key, valid = _order_key(tl.load(row_scores + offs, mask=offs < n, other=float("-inf")), offs < n)
+            match = valid & (key >= lo) & (key <= hi)
+            digit = ((key.to(tl.int64) - lo) >> shift).to(tl.int32)
+            hist += tl.histogram(tl.where(match, digit, 0), BINS, mask=match)
+            start += BLOCK
+        at_or_above = in_range - tl.cumsum(hist, axis=0) + hist
+        bucket = tl.max(tl.where(at_or_above >= needed, buckets, -1), axis=0)
+        needed -= tl.sum(tl.where(buckets > bucket, hist, 0), axis=0)
+        in_range = tl.sum(tl.where(buckets == bucket, hist, 0), axis=0)
+        new_lo = lo.to(tl.int64) + (bucket.to(tl.int64) << shift)
+        hi = tl.minimum(hi.to(tl.int64), new_lo + (1 << shift) - 1).to(tl.int32)
+        lo = new_lo.to(tl.int32)
+
+    # Collect pass (index order): keys above hi are selected; keys in [lo, hi] are either taken directly
+    # (the range is exactly what is needed, or one key value: first `needed` by index = the tie rule) or
+    # copied to the candidate buffer for an exact radix select. One packed scan gives both ranks.
+    direct = (in_range == needed) or (lo == hi)
+    remaining = tl.where(direct, needed, 0)
+    written = 0
+    in_range_seen = 0
+    start = 0
+    while start < n:
+        offs = start + lane
+        tile = tl.load(row_scores + offs, mask=offs < n, other=float("-inf"))
+        key, valid = _order_key(tile, offs < n)
+        above = valid & (key > hi)
+        inside = valid & (key >= lo) & (key <= hi)
+        ranks = tl.cumsum(above.to(tl.int32) + inside.to(tl.int32) * 65536, axis=0)
+        above_rank = ranks & 65535
+        inside_rank = ranks >> 16
+        left = tl.maximum(remaining - in_range_seen, 0)
+        take = above | (inside & (inside_rank <= left))
+        position = written + above_rank + tl.minimum(inside_rank, left) - 1
+        tl.store(row_out + position, offs, mask=take)
+        to_buffer = inside & (direct == 0)
+        buffer_pos = in_range_seen + inside_rank - 1
+        tl.store(row_cand_vals + buffer_pos, tile, mask=to_buffer)
+        tl.store(row_cand_idx + buffer_pos, offs, mask=to_buffer)
+        tile_inside = tl.sum(inside.to(tl.int32), axis=0)
+        written += tl.sum(above.to(tl.int32), axis=0) + tl.minimum(tile_inside, left)
+        in_range_seen += tile_inside
+        start += BLOCK
+
+    if direct == 0:
+        # Exact select of the needed largest among the <= CAP buffered candidates (buffer is in index order).
+        tl.debug_barrier()  # the buffer was written by other threads of this program
+        cand_lane = tl.arange(0, CAP)
+        thr_shift, thr_prefix, n_equal = _radix_threshold(row_cand_vals, in_range, needed, cand_lane, CAP)
+        cand = cand_lane < in_range
+        key, valid = _order_key(tl.load(row_cand_vals + cand_lane, mask=cand, other=float("-inf")), cand)
+        high = key >> thr_shift
+        equal = valid & (high == thr_prefix)
+        take = (valid & (high > thr_prefix)) | (equal & (tl.cumsum(equal.to(tl.int32), axis=0) <= n_equal))
+        idx = tl.load(row_cand_idx + cand_lane, mask=cand, other=0)
+        tl.store(row_out + written + tl.cumsum(take.to(tl.int32), axis=0) - 1, idx, mask=take)
+        written += tl.sum(take.to(tl.int32), axis=0)
 
     # Epilogue: order the collected entries, pad with -1, map to slots.
     tl.debug_barrier()  # the collect stores above came from other threads of this program
@@ -186,19 +269,28 @@ def _radix_select_kernel(
 
 def _launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int, sort: bool,
                    slots: torch.Tensor | None = None, seq: torch.Tensor | None = None,
-                   block_table: torch.Tensor | None = None, block: int = 4096, num_warps: int = 8) -> None:
+                   block_table: torch.Tensor | None = None, block: int = 4096, num_warps: int = 8,
+                   bins: int = 64, cap: int = CANDIDATE_CAP, cand_vals: torch.Tensor | None = None,
+                   cand_idx: torch.Tensor | None = None) -> None:
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
+    if bins < 32 or bins & (bins - 1) or bins > 1024:
+        raise ValueError(f"bins must be a power of two in 32..1024, got {bins}")
+    if cap < 32 or cap & (cap - 1):
+        raise ValueError(f"cap must be a power of two >= 32, got {cap}")
     rows = scores.shape[0]
     if rows == 0:
         return
     with_slots = slots is not None
+    if cand_vals is None or cand_vals.shape[0] < rows or cand_vals.shape[1] != cap:
+        cand_vals = torch.empty((rows, cap), dtype=torch.float32, device=scores.device)
+        cand_idx = torch.empty((rows, cap), dtype=torch.int32, device=scores.device)
     _radix_select_kernel[(rows,)](
-        scores, scores.stride(0), counts, out, out.stride(0),
+        scores, scores.stride(0), counts, out, out.stride(0), cand_vals, cand_idx,
         slots if with_slots else out, slots.stride(0) if with_slots else 0,
         seq if with_slots else counts,
         block_table if with_slots else counts, block_table.stride(0) if with_slots else 0,
-        k, BLOCK=block, K_PAD=triton.next_power_of_2(k), SORT=sort, WITH_SLOTS=with_slots,
+        k, BLOCK=block, BINS=bins, CAP=cap, K_PAD=triton.next_power_of_2(k), SORT=sort, WITH_SLOTS=with_slots,
         num_warps=num_warps)
 
 
@@ -211,12 +303,15 @@ def _check_k(k) -> None:
 
 
 def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor | None = None,
-                       sort: bool = True, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
+                       sort: bool = True, block: int = 4096, num_warps: int = 8, bins: int = 64,
+                       cap: int = CANDIDATE_CAP) -> torch.Tensor:
     """Exact top-k per row of scores fp32 [T, W] -> int32 [T, k] (rules of the reference ``select_topk``).
 
     ``row_counts`` int [T] (optional): row t considers only its first row_counts[t] entries (the rest is
     treated as masked and never read). ``sort=False`` returns the same set per row in index order
-    (skips the final sort). Memory: the [T, k] output only.
+    (skips the final sort). ``block`` / ``num_warps`` / ``bins`` / ``cap``: tuning (tile of the streaming
+    passes, buckets of the narrowing histograms, candidate buffer entries per row). Memory: the [T, k] output
+    plus a candidate scratch of 8 * cap bytes per row.
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be an fp32 [T, W] tensor, got "
@@ -237,7 +332,7 @@ def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
                              f"{int(row_counts.min())}..{int(row_counts.max())}")
         counts = row_counts.to(torch.int32).contiguous()
     out = torch.empty((t, k), dtype=torch.int32, device=scores.device)
-    _launch_select(scores, counts, out, k, sort, block=block, num_warps=num_warps)
+    _launch_select(scores, counts, out, k, sort, block=block, num_warps=num_warps, bins=bins, cap=cap)
     return out
 
 
@@ -253,7 +348,7 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor
                       query_positions: torch.Tensor | None = None, ratio: int = 1, *,
                       return_slots: bool = False, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
                       q_scale: torch.Tensor | None = None, sort: bool = True,
-                      select_block: int = 4096, select_warps: int = 8):
+                      select_block: int = 4096, select_warps: int = 8, select_bins: int = 64):
     """Top-k entries per query of a ragged paged batch, scores fused with an exact radix select.
 
     Arguments as :func:`dsakit.ops.topk.reference.index_topk`: q [T, H, 128] (fp32/bf16, or fp8 e4m3 with
@@ -264,8 +359,9 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor
     ``(indices, slots)`` with ``return_slots=True`` (slots = page * 64 + entry % 64 via the block table, -1
     kept). Never materializes [T, N]: scores go through one fp32 workspace of at most
     max(workspace_bytes, 4 * W) bytes (W = max(entry_counts); see the module docstring).
-    ``sort=False`` returns each row's set in index order; ``select_block`` / ``select_warps``: tuning of the
-    select kernel (benchmarks).
+    ``sort=False`` returns each row's set without the final ordering (deterministic: entries above the
+    threshold range in index order, then the chosen candidates in index order); ``select_block`` /
+    ``select_warps`` / ``select_bins``: tuning of the select kernel (benchmarks).
     """
     from ..scores.triton import index_scores_triton  # the scores kernel (separate module, same contract)
 
@@ -298,6 +394,8 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor
     table = block_table.to(torch.int32).contiguous() if return_slots else None
     chunk = rows_per_chunk(t, width, workspace_bytes)
     workspace = torch.empty((chunk, width), dtype=torch.float32, device=device)
+    cand_vals = torch.empty((chunk, CANDIDATE_CAP), dtype=torch.float32, device=device)
+    cand_idx = torch.empty((chunk, CANDIDATE_CAP), dtype=torch.int32, device=device)
     for start in range(0, t, chunk):
         stop = min(t, start + chunk)
         rows = stop - start
@@ -307,5 +405,6 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor
             out=workspace[:rows], q_scale=None if q_scale is None else q_scale[start:stop])
         _launch_select(scores, visible[start:stop], indices[start:stop], k, sort,
                        slots=None if slots is None else slots[start:stop], seq=seq[start:stop],
-                       block_table=table, block=select_block, num_warps=select_warps)
+                       block_table=table, block=select_block, num_warps=select_warps, bins=select_bins,
+                       cand_vals=cand_vals, cand_idx=cand_idx)
     return (indices, slots) if return_slots else indices
