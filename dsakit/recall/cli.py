@@ -58,7 +58,7 @@ def recall(
     trials: int = typer.Option(1, "--trials", help="Haystacks per context length in the sweep."),
     horizon: bool = typer.Option(True, "--horizon/--no-horizon", help="Bisect the recall horizon per format and top-k."),
     horizon_topk: str = typer.Option("128,256,512,1024", "--horizon-topk", help="Top-k values of the horizon table."),
-    horizon_trials: int = typer.Option(100, "--horizon-trials", help="Trials per probed length (found in >= 99%)."),
+    horizon_trials: int = typer.Option(200, "--horizon-trials", help="Trials per probed length (found in >= 99%)."),
     horizon_min: int = typer.Option(512, "--horizon-min", help="Shortest context of the horizon search (tokens)."),
     horizon_max: int = typer.Option(32768, "--horizon-max", help="Longest context of the horizon search (tokens)."),
     faults: str = typer.Option("all", "--faults",

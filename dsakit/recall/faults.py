@@ -54,15 +54,16 @@ class Fault:
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("none", "correct conventions on both sides", "baseline of the format"),
     Fault("rope-layout-mismatch", "keys roped with the other pairing (interleaved vs half-split)",
-          "exact rank stays 0 but the format's rank grows with context and set recall collapses: "
-          "the rope half of every score is scrambled",
+          "exact rank stays 0 while set recall falls well below the baseline's and the needle's rank grows with "
+          "context: the rope half of every score is scrambled",
           key_rope_swap=True),
     Fault("hadamard-keys-only", "keys rotated by the Hadamard transform, queries not",
-          "scores are unrelated to the exact ones: needle rank near random, set recall near k / N at every length",
+          "scores unrelated to the exact ones: needle rank and set recall far worse than the baseline at every "
+          "length, needle score ratio arbitrary",
           query_hadamard=False),
     Fault("fp8-read-as-fnuz", "fp8 key bytes decoded as e4m3fnuz (bias 8, byte 0x80 = NaN)",
-          "every finite score halves (score scale 0.5) and keys holding a -0 byte score NaN and jump to the top; "
-          "the rank moves only as far as there are NaN rows",
+          "needle score ratio half the baseline's (every finite value halves); keys holding a -0 byte score NaN "
+          "and jump to the top of the list (NaN column), pushing the needle down by as many",
           fp8_read="e4m3fnuz", fp8_only=True),
     Fault("causal-early", "entry visible one entry early: j < (t+1)//ratio + 1",
           "future entries get selected (leaked > 0) while the needle is still found",
@@ -71,8 +72,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "a needle in the newest complete entry (depth 1.0) is never found, other depths are",
           visibility_shift=-1),
     Fault("missing-key-scale", "fp8 keys dequantized without their per-entry scale",
-          "scores inflate by ~448 / amax (score scale >> 1) and entries are reweighted by 1 / scale; the rank "
-          "suffers only where the entries' largest elements differ",
+          "needle score ratio ~100x the baseline's (448 / amax); entries are reweighted by 1 / scale, so ranks "
+          "change only where the entries' largest elements differ",
           key_scale=False, fp8_only=True),
 )}
 

@@ -37,7 +37,7 @@ from ..formats import ENTRIES_PER_PAGE, KeyFormat
 from ..ops import scores as scores_ops
 from ..ops import store as store_ops
 from ..ops import topk as topk_ops
-from ..ops._backend import resolve_backend
+from ..ops._backend import resolve_backend, triton_available
 from ..ops.scores.reference import visible_counts
 from ..presets import KeyTransform
 from ..transforms import RopeLayout
@@ -70,7 +70,7 @@ class RecallSettings:
     trials: int = 1
     horizon: bool = True
     horizon_topks: tuple[int, ...] = (128, 256, 512, 1024)
-    horizon_trials: int = 100
+    horizon_trials: int = 200
     horizon_quantile: float = 0.99
     horizon_min: int = 512
     horizon_max: int = 32768
@@ -169,8 +169,8 @@ def op_backends(backend: str) -> dict[str, str]:
 
 def lab_device(backend: str) -> torch.device:
     """Where caches and queries live: CUDA for Triton on a GPU, the CPU otherwise (TRITON_INTERPRET=1 too)."""
-    resolved = resolve_backend(backend)
-    if resolved in ("triton", "auto") and torch.cuda.is_available():
+    resolve_backend(backend)  # validates the name
+    if backend in ("triton", "auto") and torch.cuda.is_available() and triton_available():
         return torch.device("cuda")
     return torch.device("cpu")
 
