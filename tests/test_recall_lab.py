@@ -311,3 +311,30 @@ def test_cli_small_run(tmp_path):
     assert (tmp_path / "heatmap.png").stat().st_size > 0
     bad = CliRunner().invoke(app, ["recall", "--formats", "fp6", "--out", str(tmp_path)])
     assert bad.exit_code != 0 and "fp6" in bad.output
+
+
+def test_query_construction_validates_and_matches_the_needle():
+    """The ideal query, roped at its own position, points at the needle's stored key."""
+    from dsakit.recall.synthetic import make_queries, prepare_queries
+
+    hay, gen = _haystack(n=64)
+    needle = place_needle(hay, 20, needle_direction(hay, gen))
+    positions = torch.tensor([252, 253, 254, 255])
+    q_pre, w = make_queries(hay, needle, positions, gen)
+    assert q_pre.shape == (4, 64, 128) and w.shape == (4, 64) and bool((w > 0).all())
+    settings = _small_settings(contexts=(256,))
+    table = lab.rope_table(settings, 256)
+    tr = SMALL.geometry.key_transform
+    q = prepare_queries(q_pre, positions, table, tr.rope_layout, tr.rope_dim, tr.hadamard)
+    stored = lab.StoredHaystack(hay, ["bf16"], FAULTS["none"], table, "reference", torch.device("cpu"))
+    exact = stored.exact_keys.clone()
+    from dsakit.ops.store import prepare_index_keys
+
+    exact[needle.entries] = prepare_index_keys(keys=needle.keys, positions=needle.entries * 4, rope_cos_sin=table,
+                                               norm_weight=hay.norm_weight, transform=tr)
+    scores = index_scores_dense(q, w, exact, positions, 4)
+    assert all(int(scores[t].argmax()) in needle.entries.tolist() for t in range(4))
+    with pytest.raises(ValueError, match="precedes the needle"):
+        make_queries(hay, needle, torch.tensor([10]), gen)
+    with pytest.raises(ValueError, match="outside the rope table"):
+        prepare_queries(q_pre, positions + 1000, table, tr.rope_layout, tr.rope_dim, tr.hadamard)

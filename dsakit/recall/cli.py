@@ -60,7 +60,7 @@ def recall(
     horizon_topk: str = typer.Option("128,256,512,1024", "--horizon-topk", help="Top-k values of the horizon table."),
     horizon_trials: int = typer.Option(200, "--horizon-trials", help="Trials per probed length (found in >= 99%)."),
     horizon_min: int = typer.Option(512, "--horizon-min", help="Shortest context of the horizon search (tokens)."),
-    horizon_max: int = typer.Option(32768, "--horizon-max", help="Longest context of the horizon search (tokens)."),
+    horizon_max: int = typer.Option(65536, "--horizon-max", help="Longest context of the horizon search (tokens)."),
     faults: str = typer.Option("all", "--faults",
                                help=f"Fault rows: 'all', 'off' or names ({', '.join(FAULTS)})."),
     fault_format: str = typer.Option("bf16", "--fault-format",
@@ -126,7 +126,8 @@ def recall(
               "settings": settings.as_dict(), "ops_backend": op_backends(backend)}
     console.print(f"[bold]dsakit recall[/]: preset {preset}, formats {', '.join(settings.formats)}, top-k "
                   f"{', '.join(map(str, topks))}, contexts {settings.contexts[0]}..{settings.contexts[-1]} tokens, "
-                  f"shared_ratio {shared_ratio:g}, needle_strength {needle_strength:g}, backend {backend}, seed {seed}")
+                  f"shared_ratio {shared_ratio:g}, needle_strength {needle_strength:g}, backend {backend}, seed {seed}",
+                  soft_wrap=True)
     records: list[dict] = []
     n_sweep = len(settings.contexts) * settings.trials * len(settings.depths) * len(settings.formats) * len(topks)
     n_faults = (len(fault_carriers(settings)) * len(settings.fault_contexts) * settings.fault_trials

@@ -73,7 +73,7 @@ class RecallSettings:
     horizon_trials: int = 200
     horizon_quantile: float = 0.99
     horizon_min: int = 512
-    horizon_max: int = 32768
+    horizon_max: int = 65536
     horizon_steps_per_octave: int = 4
     faults: tuple[str, ...] = tuple(FAULTS)
     fault_format: str = "bf16"

@@ -277,6 +277,11 @@ def make_queries(haystack: Haystack, needle: Needle, positions: torch.Tensor,
     cfg = haystack.config
     geo = cfg.geometry
     tr = geo.key_transform
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.numel() == 0:
+        raise ValueError(f"positions must be a non-empty int tensor [T], got {positions!r}")
+    if int(positions.max()) < needle.entry * cfg.ratio:
+        raise ValueError(f"last query position {int(positions.max())} precedes the needle's entry {needle.entry} "
+                         f"(token {needle.entry * cfg.ratio}): the last query must come after the needle")
     t = positions.shape[0]
     h, d = geo.index_heads, geo.index_head_dim
     target = haystack.norm_weight * needle.direction  # [D]
@@ -305,6 +310,12 @@ def prepare_queries(q: torch.Tensor, positions: torch.Tensor, rope_cos_sin: torc
     The query side of the indexer transform (SPEC.md 2.1): no norm, rope on the rope dims with ``layout``,
     then the Hadamard rotation when ``hadamard``.
     """
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != positions.shape[0]:
+        raise ValueError(f"q must be [T, H, D] with T = {positions.shape[0]} positions, got "
+                         f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if int(positions.max()) >= rope_cos_sin.shape[0] or int(positions.min()) < 0:
+        raise ValueError(f"query positions {int(positions.min())}..{int(positions.max())} outside the rope table "
+                         f"(0..{rope_cos_sin.shape[0] - 1})")
     table = rope_cos_sin.detach().cpu().float()[positions.detach().cpu().long()]
     half = rope_dim // 2
     out = apply_rope(q, table[:, :half], table[:, half:], layout, rope_dim)
