@@ -58,10 +58,9 @@ class Sizes:
         self.ks = [8, 32] if smoke else [512, 2048]
         self.naive_max_n = 512 if smoke else 32768
         # (BLOCK, num_warps, BINS) of the select kernel
-        self.sweep = [(64, 4, 32)] if smoke else [(4096, 8, 64), (4096, 8, 32), (4096, 8, 128), (2048, 4, 64),
-                                                   (2048, 8, 64), (4096, 4, 64), (8192, 16, 64)]
-        self.decode_sweep = [(64, 4, 32)] if smoke else [(4096, 8, 64), (2048, 4, 64), (8192, 16, 64),
-                                                         (4096, 8, 32)]
+        self.sweep = [(64, 4, 32)] if smoke else [(2048, 8, 64), (2048, 8, 128), (2048, 4, 64), (4096, 8, 64),
+                                                   (8192, 16, 64)]
+        self.decode_sweep = [(64, 4, 32)] if smoke else [(8192, 16, 64), (4096, 8, 64), (8192, 8, 64)]
         self.rep_ms = 5 if smoke else 100
 
 
@@ -374,13 +373,46 @@ def big_run(device: str, sz: Sizes, best: dict) -> list[dict]:
     return rows
 
 
+def profile_e2e(device: str, sz: Sizes, out_dir: Path) -> str:
+    """torch.profiler table of the default end-to-end call (decode fp8 64K and prefill fp8 64K, K 2048)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    text = []
+    for label, rows, n in (("decode B=64", sz.decode_b, sz.decode_n[0]), ("prefill T=8192", sz.t, sz.prefill_n[-1])):
+        fmt = KeyFormat.parse("fp8")
+        q, w, q_scale = make_queries(fmt.kind, rows, sz.heads, device, seed=51)
+        lengths = [n] * rows if label.startswith("decode") else [n]
+        query_seq = (torch.arange(rows, dtype=torch.int32, device=device) if label.startswith("decode")
+                     else torch.zeros(rows, dtype=torch.int32, device=device))
+        pool, table, counts = timing_pool(fmt, lengths, device, seed=52)
+        k = sz.ks[-1]
+
+        def run():
+            return index_topk_triton(q, w, pool, fmt, table, counts, query_seq, k, q_scale=q_scale)
+
+        run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                run()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        table_text = prof.key_averages().table(sort_by="cuda_time_total" if device == "cuda" else "cpu_time_total",
+                                               row_limit=12)
+        text.append(f"== {label}, N {n}, fp8, K {k}: 3 calls ==\n{table_text}")
+        del pool
+    (out_dir / "indexer_profile.txt").write_text("\n".join(text))
+    return "\n".join(text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="toy sizes (CPU interpreter); no timing claims")
-    parser.add_argument("--sections", default="checks,sweep,prefill,decode,big")
+    parser.add_argument("--sections", default="checks,sweep,prefill,decode,big,profile")
     args = parser.parse_args()
     import triton
 
@@ -425,6 +457,8 @@ def main() -> int:
     if "big" in sections:
         report["big"] = big_run(device, sz, best)
         save()
+    if "profile" in sections:
+        print(profile_e2e(device, sz, out_dir), flush=True)
     print(f"total {time.time() - t0:.0f} s")
 
     print("\ncase     fmt   N       K     e2e ms  TFLOP/s  peak GiB  scores ms  select ms  torch.topk  "

@@ -159,10 +159,15 @@ def _radix_select_kernel(
     n_valid = 0
     lo = 0x7FFFFFFF
     hi = _INT32_MIN
+    # Every streaming loop loads tile i + 1 before working on tile i (hand-made double buffering: a while
+    # loop is not software-pipelined by the compiler, and the passes are short on arithmetic per byte).
     start = 0
+    tile = tl.load(row_scores + lane, mask=lane < n, other=float("-inf"))
     while start < n:
         offs = start + lane
-        key, valid = _order_key(tl.load(row_scores + offs, mask=offs < n, other=float("-inf")), offs < n)
+        following = tl.load(row_scores + offs + BLOCK, mask=offs + BLOCK < n, other=float("-inf"))
+        key, valid = _order_key(tile, offs < n)
+        tile = following
         n_valid += tl.sum(valid.to(tl.int32), axis=0)
         lo = tl.minimum(lo, tl.min(tl.where(valid, key, 0x7FFFFFFF), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(valid, key, _INT32_MIN), axis=0))
@@ -185,9 +190,12 @@ def _radix_select_kernel(
             shift += 1
         hist = tl.zeros([BINS], dtype=tl.int32)
         start = 0
+        tile = tl.load(row_scores + lane, mask=lane < n, other=float("-inf"))
         while start < n:
             offs = start + lane
-            key, valid = _order_key(tl.load(row_scores + offs, mask=offs < n, other=float("-inf")), offs < n)
+            following = tl.load(row_scores + offs + BLOCK, mask=offs + BLOCK < n, other=float("-inf"))
+            key, valid = _order_key(tile, offs < n)
+            tile = following
             match = valid & (key >= lo) & (key <= hi)
             digit = ((key.to(tl.int64) - lo) >> shift).to(tl.int32)
             hist += tl.histogram(tl.where(match, digit, 0), BINS, mask=match)
@@ -208,9 +216,11 @@ def _radix_select_kernel(
     written = 0
     in_range_seen = 0
     start = 0
+    following = tl.load(row_scores + lane, mask=lane < n, other=float("-inf"))
     while start < n:
         offs = start + lane
-        tile = tl.load(row_scores + offs, mask=offs < n, other=float("-inf"))
+        tile = following
+        following = tl.load(row_scores + offs + BLOCK, mask=offs + BLOCK < n, other=float("-inf"))
         key, valid = _order_key(tile, offs < n)
         above = valid & (key > hi)
         inside = valid & (key >= lo) & (key <= hi)
@@ -267,11 +277,20 @@ def _radix_select_kernel(
         tl.store(slots_ptr + row * stride_slots + col, slot, mask=col < K)
 
 
+def default_select_config(rows: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the select kernel, from the H200 sweep (benchmarks/results/indexer_h200_*.json):
+    many rows (prefill) -> 2048 x 8 warps; few long rows (decode, one program per row) -> 8192 x 16 warps."""
+    return (2048, 8) if rows >= 512 else (8192, 16)
+
+
 def _launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int, sort: bool,
                    slots: torch.Tensor | None = None, seq: torch.Tensor | None = None,
-                   block_table: torch.Tensor | None = None, block: int = 4096, num_warps: int = 8,
+                   block_table: torch.Tensor | None = None, block: int | None = None, num_warps: int | None = None,
                    bins: int = 64, cap: int = CANDIDATE_CAP, cand_vals: torch.Tensor | None = None,
                    cand_idx: torch.Tensor | None = None) -> None:
+    default_block, default_warps = default_select_config(scores.shape[0])
+    block = block or default_block
+    num_warps = num_warps or default_warps
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     if bins < 32 or bins & (bins - 1) or bins > 1024:
@@ -303,7 +322,7 @@ def _check_k(k) -> None:
 
 
 def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor | None = None,
-                       sort: bool = True, block: int = 4096, num_warps: int = 8, bins: int = 64,
+                       sort: bool = True, block: int | None = None, num_warps: int | None = None, bins: int = 64,
                        cap: int = CANDIDATE_CAP) -> torch.Tensor:
     """Exact top-k per row of scores fp32 [T, W] -> int32 [T, k] (rules of the reference ``select_topk``).
 
@@ -348,7 +367,7 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor
                       query_positions: torch.Tensor | None = None, ratio: int = 1, *,
                       return_slots: bool = False, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
                       q_scale: torch.Tensor | None = None, sort: bool = True,
-                      select_block: int = 4096, select_warps: int = 8, select_bins: int = 64):
+                      select_block: int | None = None, select_warps: int | None = None, select_bins: int = 64):
     """Top-k entries per query of a ragged paged batch, scores fused with an exact radix select.
 
     Arguments as :func:`dsakit.ops.topk.reference.index_topk`: q [T, H, 128] (fp32/bf16, or fp8 e4m3 with
