@@ -123,7 +123,7 @@ def test_select_is_deterministic(triton_backend):
     assert torch.equal(first, second)
 
 
-@pytest.mark.parametrize("cap,bins", [(64, 64), (2048, 64)])
+@pytest.mark.parametrize("cap,bins", [(64, 64), (2048, 128)])
 def test_select_other_buffer_sizes(triton_backend, cap, bins):
     scores = _crafted(300).to(_device(triton_backend))
     got = _select(scores, 40, cap=cap, bins=bins)

@@ -13,27 +13,31 @@ Two entry points:
 Workspace budget (documented, independent of N for the memory that matters):
 
     rows_per_chunk = clamp(workspace_bytes // (4 * W), 1, T)        default workspace_bytes = 512 MiB
-    extra memory   = 4 * rows_per_chunk * W  (<= max(workspace_bytes, 4 * W))
+    extra memory   = 4 * rows_per_chunk * W  (<= max(workspace_bytes, 4 * W))        fp32 score workspace
+                   + 8 * rows_per_chunk * CANDIDATE_CAP (2048)                        candidate buffer
                    + 4 * T * K (indices) [+ 4 * T * K (slots)] + 4 * T (visible counts)
 
-At T = 8192, N = W = 262144 (1M tokens at ratio 4), K = 2048: 512 rows per chunk, 512 MiB workspace + 64 MiB
-of indices, against 8 GiB for materialized fp32 logits.
+At T = 8192, N = W = 262144 (1M tokens at ratio 4), K = 2048: 512 rows per chunk, 512 MiB workspace + 8 MiB of
+candidates + 64 MiB of indices (measured peak 0.57 GiB on the H200), against 8 GiB for materialized fp32 logits.
 
-Selection algorithm (one program per row, ``_radix_select_kernel``)::
+Selection algorithm (one program per row, ``_radix_select_kernel``; keys are order-preserving int32 of the
+fp32 bits: NaN -> INT32_MAX above +inf, -0.0 -> +0.0; candidates are scores > -inf)::
 
-    key(x)  = order-preserving int32 of the fp32 bits (NaN -> INT32_MAX, -0.0 -> +0.0); candidates: x > -inf
-    if candidates <= K: take every candidate
-    else for level in 0..3 (8 bits each, most significant first):
-        histogram (256 bins, tl.histogram) of the level's digit over the keys whose higher digits equal the
-        prefix found so far; pick the digit holding the (needed)-th largest key; needed -= keys above it;
-        stop early when that bin must be taken whole (needed == its count)
-    collect (index order): keys whose prefix is above the threshold prefix, plus the first ``needed`` keys
-        equal to it (lowest indices first: the reference's tie rule)
-    sort the <= K collected by (key desc, index asc) with tl.sort on packed int64 (key << 32 | ~index)
+    pass 1 (stats)     candidate count, smallest and largest key; if count <= K: take every candidate
+    narrowing passes   keys in [lo, hi] hold the needed-th largest of what is not already above hi; histogram
+                       (key - lo) >> shift into BINS buckets (tl.histogram), keep the needed-th key's bucket,
+                       needed -= keys above it; until the range holds <= CAP keys, exactly the needed ones, or
+                       a single key value (typically 1-2 passes)
+    collect pass       index order, one packed scan: keys > hi are selected; keys in [lo, hi] are either
+                       selected directly (exact range, or one value: first `needed` by index = the tie rule) or
+                       copied with their index to the candidate buffer (<= CAP entries, index order)
+    buffer select      exact 4-level 8-bit radix select of the needed largest among the buffered candidates,
+                       ties to the lowest index (the buffer is in index order)
+    epilogue           sort the <= K selected by (key desc, index asc) with tl.sort on packed int64
+                       (key << 32 | 0x7FFFFFFF - index), pad with -1, optionally map to slots
 
-Each row is read 2 to 5 times (1 histogram pass per level used + the collect pass); the first read comes from
-HBM, the later ones mostly from L2 because the rows of the programs in flight (about 2 per SM) fit in it
-for W up to ~64K.
+Each row is streamed 3-4 times (stats, 1-2 narrowing passes, collect); every streaming loop prefetches its
+next tile. Rows with few candidates stop after the stats pass.
 """
 
 from __future__ import annotations
@@ -277,20 +281,22 @@ def _radix_select_kernel(
         tl.store(slots_ptr + row * stride_slots + col, slot, mask=col < K)
 
 
-def default_select_config(rows: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) of the select kernel, from the H200 sweep (benchmarks/results/indexer_h200_*.json):
-    many rows (prefill) -> 2048 x 8 warps; few long rows (decode, one program per row) -> 8192 x 16 warps."""
-    return (2048, 8) if rows >= 512 else (8192, 16)
+def default_select_config(rows: int) -> tuple[int, int, int]:
+    """(BLOCK, num_warps, BINS) of the select kernel, from the H200 sweep (benchmarks/results/indexer_h200_*.json):
+    many rows (prefill) -> 2048 x 8 warps, 128 buckets; few long rows (decode, one program per row) -> 8192 x
+    16 warps, 64 buckets."""
+    return (2048, 8, 128) if rows >= 512 else (8192, 16, 64)
 
 
 def _launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int, sort: bool,
                    slots: torch.Tensor | None = None, seq: torch.Tensor | None = None,
                    block_table: torch.Tensor | None = None, block: int | None = None, num_warps: int | None = None,
-                   bins: int = 64, cap: int = CANDIDATE_CAP, cand_vals: torch.Tensor | None = None,
+                   bins: int | None = None, cap: int = CANDIDATE_CAP, cand_vals: torch.Tensor | None = None,
                    cand_idx: torch.Tensor | None = None) -> None:
-    default_block, default_warps = default_select_config(scores.shape[0])
+    default_block, default_warps, default_bins = default_select_config(scores.shape[0])
     block = block or default_block
     num_warps = num_warps or default_warps
+    bins = bins or default_bins
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     if bins < 32 or bins & (bins - 1) or bins > 1024:
@@ -322,14 +328,16 @@ def _check_k(k) -> None:
 
 
 def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor | None = None,
-                       sort: bool = True, block: int | None = None, num_warps: int | None = None, bins: int = 64,
+                       sort: bool = True, block: int | None = None, num_warps: int | None = None,
+                       bins: int | None = None,
                        cap: int = CANDIDATE_CAP) -> torch.Tensor:
     """Exact top-k per row of scores fp32 [T, W] -> int32 [T, k] (rules of the reference ``select_topk``).
 
     ``row_counts`` int [T] (optional): row t considers only its first row_counts[t] entries (the rest is
     treated as masked and never read). ``sort=False`` returns the same set per row in index order
     (skips the final sort). ``block`` / ``num_warps`` / ``bins`` / ``cap``: tuning (tile of the streaming
-    passes, buckets of the narrowing histograms, candidate buffer entries per row). Memory: the [T, k] output
+    passes, buckets of the narrowing histograms, candidate buffer entries per row; None = the tuned defaults of
+    :func:`default_select_config`). Memory: the [T, k] output
     plus a candidate scratch of 8 * cap bytes per row.
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
@@ -367,7 +375,8 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor
                       query_positions: torch.Tensor | None = None, ratio: int = 1, *,
                       return_slots: bool = False, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
                       q_scale: torch.Tensor | None = None, sort: bool = True,
-                      select_block: int | None = None, select_warps: int | None = None, select_bins: int = 64):
+                      select_block: int | None = None, select_warps: int | None = None,
+                      select_bins: int | None = None):
     """Top-k entries per query of a ragged paged batch, scores fused with an exact radix select.
 
     Arguments as :func:`dsakit.ops.topk.reference.index_topk`: q [T, H, 128] (fp32/bf16, or fp8 e4m3 with
