@@ -255,3 +255,10 @@ def test_index_topk_triton_rejects_bad_input(triton_backend):
         index_topk(*args, 4, backend="triton", workspace_bytes=0)
     with pytest.raises(ValueError, match="return_slots"):
         index_topk(*args, 4, backend="triton", return_slots="yes")
+    from dsakit.ops.topk.triton import index_topk_triton
+
+    with pytest.raises(ValueError, match="q_scale"):
+        index_topk_triton(*args, 4, q_scale=-torch.ones(2, 4, device=device))
+    bad_table = torch.full_like(args[4], pool.shape[0] + 5)  # a page id outside the pool
+    with pytest.raises(ValueError):
+        index_topk_triton(*args[:4], bad_table, *args[5:], 4, workspace_bytes=4 * 10)  # validated before chunk 1

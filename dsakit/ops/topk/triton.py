@@ -391,7 +391,8 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor
     threshold range in index order, then the chosen candidates in index order); ``select_block`` /
     ``select_warps`` / ``select_bins``: tuning of the select kernel (benchmarks).
     """
-    from ..scores.triton import index_scores_triton  # the scores kernel (separate module, same contract)
+    # the scores kernel (separate module, same contract) and its reusable tile plans
+    from ..scores.triton import index_scores_triton, plan_query_tiles
 
     fmt = KeyFormat.parse(fmt)
     check_queries(q, weights)
@@ -424,13 +425,23 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor
     workspace = torch.empty((chunk, width), dtype=torch.float32, device=device)
     cand_vals = torch.empty((chunk, CANDIDATE_CAP), dtype=torch.float32, device=device)
     cand_idx = torch.empty((chunk, CANDIDATE_CAP), dtype=torch.int32, device=device)
-    for start in range(0, t, chunk):
+    if q_scale is not None and isinstance(q_scale, torch.Tensor) and q_scale.shape == (t, q.shape[1]):
+        if not bool((q_scale > 0).all()):
+            raise ValueError("q_scale must be > 0 everywhere (it is moved through the relu: relu(c x) = c relu(x))")
+    # Host syncs happen here, before the first launch: every chunk's tile plan is built up front, the first
+    # chunk's scores call validates the values that do not depend on the rows (page ids, counts), and the
+    # rest run with validate=False (query_seq and q_scale were checked above for all rows; the workspace
+    # width W >= every visible count by construction). The loop then launches without waiting for the GPU.
+    starts = list(range(0, t, chunk))
+    plans = [plan_query_tiles(query_seq[start:start + chunk], block_table.shape[0], q.shape[1]) for start in starts]
+    for number, (start, plan) in enumerate(zip(starts, plans)):
         stop = min(t, start + chunk)
         rows = stop - start
         scores = index_scores_triton(
             q[start:stop], weights[start:stop], pool, fmt, block_table, entry_counts, query_seq[start:stop],
             None if query_positions is None else query_positions[start:stop], ratio,
-            out=workspace[:rows], q_scale=None if q_scale is None else q_scale[start:stop])
+            out=workspace[:rows], q_scale=None if q_scale is None else q_scale[start:stop], tiles=plan,
+            validate=number == 0)
         _launch_select(scores, visible[start:stop], indices[start:stop], k, sort,
                        slots=None if slots is None else slots[start:stop], seq=seq[start:stop],
                        block_table=table, block=select_block, num_warps=select_warps, bins=select_bins,
