@@ -233,8 +233,9 @@ def check_index(fmt_name: str, layout: str, norm: str, hadamard: bool, dtype: to
     keys = gen_keys if keys is None else keys
     positions = positions % table.shape[0]
     transform = KeyTransform(norm, RopeLayout.parse(layout), table.shape[1], hadamard, 1e-6)
-    slots = spread_slots(n, 6, 5, g)
-    ref, out, poison = run_both(store_index_keys, keys, positions, slots, 6, fmt.page_bytes, fmt, table, weight,
+    pages = max(6, -(-n // 64) + 2)  # room for n scattered slots (6 pages hold only 384)
+    slots = spread_slots(n, pages, 5, g)
+    ref, out, poison = run_both(store_index_keys, keys, positions, slots, pages, fmt.page_bytes, fmt, table, weight,
                                 bias, transform)
     x_ref = prepare_index_keys(keys, positions, table, weight, bias, transform)
     assert_index_store_ok(fmt, ref, out, poison, slots, x_ref)
