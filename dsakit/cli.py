@@ -42,11 +42,13 @@ def env() -> None:
         typer.echo(f"{key:<9} {value}")
 
 
-# Subcommands living in their own packages register themselves here (one line each).
-# -- subcommands --
-from .recall.cli import recall as _recall; app.command(name="recall")(_recall)  # noqa: E402,E702
-from .niah.cli import niah as _niah, serve_reference as _serve_reference  # noqa: E402
-app.command("niah")(_niah); app.command("serve-reference")(_serve_reference)  # noqa: E702
+# Subcommands that live in their own packages.
+from .niah.cli import niah, serve_reference  # noqa: E402
+from .recall.cli import recall  # noqa: E402
+
+app.command("recall")(recall)
+app.command("niah")(niah)
+app.command("serve-reference")(serve_reference)
 
 
 def main() -> None:
