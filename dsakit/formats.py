@@ -250,6 +250,13 @@ class EntryFormat(ABC):
         return int(nbytes) // self.bytes_per_entry
 
 
+def _lookup(table: dict, name, what: str):
+    found = table.get(str(name).lower())
+    if found is None:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {sorted(table)}")
+    return found
+
+
 @dataclass(frozen=True)
 class KeyFormat(EntryFormat):
     """Index-key format for 128-dim keys. Use the constants ``KeyFormat.BF16`` ... or ``KeyFormat.parse``."""
@@ -267,12 +274,7 @@ class KeyFormat(EntryFormat):
     @staticmethod
     def parse(name: "str | KeyFormat") -> "KeyFormat":
         """'bf16' | 'fp8' | 'fp8-ue8m0' | 'fp4' | 'fp4-rne' (or a KeyFormat) -> KeyFormat."""
-        if isinstance(name, KeyFormat):
-            return name
-        found = KEY_FORMATS.get(str(name).lower())
-        if found is None:
-            raise ValueError(f"unknown key format {name!r}; choose one of {sorted(KEY_FORMATS)}")
-        return found
+        return name if isinstance(name, KeyFormat) else _lookup(KEY_FORMATS, name, "key format")
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.check_entries(x)
@@ -339,10 +341,7 @@ class AttentionKVFormat(EntryFormat):
     def parse(name: "str | AttentionKVFormat") -> "AttentionKVFormat":
         if isinstance(name, AttentionKVFormat):
             return name
-        found = ATTENTION_KV_FORMATS.get(str(name).lower())
-        if found is None:
-            raise ValueError(f"unknown attention KV format {name!r}; choose one of {sorted(ATTENTION_KV_FORMATS)}")
-        return found
+        return _lookup(ATTENTION_KV_FORMATS, name, "attention KV format")
 
     @property
     def nope_dim(self) -> int:
