@@ -262,3 +262,178 @@ def test_index_topk_triton_rejects_bad_input(triton_backend):
     bad_table = torch.full_like(args[4], pool.shape[0] + 5)  # a page id outside the pool
     with pytest.raises(ValueError):
         index_topk_triton(*args[:4], bad_table, *args[5:], 4, workspace_bytes=4 * 10)  # validated before chunk 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode plan path (dsakit.ops.topk.decode): sync-free, preallocated, CUDA-graph-capturable
+# --------------------------------------------------------------------------------------------------
+
+DECODE_HEADS = 16  # the smallest H the decode group kernel takes (the real decode kernel, not the tile one)
+
+
+def _decode_batch(fmt: KeyFormat, counts: list[int], next_n: int, max_pages: int, seed: int, ratio: int = 4):
+    """Decode inputs: q [B, next_n, H, 128], weights [B, next_n, H], pool, block table, counts, positions.
+
+    The last query of sequence b sits ``behind[b % 4]`` tokens before the end of its last complete entry
+    (position count * ratio - 1 - behind), so causality hides some cached entries (on a block boundary
+    when behind % 4 == 0); next_n > 1 gives the rows of one sequence different visible counts."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(counts)
+    num_pages = b * max_pages + 1
+    pool = fmt.quantize_pages(torch.randn(num_pages * 64, 128, generator=g))
+    table = torch.randperm(num_pages, generator=g)[: b * max_pages].reshape(b, max_pages).to(torch.int32)
+    entry_counts = torch.tensor(counts, dtype=torch.int32)
+    behind = (1, 0, 8, 5)
+    last = torch.tensor([c * ratio - 1 - behind[i % 4] for i, c in enumerate(counts)])
+    positions = (last[:, None] - torch.arange(next_n - 1, -1, -1)[None, :]).clamp(min=0).to(torch.int32)
+    q = torch.randn(b, next_n, DECODE_HEADS, 128, generator=g).to(torch.bfloat16)
+    weights = torch.rand(b, next_n, DECODE_HEADS, generator=g) + 0.1
+    return q, weights, pool, table, entry_counts, positions
+
+
+def _decode_reference_scores(q, weights, pool, fmt, table, counts, positions, ratio):
+    b, next_n, h, d = q.shape
+    seq = torch.arange(b).repeat_interleave(next_n).to(torch.int32)
+    pos = None if positions is None else positions.reshape(-1)
+    return reference_scores(q.reshape(-1, h, d).float(), weights.reshape(-1, h), pool, fmt, table, counts, seq,
+                            pos, ratio)
+
+
+def _on(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+@pytest.mark.parametrize("fmt_name,next_n", [("bf16", 1), ("fp8", 2), ("fp4", 1)])
+def test_decode_plan_matches_reference(triton_backend, fmt_name, next_n):
+    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+
+    fmt = KeyFormat.parse(fmt_name)
+    device = _device(triton_backend)
+    k, ratio = 24, 4
+    # variable lengths: empty, fewer entries than k, one page boundary, several pages
+    counts = [0, 7, 64, 150]
+    q, w, pool, table, cnt, pos = _decode_batch(fmt, counts, next_n, max_pages=3, seed=1, ratio=ratio)
+    q_scale = None
+    if fmt.kind == "fp8":  # fp8 q with a per (row, head) scale, folded into the weights by the reference
+        q = q.to(torch.float8_e4m3fn)
+        q_scale = torch.rand(len(counts), next_n, DECODE_HEADS) + 0.5
+    plan = plan_decode_topk(len(counts), next_n, 192, k, fmt, device, num_heads=DECODE_HEADS, return_slots=True)
+    plan.workspace.fill_(float("nan"))  # poison: every column a row sees must be written by the kernel
+    got, slots = index_topk_decode(*_on(device, q, w, pool), fmt, *_on(device, table, cnt), k, plan=plan,
+                                   query_positions=pos.to(device), ratio=ratio, validate=True,
+                                   q_scale=None if q_scale is None else q_scale.to(device))
+    assert got.shape == (len(counts) * next_n, k) and got.dtype == torch.int32
+    got, slots = got.cpu(), slots.cpu()
+    ref_weights = w if q_scale is None else w * q_scale
+    ref_scores = _decode_reference_scores(q, ref_weights, pool, fmt, table, cnt, pos, ratio)
+    _check_against_reference(got, ref_scores, k, SCORE_TOL[fmt.kind])
+    seq = torch.arange(len(counts)).repeat_interleave(next_n).to(torch.int32)
+    assert torch.equal(slots, topk_to_slots(got, table, seq))
+    assert bool((got[:next_n] == -1).all())  # the empty sequence selects nothing
+
+
+def test_decode_plan_reuse_two_batches_and_no_positions(triton_backend):
+    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+
+    fmt = KeyFormat.parse("fp8")
+    device = _device(triton_backend)
+    k = 16
+    plan = plan_decode_topk(3, 2, 128, k, fmt, device, num_heads=DECODE_HEADS)
+    results = []
+    for seed, counts in ((2, [100, 3, 128]), (3, [40, 128, 0])):  # same shape, different values and lengths
+        q, w, pool, table, cnt, _ = _decode_batch(fmt, counts, 2, max_pages=2, seed=seed, ratio=1)
+        got = index_topk_decode(*_on(device, q, w, pool), fmt, *_on(device, table, cnt), k, plan=plan)
+        assert got.data_ptr() == plan.indices.data_ptr()  # the plan's own buffer, no new allocation
+        got = got.cpu().clone()
+        # without positions every row of a sequence sees all its entries (ratio unused)
+        _check_against_reference(got, _decode_reference_scores(q, w, pool, fmt, table, cnt, None, 1), k,
+                                 SCORE_TOL["fp8"])
+        results.append(got)
+    assert not torch.equal(results[0], results[1])
+    assert bool((results[1][4:] == -1).all())  # the second batch's empty sequence overwrote the old rows
+
+
+def test_decode_plan_bad_values_stay_in_bounds(triton_backend):
+    """validate=False with counts beyond the workspace and page ids outside the pool: no crash, -1 padding
+    kept, every index inside the workspace; validate=True names the bad value."""
+    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+
+    fmt = KeyFormat.parse("bf16")
+    device = _device(triton_backend)
+    q, w, pool, table, cnt, _ = _decode_batch(fmt, [64, 10], 1, max_pages=1, seed=4, ratio=1)
+    plan = plan_decode_topk(2, 1, 64, 8, fmt, device, num_heads=DECODE_HEADS, return_slots=True)
+    bad_counts = torch.tensor([10_000, -5], dtype=torch.int32)
+    bad_table = table.clone()
+    bad_table[0, 0] = 10_000
+    args = _on(device, q, w, pool)
+    got, _ = index_topk_decode(*args, fmt, *_on(device, bad_table, bad_counts), 8, plan=plan)
+    got = got.cpu()
+    assert bool((got[0] >= 0).all()) and bool((got[0] < 64).all()) and bool((got[1] == -1).all())
+    with pytest.raises(ValueError, match="entry_counts must be in 0..64"):
+        index_topk_decode(*args, fmt, *_on(device, table, bad_counts), 8, plan=plan, validate=True)
+    with pytest.raises(ValueError, match="block_table"):
+        index_topk_decode(*args, fmt, *_on(device, bad_table, cnt), 8, plan=plan, validate=True)
+
+
+def test_decode_plan_rejects_bad_input(triton_backend):
+    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+
+    fmt = KeyFormat.parse("bf16")
+    device = _device(triton_backend)
+    q, w, pool, table, cnt, pos = _on(device, *_decode_batch(fmt, [20, 30], 1, max_pages=1, seed=5))
+    plan = plan_decode_topk(2, 1, 64, 8, fmt, device, num_heads=DECODE_HEADS)
+    for bad in (dict(batch=0), dict(next_n=0), dict(max_entries=0), dict(k=0), dict(num_heads=True)):
+        kw = {"batch": 2, "next_n": 1, "max_entries": 64, "k": 8, **bad}
+        with pytest.raises(ValueError):
+            plan_decode_topk(kw["batch"], kw["next_n"], kw["max_entries"], kw["k"], fmt, device,
+                             num_heads=kw.get("num_heads", DECODE_HEADS))
+    with pytest.raises(ValueError, match="plan"):
+        index_topk_decode(q, w, pool, fmt, table, cnt, 8, plan=None)
+    with pytest.raises(ValueError, match="plan was built for k"):
+        index_topk_decode(q, w, pool, fmt, table, cnt, 4, plan=plan)
+    with pytest.raises(ValueError, match="plan was built for fp8"):
+        index_topk_decode(q, w, pool, fmt, table, cnt, 8,
+                          plan=plan_decode_topk(2, 1, 64, 8, "fp8", device, num_heads=DECODE_HEADS))
+    with pytest.raises(ValueError, match=r"\[B, next_n, H\]"):
+        index_topk_decode(q[:1], w[:1], pool, fmt, table[:1], cnt[:1], 8, plan=plan)
+    with pytest.raises(ValueError, match="weights"):
+        index_topk_decode(q, w[:, :, :4], pool, fmt, table, cnt, 8, plan=plan)
+    with pytest.raises(ValueError, match="entry_counts"):
+        index_topk_decode(q, w, pool, fmt, table, cnt.float(), 8, plan=plan)
+    with pytest.raises(ValueError, match="query_positions"):
+        index_topk_decode(q, w, pool, fmt, table, cnt, 8, plan=plan, query_positions=pos[:, :0])
+    with pytest.raises(ValueError, match="ratio"):
+        index_topk_decode(q, w, pool, fmt, table, cnt, 8, plan=plan, ratio=0)
+    with pytest.raises(ValueError, match="q_scale"):
+        index_topk_decode(q, w, pool, fmt, table, cnt, 8, plan=plan, q_scale=torch.ones(3, device=device))
+    with pytest.raises(ValueError, match="unit column stride"):
+        wide = torch.zeros(2, 4, dtype=torch.int32, device=device)
+        index_topk_decode(q, w, pool, fmt, wide[:, ::2], cnt, 8, plan=plan)
+    with pytest.raises(ValueError, match="q_scale must be > 0"):
+        index_topk_decode(q, w, pool, fmt, table, cnt, 8, plan=plan, validate=True,
+                          q_scale=-torch.ones(2, 1, DECODE_HEADS, device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
+def test_decode_plan_cuda_graph_replay():
+    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+
+    fmt = KeyFormat.parse("fp8")
+    k = 32
+    q, w, pool, table, cnt, pos = _on("cuda", *_decode_batch(fmt, [500, 64, 300, 0], 1, max_pages=8, seed=6))
+    plan = plan_decode_topk(4, 1, 512, k, fmt, "cuda", num_heads=DECODE_HEADS)
+    eager = index_topk_decode(q, w, pool, fmt, table, cnt, k, plan=plan, query_positions=pos, ratio=4).clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        index_topk_decode(q, w, pool, fmt, table, cnt, k, plan=plan, query_positions=pos, ratio=4)
+    plan.indices.fill_(-7)
+    graph.replay()
+    assert torch.equal(plan.indices, eager)
+    q2, w2, _, _, cnt2, pos2 = _on("cuda", *_decode_batch(fmt, [100, 511, 1, 40], 1, max_pages=8, seed=7))
+    for dst, src in ((q, q2), (w, w2), (cnt, cnt2), (pos, pos2)):
+        dst.copy_(src)
+    graph.replay()
+    fresh = index_topk_decode(q, w, pool, fmt, table, cnt, k, plan=plan_decode_topk(
+        4, 1, 512, k, fmt, "cuda", num_heads=DECODE_HEADS), query_positions=pos, ratio=4)
+    assert torch.equal(plan.indices, fresh)

@@ -4,6 +4,10 @@ The reference (pure PyTorch fp32, CPU) is the spec and materializes [T, N]. The 
 (:mod:`dsakit.ops.topk.triton`) scores query rows chunk by chunk into a bounded fp32 workspace and selects
 each chunk with an exact radix select, so its memory is O(T * K) plus the workspace. ``auto`` picks Triton
 for CUDA tensors.
+
+Decode: :func:`plan_decode_topk` + :func:`index_topk_decode` (:mod:`dsakit.ops.topk.decode`) preallocate the
+workspace, tile plan and outputs once; each call then only launches kernels (no host sync, no allocation), so
+it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -57,4 +61,14 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt, 
     return indices, topk_to_slots(indices, block_table.cpu(), query_seq.cpu())
 
 
-__all__ = ["index_topk", "index_topk_reference", "select_topk", "select_topk_reference", "topk_to_slots"]
+def __getattr__(name: str):
+    # the decode plan path needs triton, an optional dependency: import it only when asked for
+    if name in ("DecodeTopkPlan", "plan_decode_topk", "index_topk_decode"):
+        from . import decode
+
+        return getattr(decode, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["index_topk", "index_topk_reference", "select_topk", "select_topk_reference", "topk_to_slots",
+           "DecodeTopkPlan", "plan_decode_topk", "index_topk_decode"]
