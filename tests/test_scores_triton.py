@@ -217,6 +217,24 @@ def test_non_contiguous_inputs(device):
     assert_scores_match(out, ref)
 
 
+def test_strided_metadata(device):
+    """A column-strided block table and strided counts / positions give the same scores as contiguous ones."""
+    fmt, pool, table, counts, _ = make_cache("fp8", [130, 70], device)
+    t, h = 6, 16
+    q = torch.randn(t, h, 128, dtype=torch.bfloat16, device=device)
+    w = torch.rand(t, h, device=device)
+    query_seq = torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.int32, device=device)
+    positions = torch.tensor([100, 300, 519, 50, 200, 279], device=device)
+    wide = torch.full((table.shape[0], 2 * table.shape[1]), -7, dtype=table.dtype, device=device)
+    wide[:, ::2] = table
+    strided_counts = torch.stack([counts, counts], dim=1)[:, 0]
+    strided_positions = torch.stack([positions, positions], dim=1)[:, 0]
+    assert wide[:, ::2].stride(1) == 2 and strided_counts.stride(0) == 2 and strided_positions.stride(0) == 2
+    out = run_kernel(q, w, pool, fmt, wide[:, ::2], strided_counts, query_seq, strided_positions, 4)
+    ref = run_kernel(q, w, pool, fmt, table, counts, query_seq, positions, 4)
+    assert torch.equal(out.cpu(), ref.cpu())
+
+
 def test_nan_key_propagates_like_reference(device):
     """A NaN stored in a bf16 key gives NaN scores (as torch.relu does), never a silently finite value."""
     fmt = KeyFormat.BF16

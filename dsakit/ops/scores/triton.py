@@ -573,6 +573,13 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tens
         q = q.to(torch.bfloat16)
     if q.stride(2) != 1:
         q = q.contiguous()
+    # The kernels read the small int metadata at unit stride (block-table columns, counts, positions):
+    # copy strided views (cheap, no sync) instead of silently reading the wrong pages.
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    entry_counts = entry_counts.contiguous()
+    if query_positions is not None:
+        query_positions = query_positions.contiguous()
     fp8_dot = q.dtype in _FP8_Q_DTYPES and fmt.kind == "fp8"
     values_view, scales_view = _pool_views(pool, fmt)
     has_pos = query_positions is not None
