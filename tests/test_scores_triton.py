@@ -464,3 +464,22 @@ def test_deepgemm_non_paged_logits(device):
     with pytest.raises(ValueError, match="kv scales"):
         fp8_mqa_logits(q.to(device), (values.to(device), scale[:-1].to(device)), w.to(device), ks.to(device),
                        ke.to(device))
+
+
+def test_largest_int32_position_sees_every_entry(device):
+    """query_positions = INT32_MAX (an "everything visible" sentinel) must not overflow pos + 1 in int32."""
+    fmt, pool, table, counts, _ = make_cache("bf16", [70, 5], device)
+    scores_triton = _triton()
+    t, h = 4, 16
+    q = torch.randn(t, h, 128, dtype=torch.bfloat16, device=device)
+    w = torch.rand(t, h, device=device)
+    query_seq = torch.tensor([0, 1, 0, 1], dtype=torch.int32, device=device)
+    positions = torch.full((t,), 2**31 - 1, dtype=torch.int32, device=device)
+    ref = reference_scores(q.float().cpu(), w.cpu(), pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq.cpu(),
+                           positions.cpu(), 1)
+    assert torch.isfinite(ref[0]).all()
+    for kernel in ("tile", "group"):
+        plan = scores_triton.plan_query_tiles(query_seq, 2, h, kernel=kernel)
+        out = run_kernel(q, w, pool, fmt, table, counts, query_seq, positions, 1, tiles=plan)
+        assert_scores_match(out, ref)
+

@@ -166,8 +166,10 @@ def _index_scores_tile_kernel(
     row_ok = offs_t < length
     rows = tl.load(rows_ptr + first + offs_t, mask=row_ok, other=0).to(tl.int64)  # [BLOCK_T] original rows
     if HAS_POS:
-        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0).to(tl.int32)
-        visible = tl.minimum(tl.maximum((pos + 1) // ratio, 0), count)  # (pos+1) <= 0 gives <= 0 -> 0
+        # int64: pos + 1 must not wrap for pos = INT32_MAX (an "everything visible" sentinel)
+        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        # (pos + 1) <= 0 gives <= 0 -> 0; the min with count brings the value back into count's range
+        visible = tl.minimum(tl.maximum((pos + 1) // ratio, 0), count).to(count.dtype)
     else:
         visible = tl.zeros([BLOCK_T], dtype=tl.int32) + count
     visible = tl.where(row_ok, visible, 0)
@@ -230,8 +232,8 @@ def _index_scores_group_kernel(
     g_ok = offs_g < length
     g_rows = tl.load(rows_ptr + first + offs_g, mask=g_ok, other=0).to(tl.int64)  # [GROUP]
     if HAS_POS:
-        pos = tl.load(pos_ptr + g_rows, mask=g_ok, other=0).to(tl.int32)
-        visible = tl.minimum(tl.maximum((pos + 1) // ratio, 0), count)
+        pos = tl.load(pos_ptr + g_rows, mask=g_ok, other=0).to(tl.int64)  # int64: see the tile kernel
+        visible = tl.minimum(tl.maximum((pos + 1) // ratio, 0), count).to(count.dtype)
     else:
         visible = tl.zeros([GROUP], dtype=tl.int32) + count
     visible = tl.where(g_ok, visible, 0)
