@@ -483,3 +483,28 @@ def test_largest_int32_position_sees_every_entry(device):
         out = run_kernel(q, w, pool, fmt, table, counts, query_seq, positions, 1, tiles=plan)
         assert_scores_match(out, ref)
 
+
+def test_unvalidated_counts_without_pages_stay_in_bounds(device):
+    """validate=False with entries but an empty pool or a zero-width block table: no page can be read, so
+    every score is -inf (the kernels would otherwise address page -1 / block-table column -1)."""
+    fmt = KeyFormat.FP8
+    scores_triton = _triton()
+    t, h = 3, 16
+    q = torch.randn(t, h, 128, dtype=torch.bfloat16, device=device)
+    w = torch.rand(t, h, device=device)
+    query_seq = torch.zeros(t, dtype=torch.int32, device=device)
+    counts = torch.tensor([40], dtype=torch.int32, device=device)
+    cases = {"empty pool": (torch.zeros(0, fmt.page_bytes, dtype=torch.uint8, device=device),
+                            torch.zeros(1, 1, dtype=torch.int32, device=device)),
+             "zero-width block table": (torch.zeros(2, fmt.page_bytes, dtype=torch.uint8, device=device),
+                                        torch.zeros(1, 0, dtype=torch.int32, device=device))}
+    for name, (pool, table) in cases.items():
+        for kernel in ("tile", "group"):
+            plan = scores_triton.plan_query_tiles(query_seq, 1, h, kernel=kernel)
+            out = torch.full((t + 1, 48), float("nan"), device=device)
+            result = scores_triton.index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1,
+                                                       out=out[:, :40], tiles=plan, validate=False)
+            assert torch.isneginf(result).all(), f"{name}, {kernel}: scores from pages that do not exist"
+            assert torch.isnan(out[t:]).all() and torch.isnan(out[:, 40:]).all(), f"{name}: wrote outside out"
+        with pytest.raises(ValueError):
+            scores_triton.index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1)

@@ -566,6 +566,10 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tens
     result = out[:t]
     if t == 0 or width == 0 or block_table.shape[0] == 0:
         return result
+    if pool.shape[0] == 0 or block_table.shape[1] == 0:
+        # No page to read: every entry is invisible (validate=True has already refused positive counts). The
+        # kernels clamp page ids / columns to num_pages - 1 / max_pages - 1, which would be -1 here.
+        return result.fill_(float("-inf"))
 
     if tiles is None:
         tiles = plan_query_tiles(query_seq, block_table.shape[0], num_heads, kernel, block_t)
