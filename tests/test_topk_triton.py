@@ -165,6 +165,11 @@ def test_select_rejects_bad_input(triton_backend):
         select_topk_triton(scores, 3, row_counts=torch.tensor([1, 11], dtype=torch.int32, device=scores.device))
     with pytest.raises(ValueError, match="unit stride"):
         select_topk_triton(scores.t().contiguous().t(), 3)
+    # the collect pass packs two ranks per tile into one int32: a tile of 32768 would overflow it
+    with pytest.raises(ValueError, match="block must be"):
+        select_topk_triton(scores, 3, block=32768)
+    with pytest.raises(ValueError, match="block must be"):
+        select_topk_triton(scores, 3, block=48)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ DEFAULT_WORKSPACE_BYTES = 512 << 20
 _INT32_MIN = tl.constexpr(-(1 << 31))
 # Candidates per row kept for the exact final select (fp32 value + int32 index = 8 bytes each).
 CANDIDATE_CAP = 2048
+# Largest tile of the streaming passes: the collect pass packs two per-tile ranks into one int32 cumsum
+# (above + 65536 * inside), exact only while 65536 * BLOCK < 2^31.
+MAX_SELECT_BLOCK = 16384
 
 
 @triton.jit
@@ -297,8 +300,8 @@ def _launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor
     block = block or default_block
     num_warps = num_warps or default_warps
     bins = bins or default_bins
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block must be a power of two >= 16, got {block}")
+    if block < 16 or block & (block - 1) or block > MAX_SELECT_BLOCK:
+        raise ValueError(f"block must be a power of two in 16..{MAX_SELECT_BLOCK}, got {block}")
     if bins < 32 or bins & (bins - 1) or bins > 1024:
         raise ValueError(f"bins must be a power of two in 32..1024, got {bins}")
     if cap < 32 or cap & (cap - 1):
