@@ -155,6 +155,11 @@ def test_store_is_single_writer_and_reports_duplicates_and_bad_lines(tmp_path):
     path.write_text('{"cell": "a"}\nnot json\n')
     with pytest.raises(ValueError, match=":2"):
         read_rows(path)
+    with pytest.raises(ValueError, match=":2"):
+        ResultStore(path).open()
+    path.write_text('{"cell": "a"}\n')  # fixed by hand: the failed open above must not hold the lock
+    with ResultStore(path) as store:
+        assert list(store.rows) == ["a"]
 
 
 # -- report ----------------------------------------------------------------------------------------

@@ -54,9 +54,14 @@ class ResultStore:
             os.close(self._lock_fd)
             self._lock_fd = None
             raise StoreLockedError(f"{self.path} is in use by another dsakit niah run") from None
-        self._repair_tail()
-        self.rows, self.duplicates = read_rows(self.path)
-        self._fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+        try:
+            self._repair_tail()
+            self.rows, self.duplicates = read_rows(self.path)
+            self._fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+        except BaseException:
+            # a malformed file must not leave the lock held: the caller fixes the line and opens again
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._fd is not None:
