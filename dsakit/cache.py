@@ -205,6 +205,20 @@ class PagedCache:
         self._lengths[seq_id] = new
         return self.slots(seq_id, old, new)
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Shorten a sequence to its first ``length`` entries; pages no longer needed go back to the pool.
+
+        Undoes an :meth:`append` whose entries could not be written (their bytes are left as they are)."""
+        self._check_seq(seq_id)
+        current = self._lengths[seq_id]
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= current:
+            raise ValueError(f"truncate length must be an int in 0..{current} (sequence {seq_id}), got {length!r}")
+        table = self._tables[seq_id]
+        keep = (length + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
+        self._free.extend(reversed(table[keep:]))
+        del table[keep:]
+        self._lengths[seq_id] = length
+
     def free_sequence(self, seq_id: int) -> None:
         self._check_seq(seq_id)
         self._free.extend(reversed(self._tables.pop(seq_id)))

@@ -300,3 +300,21 @@ def test_check_slots_rejects_negative_when_padding_is_not_allowed():
     pool = filled_pool(KeyFormat.FP8, 1)
     with pytest.raises(ValueError, match="slot -1"):
         read_entries(pool, KeyFormat.FP8, torch.tensor([-1]))
+
+
+def test_truncate_returns_pages_and_validates():
+    cache = PagedCache(KeyFormat.FP8, num_pages=4)
+    seq = cache.add_sequence()
+    cache.append(seq, 150)  # 3 pages
+    first = cache.slots(seq, 0, 64)
+    cache.truncate(seq, 64)
+    assert cache.length(seq) == 64 and cache.free_pages == 3
+    assert torch.equal(cache.slots(seq), first)
+    assert cache.block_table([seq]).shape == (1, 1)
+    cache.truncate(seq, 0)
+    assert cache.free_pages == 4
+    for bad in (-1, 1, 0.5, True):
+        with pytest.raises(ValueError, match="truncate length"):
+            cache.truncate(seq, bad)
+    with pytest.raises(ValueError, match="unknown sequence"):
+        cache.truncate(99, 0)

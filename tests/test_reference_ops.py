@@ -553,6 +553,21 @@ def test_indexer_store_keys_appends_only_new_entries():
         ix.store_keys(hidden[:20], cache, seq)
 
 
+def test_indexer_store_keys_failed_store_leaves_cache_unchanged():
+    """Regression: a store that raised (here: unknown backend) used to keep the appended, unwritten entries."""
+    ix = small_indexer(1)
+    hidden = torch.randn(300, 24)  # 75 entries: two pages
+    cache = PagedCache("bf16", num_pages=3)
+    seq = cache.add_sequence()
+    ix.store_keys(hidden[:40], cache, seq, backend="reference")  # 10 entries, one page
+    pool_before = cache.pool.clone()
+    with pytest.raises(ValueError, match="unknown backend"):
+        ix.store_keys(hidden, cache, seq, backend="bogus")
+    assert cache.length(seq) == 10 and cache.free_pages == 2
+    assert torch.equal(cache.pool, pool_before)
+    assert ix.store_keys(hidden, cache, seq, backend="reference").shape == (65,)
+
+
 @pytest.mark.parametrize("key_format", ["bf16", "fp8", "fp4"])
 def test_indexer_topk_is_select_topk_of_its_scores(key_format):
     ix = small_indexer(2)

@@ -225,11 +225,16 @@ class DSAIndexer(torch.nn.Module):
         slots = cache.append(seq_id, new.shape[0])
         if new.shape[0]:
             table = self.rope.cos_sin_table(int(positions[-1]) + 1).to(cache.pool.device)
-            _call_with_backend(store_index_keys, backend, keys=new.to(cache.pool.device),
-                               positions=positions.to(cache.pool.device), slots=slots.to(cache.pool.device),
-                               pool=cache.pool, fmt=cache.fmt, rope_cos_sin=table,
-                               norm_weight=self.norm_weight.to(cache.pool.device), norm_bias=None,
-                               transform=self.transform())
+            try:
+                _call_with_backend(store_index_keys, backend, keys=new.to(cache.pool.device),
+                                   positions=positions.to(cache.pool.device), slots=slots.to(cache.pool.device),
+                                   pool=cache.pool, fmt=cache.fmt, rope_cos_sin=table,
+                                   norm_weight=self.norm_weight.to(cache.pool.device), norm_bias=None,
+                                   transform=self.transform())
+            except Exception:
+                # a failed store (bad backend, kernel error) must not leave reserved but unwritten entries
+                cache.truncate(seq_id, have)
+                raise
         return slots
 
     def topk(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor | None = None, *,
