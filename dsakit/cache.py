@@ -102,10 +102,10 @@ def write_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor, val
 def read_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Encoded bytes of the entries at slots [N] (all >= 0): (values [N, value_bytes], scales [N, scale_bytes])."""
     check_pool(pool, fmt)
-    slots = check_slots(slots, num_slots(pool), allow_padding=False) if slots.numel() else slots.long().cpu()
+    slots = check_slots(slots, num_slots(pool), allow_padding=False)
     value_idx, scale_idx = _byte_index(fmt, slots)
-    flat = pool.view(-1).cpu()
-    return flat[value_idx], flat[scale_idx]
+    flat = pool.view(-1)  # gather on the pool's device: only the requested bytes come to the host
+    return flat[value_idx.to(pool.device)].cpu(), flat[scale_idx.to(pool.device)].cpu()
 
 
 def dequantize_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor) -> torch.Tensor:
@@ -118,6 +118,13 @@ def dequantize_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor
 
 def sequence_slots(block_table_row: torch.Tensor, length: int) -> torch.Tensor:
     """Slots int64 [length] of a sequence's first ``length`` entries, from its block-table row [max_pages]."""
+    if not isinstance(block_table_row, torch.Tensor) or block_table_row.dim() != 1 \
+            or block_table_row.dtype not in (torch.int32, torch.int64):
+        got = (block_table_row.dtype, list(block_table_row.shape)) if isinstance(block_table_row, torch.Tensor) \
+            else type(block_table_row).__name__
+        raise ValueError(f"block_table_row must be a 1-D int32/int64 tensor, got {got}")
+    if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+        raise ValueError(f"sequence length must be a non-negative int, got {length!r}")
     pages_needed = (length + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
     row = block_table_row.detach().cpu().long()
     if pages_needed > row.numel():

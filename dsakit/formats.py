@@ -239,8 +239,16 @@ class EntryFormat(ABC):
         return self.dequantize(values, scales)
 
     def byte_offsets(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat byte offsets of the first value byte and first scale byte of each global slot [N]."""
+        """Flat byte offsets (int64 [N]) of the first value byte and first scale byte of each global slot [N].
+
+        Slots must be >= 0: a padding slot (-1) has no bytes, and floor division would map it to the last
+        entry of page -1, a negative offset that indexes from the end of a flat pool."""
+        if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slots must be an int32/int64 tensor, got "
+                             f"{slots.dtype if isinstance(slots, torch.Tensor) else type(slots).__name__}")
         slots = slots.long()
+        if slots.numel() and bool((slots < 0).any()):
+            raise ValueError(f"slots must be >= 0 (padding has no bytes), got {int(slots.min())}")
         page = slots // self.entries_per_page
         entry = slots % self.entries_per_page
         base = page * self.page_bytes

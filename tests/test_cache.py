@@ -318,3 +318,25 @@ def test_truncate_returns_pages_and_validates():
             cache.truncate(seq, bad)
     with pytest.raises(ValueError, match="unknown sequence"):
         cache.truncate(99, 0)
+
+
+def test_read_and_sequence_slots_validate_their_inputs():
+    """Regression: empty slots skipped validation in read_entries (any dtype / shape passed), byte_offsets
+    turned slot -1 into a negative offset, sequence_slots accepted a negative length or a 2-D row."""
+    fmt = KeyFormat.FP4
+    pool = torch.zeros(2, fmt.page_bytes, dtype=torch.uint8)
+    for bad in (torch.zeros(0), torch.zeros(0, 3, dtype=torch.long), [0, 1]):
+        with pytest.raises(ValueError, match="slots"):
+            read_entries(pool, fmt, bad)
+    values, scales = read_entries(pool, fmt, torch.zeros(0, dtype=torch.long))
+    assert values.shape == (0, fmt.value_bytes) and scales.shape == (0, fmt.scale_bytes)
+    with pytest.raises(ValueError, match=r"slots must be >= 0 .* -1"):
+        fmt.byte_offsets(torch.tensor([3, -1]))
+    with pytest.raises(ValueError, match="int32/int64"):
+        fmt.byte_offsets(torch.tensor([1.0]))
+    row = torch.tensor([1, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match="non-negative int, got -1"):
+        sequence_slots(row, -1)
+    with pytest.raises(ValueError, match="1-D int32/int64"):
+        sequence_slots(row.reshape(1, 2), 5)
+    assert sequence_slots(row, 0).shape == (0,)
