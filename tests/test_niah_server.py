@@ -56,16 +56,19 @@ class ServerProcess:
             [sys.executable, "-m", "dsakit.cli", "serve-reference", "--port", str(self.port), "--port-file",
              str(port_file), *self.args], stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not port_file.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {(self.workdir / 'server.log').read_text()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("server did not start in time")
-            time.sleep(0.1)
-        self.port = int(port_file.read_text())
-        assert httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=10).json() == {"status": "ok"}
+        try:  # any failure below stops the child: a test never leaves a server running
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not port_file.exists():
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited: {(self.workdir / 'server.log').read_text()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("server did not start in time")
+                time.sleep(0.1)
+            self.port = int(port_file.read_text())
+            assert httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=10).json() == {"status": "ok"}
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     @property
@@ -232,7 +235,7 @@ def test_sweep_survives_a_server_restart(tmp_path):
         box["outcome"] = sweep(srv.url, tmp_path / "out", [1000, 2000], [0.1, 0.5, 0.9], tokenizer="reference",
                                max_retries=400, concurrency=1)
 
-    worker = threading.Thread(target=run)
+    worker = threading.Thread(target=run, daemon=True)  # a stuck sweep must not keep pytest from exiting
     worker.start()
     try:
         deadline = time.monotonic() + 120
@@ -252,12 +255,16 @@ def test_sweep_survives_a_server_restart(tmp_path):
     assert len(results.read_text().splitlines()) == 6
 
 
-def _cli(url: str, out: Path, *extra: str) -> subprocess.Popen:
+def _cli(url: str, out: Path, *extra: str, started: list | None = None) -> subprocess.Popen:
+    """``dsakit niah`` in a child process; appended to ``started`` so the test's cleanup can kill it."""
     args = [sys.executable, "-m", "dsakit.cli", "niah", "--base-url", url, "--model", MODEL,
             "--lengths", "1000,2000", "--depths", "lin:0.05:0.95:5", "--concurrency", "1", "--tokenizer", "reference",
             "--backoff", "0.05", "--backoff-max", "0.5", "--out", str(out), "--no-progress", *extra]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "COLUMNS": "200"})
+    if started is not None:
+        started.append(proc)
+    return proc
 
 
 def _wait_rows(path: Path, count: int, proc: subprocess.Popen) -> None:
@@ -273,6 +280,7 @@ def test_cli_killed_interrupted_and_resumed_loses_and_duplicates_nothing(tmp_pat
     srv = ServerProcess(tmp_path / "srv", "--latency", "0.25").start()
     out = tmp_path / "run"
     results = out / "results.jsonl"
+    clis: list[subprocess.Popen] = []
     try:
         # a request slower than the per-request timeout is retried, then reported; the cell gets no row
         config = SweepConfig(lengths=(1000,), depths=(0.5,))
@@ -282,7 +290,7 @@ def test_cli_killed_interrupted_and_resumed_loses_and_duplicates_nothing(tmp_pat
         assert (tmp_path / "timeout" / "errors.jsonl").exists()
         assert (tmp_path / "timeout" / "results.jsonl").read_bytes() == b""
 
-        first = _cli(srv.url, out)
+        first = _cli(srv.url, out, started=clis)
         _wait_rows(results, 2, first)
         first.send_signal(signal.SIGKILL)
         first.wait(30)
@@ -290,10 +298,10 @@ def test_cli_killed_interrupted_and_resumed_loses_and_duplicates_nothing(tmp_pat
             fh.write(b'{"cell": "L2000-d0.9500-t0", "fou')
         before = results.read_bytes().rsplit(b"\n", 1)[0] + b"\n"
 
-        refused = _cli(srv.url, out)  # an existing run is never overwritten without --resume
+        refused = _cli(srv.url, out, started=clis)  # an existing run is never overwritten without --resume
         assert refused.wait(120) == 2 and "--resume" in refused.communicate()[1]
 
-        second = _cli(srv.url, out, "--resume")
+        second = _cli(srv.url, out, "--resume", started=clis)
         _wait_rows(results, before.count(b"\n") + 2, second)
         second.send_signal(signal.SIGINT)  # Ctrl-C
         stdout, stderr = second.communicate(timeout=60)
@@ -302,10 +310,14 @@ def test_cli_killed_interrupted_and_resumed_loses_and_duplicates_nothing(tmp_pat
         assert middle.startswith(before) and middle.endswith(b"\n")
         assert all(json.loads(line) for line in middle.splitlines())
 
-        third = _cli(srv.url, out, "--resume")
+        third = _cli(srv.url, out, "--resume", started=clis)
         stdout, stderr = third.communicate(timeout=180)
         assert third.returncode == 0, stderr
     finally:
+        for proc in clis:  # a failed wait or communicate above leaves its CLI running otherwise
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
         srv.stop()
     final = results.read_bytes()
     assert final.startswith(middle)
