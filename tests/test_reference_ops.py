@@ -508,6 +508,24 @@ def test_window_topk_indices_vs_naive():
     assert got.dtype == torch.int32
 
 
+def test_window_topk_indices_and_sparse_attention_validate_inputs():
+    """Regression: window_topk_indices had no checks (a negative window gave an empty window, an index of -5
+    became the raw token num_raw - 5, T mismatches broadcast or crashed); sparse_attention crashed with a
+    TypeError on an integer q."""
+    pos, topk = torch.tensor([3, 7]), torch.tensor([[0, -1], [1, 0]])
+    cases = [((pos.float(), topk, 4, 10), "query_positions"), ((pos, topk[:1], 4, 10), "topk_indices"),
+             ((pos, topk.float(), 4, 10), "topk_indices"), ((pos, topk, -1, 10), "window"),
+             ((pos, topk, 4, -3), "num_raw"), ((pos, topk, 2.5, 10), "window"),
+             ((pos, torch.tensor([[0, -5], [1, 0]]), 4, 10), "-5")]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            window_topk_indices(*args)
+    with pytest.raises(ValueError, match="q must be a floating"):
+        sparse_attention(torch.ones(1, 2, 4, dtype=torch.long), torch.randn(3, 4), torch.tensor([[0]]))
+    with pytest.raises(ValueError, match="kv must be"):
+        sparse_attention(torch.randn(1, 2, 4), [[0.0] * 4], torch.tensor([[0]]))
+
+
 # --------------------------------------------------------------------------------------------------
 # dsakit.layers.DSAIndexer: the V4 indexer wired from the ops above
 # --------------------------------------------------------------------------------------------------

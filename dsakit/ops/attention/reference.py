@@ -19,11 +19,19 @@ from __future__ import annotations
 import torch
 
 
+def _describe(x) -> str:
+    return f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor | None = None,
                      softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, Dh], kv [N, Dh] (shared K = V), indices int [T, I] (-1 ignored), sink [Hq] or None."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, Hq, Dh], got {list(q.shape)}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_floating_point():
+        raise ValueError(f"q must be a floating [T, Hq, Dh] tensor, got {_describe(q)}")
+    if not isinstance(kv, torch.Tensor) or not kv.is_floating_point():
+        raise ValueError(f"kv must be a floating [N, Dh] tensor, got {_describe(kv)}")
+    if not isinstance(indices, torch.Tensor):
+        raise ValueError(f"indices must be an int [T, I] tensor, got {_describe(indices)}")
     t, hq, dh = q.shape
     if kv.dim() != 2 or kv.shape[1] != dh:
         raise ValueError(f"kv must be [N, {dh}], got {list(kv.shape)}")
@@ -34,8 +42,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     if idx.numel() and (bool((idx >= n).any()) or bool((idx < -1).any())):
         bad = idx[(idx >= n) | (idx < -1)][0]
         raise ValueError(f"index {int(bad)} out of range for kv of {n} entries (-1 = none)")
-    if sink is not None and sink.shape != (hq,):
-        raise ValueError(f"sink must be [Hq] = [{hq}], got {list(sink.shape)}")
+    if sink is not None and (not isinstance(sink, torch.Tensor) or sink.shape != (hq,)):
+        raise ValueError(f"sink must be [Hq] = [{hq}], got {_describe(sink)}")
     scale = dh ** -0.5 if softmax_scale is None else float(softmax_scale)
 
     qf, kvf = q.detach().cpu().float(), kv.detach().cpu().float()
@@ -54,7 +62,23 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
 def window_topk_indices(query_positions: torch.Tensor, topk_indices: torch.Tensor, window: int,
                         num_raw: int) -> torch.Tensor:
     """Index set [T, window + K] over [raw kv (num_raw rows) ; compressed kv]: the last ``window`` raw tokens
-    up to each query's position, then the top-k compressed entries offset by ``num_raw``; -1 where none."""
+    up to each query's position, then the top-k compressed entries offset by ``num_raw``; -1 where none.
+
+    query_positions int [T], topk_indices int [T, K] (-1 padded), window >= 0, num_raw >= 0."""
+    if not isinstance(query_positions, torch.Tensor) or query_positions.dim() != 1 \
+            or query_positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"query_positions must be an int32/int64 [T] tensor, got "
+                         f"{_describe(query_positions)}")
+    t = query_positions.shape[0]
+    if not isinstance(topk_indices, torch.Tensor) or topk_indices.dim() != 2 or topk_indices.shape[0] != t \
+            or topk_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_indices must be an int32/int64 [T={t}, K] tensor, got {_describe(topk_indices)}")
+    for what, value in (("window", window), ("num_raw", num_raw)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{what} must be a non-negative int, got {value!r}")
+    if topk_indices.numel() and bool((topk_indices < -1).any()):
+        raise ValueError(f"topk_indices must be >= -1 (-1 = none), got {int(topk_indices.min())}")
+    query_positions, topk_indices = query_positions.detach().cpu(), topk_indices.detach().cpu()
     pos = query_positions.long().unsqueeze(1)  # [T, 1]
     offsets = torch.arange(window - 1, -1, -1).unsqueeze(0)  # window-1 .. 0
     raw = pos - offsets
