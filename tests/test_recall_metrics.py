@@ -98,3 +98,11 @@ def test_metric_inputs_are_validated():
         metrics.needle_rank(torch.zeros(3), [3])
     with pytest.raises(ValueError, match="empty"):
         metrics.score_margin(torch.zeros(3), [])
+
+
+def test_worst_rank_index_counts_a_lost_needle_as_worst():
+    # run_captured reports the worst visible row; a row whose needle scored -inf (rank None) lost it
+    assert metrics.worst_rank_index([3, None, 7]) == 1
+    assert metrics.worst_rank_index([3, 9, 7, 9]) == 1
+    assert metrics.worst_rank_index([0]) == 0
+    assert metrics.worst_rank_index([]) is None

@@ -167,7 +167,7 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
                 ranks = [metrics.needle_rank(scores[i], needle) for i in rows]
                 exact_ranks = [metrics.needle_rank(exact_scores[i], needle) for i in rows]
                 found = [metrics.topk_contains(topk[i], needle) for i in rows]
-                worst = max(range(len(rows)), key=lambda j: -1 if ranks[j] is None else ranks[j]) if rows else None
+                worst = metrics.worst_rank_index(ranks)
                 rec.update({
                     "needle_entries": needle.tolist(), "needle_rows": rows, "row_ranks": ranks,
                     "row_exact_ranks": exact_ranks,

@@ -52,6 +52,17 @@ def needle_rank(scores: torch.Tensor, needle_entries) -> int | None:
     return min(entries_ahead(s, e) for e in visible)
 
 
+def worst_rank_index(ranks: "list[int | None]") -> int | None:
+    """Index of the worst needle rank in ``ranks`` (None if empty).
+
+    A None rank (every needle entry scored -inf although visible: the needle was lost) is worse than any
+    number; among equal ranks the first wins.
+    """
+    if not ranks:
+        return None
+    return max(range(len(ranks)), key=lambda i: math.inf if ranks[i] is None else ranks[i])
+
+
 def topk_contains(topk_row: torch.Tensor, needle_entries) -> bool:
     """Whether a top-k index row [K] (-1 padded) holds any needle entry."""
     row = topk_row.detach().cpu().long().flatten()
