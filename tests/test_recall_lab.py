@@ -258,6 +258,9 @@ def test_fnuz_decoder_makes_nan_of_negative_zero():
 def test_parse_faults():
     assert parse_faults("off") == []
     assert [f.name for f in parse_faults("causal-late")] == ["none", "causal-late"]
+    # the baseline comes first even when named later; a repeated name gives one fault row, not two
+    assert [f.name for f in parse_faults("causal-late,none,causal-late")] == ["none", "causal-late"]
+    assert [f.name for f in parse_faults(["none", "none"])] == ["none"]
     assert len(parse_faults("all")) == len(FAULTS)
     with pytest.raises(ValueError, match="unknown fault"):
         parse_faults("rope-typo")

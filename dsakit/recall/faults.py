@@ -87,14 +87,13 @@ def parse_faults(names: "str | list[str]") -> list[Fault]:
         if text == "all":
             return list(FAULTS.values())
         names = [n.strip() for n in text.split(",") if n.strip()]
-    out = []
     for name in names:
         if name not in FAULTS:
             raise ValueError(f"unknown fault {name!r}; choose from {sorted(FAULTS)} or 'all'")
-        out.append(FAULTS[name])
-    if out and out[0].name != "none" and FAULTS["none"] not in out:
-        out.insert(0, FAULTS["none"])
-    return out
+    if not names:
+        return []
+    # each fault once, in the order given, after the baseline (wherever, or whether, 'none' was named)
+    return [FAULTS["none"]] + [FAULTS[name] for name in dict.fromkeys(names) if name != "none"]
 
 
 def decode_fp8_entries(values: torch.Tensor, scales: torch.Tensor, fault: Fault) -> torch.Tensor:
