@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -354,3 +355,29 @@ def test_resume_refuses_changed_settings_and_fresh_runs_refuse_old_results(tmp_p
     changed = SweepConfig(lengths=(1000,), depths=(0.5,), seed=7).fingerprint(endpoint, None)
     with pytest.raises(ValueError, match="seed"):
         check_run_file(tmp_path, changed, resume=True)
+
+
+def test_failed_calibration_is_written_to_errors_jsonl(tmp_path):
+    from dsakit.niah.client import Completion
+    from dsakit.niah.sweep import ERRORS_FILE, run_sweep
+
+    class NoUsageClient:  # a server whose responses carry no usage.prompt_tokens: calibration cannot work
+        def __init__(self, config, concurrency):
+            pass
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return None
+
+        async def complete(self, prompt, max_tokens=None):
+            return Completion("ZEBRA-1234-OMEGA", "", "stop", None, 1, 1, 0.0)
+
+    config = SweepConfig(lengths=(1000,), depths=(0.5,))
+    endpoint = EndpointConfig(base_url="http://127.0.0.1:9", model="m")
+    outcome = asyncio.run(run_sweep(config, endpoint, tmp_path, client_factory=NoUsageClient))
+    assert outcome.rows == [] and outcome.errors[0]["stage"] == "calibration"
+    lines = (tmp_path / ERRORS_FILE).read_text().splitlines()
+    assert [json.loads(line)["stage"] for line in lines] == ["calibration"]
+    assert "usage.prompt_tokens" in json.loads(lines[0])["error"]

@@ -328,7 +328,8 @@ async def run_sweep(config: SweepConfig, endpoint: EndpointConfig, out_dir: "str
 
     ``counter`` fits prompts locally (else lengths are calibrated against the server); ``tokenizer_spec``
     names it in ``run.json``. Cells that already have a row are skipped when ``resume`` is set; a fresh run
-    refuses a directory that holds results. Failed cells go to ``errors.jsonl`` and get no row.
+    refuses a directory that holds results. Failed cells, and lengths whose calibration failed, go to
+    ``errors.jsonl`` and get no row.
     """
     listener = listener or SweepListener()
     out = Path(out_dir)
@@ -367,6 +368,7 @@ async def run_sweep(config: SweepConfig, endpoint: EndpointConfig, out_dir: "str
                         words = await calibrate_length(probe_cell, builder, client, calibration, config)
                     except (EndpointError, ValueError) as exc:
                         errors.append({"length": length, "stage": "calibration", "error": str(exc), "time": _now()})
+                        _append_error(out / ERRORS_FILE, errors[-1])  # its cells get no row: say why on disk
                         listener.error(errors[-1])
                         continue
                     cpt = calibration.chars_per_token.get(length)
