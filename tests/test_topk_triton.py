@@ -344,6 +344,8 @@ def test_decode_plan_reuse_two_batches_and_no_positions(triton_backend):
     device = _device(triton_backend)
     k = 16
     plan = plan_decode_topk(3, 2, 128, k, fmt, device, num_heads=DECODE_HEADS)
+    # the memory formula of the docs: 4 R W + 8 R 2048 + 4 R K + 12 R + 12 B bytes (R = B * next_n = 6)
+    assert plan.workspace_bytes == 4 * 6 * 128 + 8 * 6 * 2048 + 4 * 6 * k + 12 * 6 + 12 * 3
     results = []
     for seed, counts in ((2, [100, 3, 128]), (3, [40, 128, 0])):  # same shape, different values and lengths
         q, w, pool, table, cnt, _ = _decode_batch(fmt, counts, 2, max_pages=2, seed=seed, ratio=1)

@@ -29,7 +29,7 @@ What one call launches (nothing else touches the GPU, nothing is allocated for b
 The plan owns the workspace and the outputs. Memory (bytes, fixed at plan time):
 
     4 * R * W (scores workspace) + 8 * R * 2048 (candidate buffer) + 4 * R * K (indices)
-    [+ 4 * R * K (slots)] + 4 * R (visible counts) + 12 * R (tile plan),     R = B * next_n
+    [+ 4 * R * K (slots)] + 12 * R (visible counts, query_seq, tile rows) + 12 * B (tile plan),  R = B * next_n
 
 e.g. B = 64, next_n = 1, W = 128K, K = 2048: 32 MiB + 1 MiB + 0.5 MiB.
 
