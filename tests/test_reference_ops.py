@@ -189,7 +189,16 @@ def test_store_bad_input_leaves_pool_unchanged():
         store_index_keys(keys, torch.tensor([0, 1]), torch.tensor([0, 1]), pool, fmt, table, torch.ones(64))
     with pytest.raises(ValueError, match="8448"):
         store_index_keys(keys, torch.tensor([0, 1]), torch.tensor([0, 1]), pool, KeyFormat.FP4, table, w)
-    assert torch.equal(pool, before)
+    # regression: non-tensor slots / transform raised AttributeError instead of a ValueError naming them
+    with pytest.raises(ValueError, match="slots must be an int tensor"):
+        store_index_keys(keys, torch.tensor([0, 1]), [0, 1], pool, fmt, table, w)
+    with pytest.raises(ValueError, match="transform must be a KeyTransform"):
+        store_index_keys(keys, torch.tensor([0, 1]), torch.tensor([0, 1]), pool, fmt, table, w, transform="v4")
+    attn_pool = torch.zeros(1, AttentionKVFormat.BF16.page_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="slots must be an int tensor"):
+        store_attention_kv(torch.randn(2, 512), torch.tensor([0, 1]), (0, 1), attn_pool, "bf16", table,
+                           torch.ones(512))
+    assert torch.equal(pool, before) and not attn_pool.any()
 
 
 # --------------------------------------------------------------------------------------------------

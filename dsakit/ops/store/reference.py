@@ -36,6 +36,23 @@ def _check_vector(v: torch.Tensor | None, dim: int, what: str) -> None:
                          f"{list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
 
 
+def _check_store_target(rows: torch.Tensor, dim: int, what: str, slots: torch.Tensor, pool: torch.Tensor,
+                        fmt: "KeyFormat | AttentionKVFormat") -> None:
+    """Everything about where the rows go, checked before the first byte is written."""
+    check_pool(pool, fmt)
+    _check_rows(rows, dim, what)
+    if not isinstance(slots, torch.Tensor) or slots.shape != (rows.shape[0],):
+        raise ValueError(f"slots must be an int tensor [{rows.shape[0]}] (one per {what} row), got "
+                         f"{list(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__}")
+    check_slots(slots, num_slots(pool))
+
+
+def _quantize_and_write(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
+                        fmt: "KeyFormat | AttentionKVFormat") -> None:
+    values, scales = fmt.quantize(x)
+    write_entries(pool, fmt, slots, values, scales)
+
+
 def check_rope_inputs(positions: torch.Tensor, rope_cos_sin: torch.Tensor, n: int, rope_dim: int) -> None:
     if not isinstance(positions, torch.Tensor) or positions.shape != (n,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be int32/int64 [{n}], got "
@@ -64,6 +81,8 @@ def prepare_index_keys(keys: torch.Tensor, positions: torch.Tensor, rope_cos_sin
                        transform: KeyTransform = KeyTransform()) -> torch.Tensor:
     """Pre-norm keys [N, 128] -> fp32 [N, 128] after norm, rope and (optional) Hadamard; not quantized."""
     d = 128
+    if not isinstance(transform, KeyTransform):
+        raise ValueError(f"transform must be a KeyTransform, got {type(transform).__name__}")
     _check_rows(keys, d, "keys")
     _check_vector(norm_weight, d, "norm_weight")
     _check_vector(norm_bias, d, "norm_bias")
@@ -84,14 +103,9 @@ def store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.T
     [max_position, rope_dim] (cos then sin), norm_weight [128], norm_bias [128] (layernorm only).
     """
     fmt = KeyFormat.parse(fmt)
-    check_pool(pool, fmt)
-    _check_rows(keys, 128, "keys")
-    if slots.shape != (keys.shape[0],):
-        raise ValueError(f"slots must be [{keys.shape[0]}] (one per key row), got {list(slots.shape)}")
-    check_slots(slots, num_slots(pool))
+    _check_store_target(keys, 128, "keys", slots, pool, fmt)
     x = prepare_index_keys(keys, positions, rope_cos_sin, norm_weight, norm_bias, transform)
-    values, scales = fmt.quantize(x)
-    write_entries(pool, fmt, slots, values, scales)
+    _quantize_and_write(x, slots, pool, fmt)
 
 
 def prepare_attention_kv(kv: torch.Tensor, positions: torch.Tensor, rope_cos_sin: torch.Tensor,
@@ -110,11 +124,6 @@ def store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.T
                        rope_layout: RopeLayout = ROPE_V4, eps: float = 1e-6) -> None:
     """RMSNorm + rope + quantize + paged store of V4 main-attention KV [N, 512] (in place); slots < 0 skipped."""
     fmt = AttentionKVFormat.parse(fmt)
-    check_pool(pool, fmt)
-    _check_rows(kv, 512, "kv")
-    if slots.shape != (kv.shape[0],):
-        raise ValueError(f"slots must be [{kv.shape[0]}] (one per kv row), got {list(slots.shape)}")
-    check_slots(slots, num_slots(pool))
+    _check_store_target(kv, 512, "kv", slots, pool, fmt)
     x = prepare_attention_kv(kv, positions, rope_cos_sin, norm_weight, rope_layout, eps)
-    values, scales = fmt.quantize(x)
-    write_entries(pool, fmt, slots, values, scales)
+    _quantize_and_write(x, slots, pool, fmt)
