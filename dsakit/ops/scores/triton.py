@@ -58,7 +58,7 @@ import triton.language as tl
 
 from ...cache import check_pool
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
-from .reference import check_queries
+from .reference import check_queries, visible_counts
 
 _KIND_CODE = {"bf16": 0, "fp8": 1, "fp4": 2}
 _FP8_Q_DTYPES = (torch.float8_e4m3fn,)
@@ -468,14 +468,6 @@ def _check_shapes(q, weights, pool, fmt, block_table, entry_counts, query_seq, q
             raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}; put every input on one device")
 
 
-def _visible_counts(entry_counts: torch.Tensor, query_seq: torch.Tensor, query_positions: torch.Tensor | None,
-                    ratio: int) -> torch.Tensor:
-    counts = entry_counts.long()[query_seq.long()]
-    if query_positions is None:
-        return counts
-    return torch.minimum(counts, torch.div(query_positions.long() + 1, ratio, rounding_mode="floor").clamp(min=0))
-
-
 def _check_values(pool, block_table, entry_counts, query_seq, query_positions, ratio, q_scale, width) -> None:
     """Value checks of every input, gathered into one device->host sync; raises ValueError naming the value."""
     t = query_seq.shape[0]
@@ -488,7 +480,7 @@ def _check_values(pool, block_table, entry_counts, query_seq, query_positions, r
     bad_pages = used & ((block_table < 0) | (block_table >= pool.shape[0]))
     seq = query_seq.long()
     in_range = (seq >= 0) & (seq < b)
-    visible = _visible_counts(counts.clamp(min=0), seq.clamp(0, max(b - 1, 0)), query_positions, ratio) \
+    visible = visible_counts(counts.clamp(min=0)[seq.clamp(0, max(b - 1, 0))], query_positions, ratio) \
         if t and b else zero
     stats = torch.stack([
         counts.min() if b else zero, counts.max() if b else zero,
