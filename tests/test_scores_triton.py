@@ -200,6 +200,10 @@ def test_workspace_out_slice_is_bounded(device):
     expect[:, :90] = ref
     assert_scores_match(result, expect)
     assert torch.isnan(ws[t:]).all() and torch.isnan(ws[:, 100:]).all(), "kernel wrote outside out[:T, :W']"
+    # rows that share memory (an expanded tensor) would overwrite each other's scores: refused
+    with pytest.raises(ValueError, match="overlap"):
+        _triton().index_scores_triton(q, w, pool, fmt, table, counts, query_seq, positions, 1,
+                                      out=torch.full((1, 100), float("nan"), device=device).expand(t, 100))
     # W' smaller than a row's visible count would silently drop entries: refused
     with pytest.raises(ValueError, match="visible count"):
         _triton().index_scores_triton(q, w, pool, fmt, table, counts, query_seq, positions, 1, out=ws[:, :60])

@@ -461,6 +461,9 @@ def _check_shapes(q, weights, pool, fmt, block_table, entry_counts, query_seq, q
                             or out.shape[0] < t or (out.shape[1] > 1 and out.stride(1) != 1)):
         raise ValueError(f"out must be fp32 [>= {t}, W'] with unit column stride, got "
                          f"{getattr(out, 'dtype', None)} {list(getattr(out, 'shape', []))}")
+    if out is not None and t > 1 and out.shape[1] > 0 and out.stride(0) < out.shape[1]:
+        # e.g. an expand()ed row: every query would overwrite the same memory, losing earlier rows' scores
+        raise ValueError(f"out rows overlap in memory (row stride {out.stride(0)} < {out.shape[1]} columns)")
     named = {"weights": weights, "pool": pool, "block_table": block_table, "entry_counts": entry_counts,
              "query_seq": query_seq, "query_positions": query_positions, "q_scale": q_scale, "out": out}
     for name, tensor in named.items():
