@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from ..cache import PagedCache
-from ..formats import KeyFormat
+from ..formats import ENTRIES_PER_PAGE, KeyFormat
 from ..presets import get_preset
 from ..transforms import apply_rope, hadamard_transform
 from .text import CODE_PATTERN
@@ -240,7 +240,7 @@ class RetrievalModel:
             if n == 0:
                 return Retrieval("I don't know", s, 0, [], [])
             r = cfg.compress_ratio
-            cache = PagedCache(fmt, num_pages=(n + 63) // 64)
+            cache = PagedCache(fmt, num_pages=(n + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE)
             seq = cache.add_sequence()
             slots = cache.append(seq, n)
             transform = self._preset.key_transform

@@ -129,7 +129,7 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
     One record per (format, k). Needle metrics use, per query row, the best needle entry; ``needle_rank`` and
     ``found`` report the worst row among the rows that can see a needle entry (every such row must find it).
     """
-    from .lab import _finite_or_none, call_op, lab_device
+    from .lab import _finite_or_none, _pages_for, call_op, lab_device
 
     device = lab_device(backend)
     q, k = captured.q, captured.k
@@ -143,7 +143,7 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
     records = []
     for name in formats:
         fmt = KeyFormat.parse(name)
-        cache = PagedCache(fmt, max(1, (n + 63) // 64), device=device)
+        cache = PagedCache(fmt, _pages_for(n), device=device)
         seq = cache.add_sequence()
         cache.write(cache.append(seq, n), k)  # the format's reference codec: the keys are already transformed
         common = dict(q=q.to(device), weights=captured.weights.to(device), pool=cache.pool, fmt=fmt,

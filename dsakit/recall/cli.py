@@ -15,21 +15,13 @@ from .lab import (ALL_FORMATS, DEFAULT_CONTEXTS, DEFAULT_DEPTHS, DEFAULT_FORMATS
 from .synthetic import SyntheticConfig
 
 
-def _ints(text: str, what: str) -> tuple:
+def _numbers(text: str, what: str, kind: type = int) -> tuple:
+    """'1,2,4' -> (1, 2, 4) with ``kind`` = int or float; BadParameter naming the option otherwise."""
     try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
+        values = tuple(kind(x) for x in text.split(",") if x.strip())
     except ValueError as err:
-        raise typer.BadParameter(f"{what} must be comma-separated integers, got {text!r}") from err
-    if not values:
-        raise typer.BadParameter(f"{what} is empty")
-    return values
-
-
-def _floats(text: str, what: str) -> tuple:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError as err:
-        raise typer.BadParameter(f"{what} must be comma-separated numbers, got {text!r}") from err
+        noun = "integers" if kind is int else "numbers"
+        raise typer.BadParameter(f"{what} must be comma-separated {noun}, got {text!r}") from err
     if not values:
         raise typer.BadParameter(f"{what} is empty")
     return values
@@ -104,7 +96,7 @@ def recall(
     started = time.time()
     try:
         sweep_formats = _formats(formats)
-        topks = _ints(topk, "--topk")
+        topks = _numbers(topk, "--topk")
         if captured is not None:
             _run_captured_cli(console, captured, sweep_formats, topks, backend, seed, out, quiet)
             return
@@ -113,12 +105,12 @@ def recall(
                                  head_weight_spread=head_weight_spread, query_noise=query_noise,
                                  query_tokens=query_tokens, compressed=compressor)
         settings = RecallSettings(
-            config=config, formats=sweep_formats, topks=topks, contexts=_ints(contexts, "--contexts"),
-            depths=_floats(depths, "--depths"), trials=trials, horizon=horizon,
-            horizon_topks=_ints(horizon_topk, "--horizon-topk"), horizon_trials=horizon_trials,
+            config=config, formats=sweep_formats, topks=topks, contexts=_numbers(contexts, "--contexts"),
+            depths=_numbers(depths, "--depths", float), trials=trials, horizon=horizon,
+            horizon_topks=_numbers(horizon_topk, "--horizon-topk"), horizon_trials=horizon_trials,
             horizon_min=horizon_min, horizon_max=horizon_max,
             faults=tuple(f.name for f in parse_faults(faults)), fault_format=fault_format,
-            fault_contexts=_ints(fault_contexts, "--fault-contexts"), seed=seed, backend=backend)
+            fault_contexts=_numbers(fault_contexts, "--fault-contexts"), seed=seed, backend=backend)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
 
