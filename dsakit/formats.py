@@ -163,6 +163,7 @@ class EntryFormat(ABC):
     value_bytes: int
     scale_bytes: int
     page_bytes: int
+    kind: str = "bf16"  # "bf16" (plain, no scales) or the quantized kind of the subclass
     entries_per_page: ClassVar[int] = ENTRIES_PER_PAGE
 
     @property
@@ -173,13 +174,29 @@ class EntryFormat(ABC):
     def scale_offset_in_page(self) -> int:
         return self.entries_per_page * self.value_bytes
 
-    @abstractmethod
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 [N, head_dim] -> (values uint8 [N, value_bytes], scales uint8 [N, scale_bytes])."""
+        x = self.check_entries(x)
+        if self.kind == "bf16":  # plain round-to-nearest-even cast, little endian, no scales
+            n = x.shape[0]
+            return x.to(torch.bfloat16).view(torch.uint8).reshape(n, self.value_bytes), torch.zeros(n, 0, dtype=torch.uint8)
+        return self._quantize_scaled(x)
 
-    @abstractmethod
     def dequantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """(values uint8 [N, value_bytes], scales uint8 [N, scale_bytes]) -> fp32 [N, head_dim]."""
+        self.check_encoded(values, scales)
+        values, scales = values.cpu(), scales.cpu()
+        if self.kind == "bf16":
+            return values.contiguous().view(torch.bfloat16).reshape(values.shape[0], self.head_dim).float()
+        return self._dequantize_scaled(values, scales)
+
+    @abstractmethod
+    def _quantize_scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Checked fp32 CPU x [N, head_dim] of a quantized kind -> (values, scales) as in quantize."""
+
+    @abstractmethod
+    def _dequantize_scaled(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Checked CPU (values, scales) of a quantized kind -> fp32 [N, head_dim]."""
 
     # -- shared ---------------------------------------------------------------------------------------
     def check_entries(self, x: torch.Tensor, what: str = "x") -> torch.Tensor:
@@ -201,11 +218,6 @@ class EntryFormat(ABC):
                                  f"{(t.dtype, list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__}")
         if values.shape[0] != scales.shape[0]:
             raise ValueError(f"values and scales must have the same N, got {values.shape[0]} and {scales.shape[0]}")
-
-    def entry_bytes(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 [N, head_dim] -> uint8 [N, bytes_per_entry]: values then scales of each entry."""
-        values, scales = self.quantize(x)
-        return torch.cat([values, scales], dim=1)
 
     def quantize_pages(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 [P * 64, head_dim] -> uint8 [P, page_bytes] in the page layout (padding bytes 0)."""
@@ -254,9 +266,6 @@ class EntryFormat(ABC):
         base = page * self.page_bytes
         return base + entry * self.value_bytes, base + self.scale_offset_in_page + entry * self.scale_bytes
 
-    def tokens_per_bytes(self, nbytes: int) -> int:
-        return int(nbytes) // self.bytes_per_entry
-
 
 def _lookup(table: dict, name, what: str):
     found = table.get(str(name).lower())
@@ -269,7 +278,7 @@ def _lookup(table: dict, name, what: str):
 class KeyFormat(EntryFormat):
     """Index-key format for 128-dim keys. Use the constants ``KeyFormat.BF16`` ... or ``KeyFormat.parse``."""
 
-    kind: str = "bf16"  # "bf16" | "fp8" | "fp4"
+    # kind: "bf16" | "fp8" | "fp4"
     scale_fmt: str = "fp32"  # fp8 only: "fp32" | "ue8m0"
     rounding: str = "threshold"  # fp4 only: "threshold" | "rne"
 
@@ -284,12 +293,8 @@ class KeyFormat(EntryFormat):
         """'bf16' | 'fp8' | 'fp8-ue8m0' | 'fp4' | 'fp4-rne' (or a KeyFormat) -> KeyFormat."""
         return name if isinstance(name, KeyFormat) else _lookup(KEY_FORMATS, name, "key format")
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.check_entries(x)
+    def _quantize_scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.shape[0]
-        if self.kind == "bf16":
-            values = x.to(torch.bfloat16).view(torch.uint8).reshape(n, self.value_bytes)
-            return values, torch.zeros(n, 0, dtype=torch.uint8)
         if self.kind == "fp8":
             scale = fp8_scale(_finite_amax(x), self.scale_fmt)  # [N]
             values = encode_e4m3(x, scale)
@@ -306,13 +311,8 @@ class KeyFormat(EntryFormat):
         values = codes[:, 0::2] | (codes[:, 1::2] << 4)
         return values.contiguous(), exponent.to(torch.uint8).contiguous()
 
-    def dequantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        self.check_encoded(values, scales)
-        values = values.cpu()
-        scales = scales.cpu()
+    def _dequantize_scaled(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         n = values.shape[0]
-        if self.kind == "bf16":
-            return values.contiguous().view(torch.bfloat16).reshape(n, self.head_dim).float()
         if self.kind == "fp8":
             scale = scales.contiguous().view(torch.float32).reshape(n, 1)
             return decode_e4m3(values) * scale
@@ -339,7 +339,7 @@ KEY_FORMATS: dict[str, KeyFormat] = {f.name: f for f in (KeyFormat.BF16, KeyForm
 class AttentionKVFormat(EntryFormat):
     """V4 main-attention KV entry (shared K = V, head_dim 512). ``AttentionKVFormat.FP8_ROPE_BF16`` / ``BF16``."""
 
-    kind: str = "bf16"  # "bf16" | "fp8-rope-bf16"
+    # kind: "bf16" | "fp8-rope-bf16"
     rope_dim: int = ATTENTION_ROPE_DIM
 
     FP8_ROPE_BF16: ClassVar["AttentionKVFormat"]
@@ -355,11 +355,8 @@ class AttentionKVFormat(EntryFormat):
     def nope_dim(self) -> int:
         return self.head_dim - self.rope_dim
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.check_entries(x)
+    def _quantize_scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.shape[0]
-        if self.kind == "bf16":
-            return x.to(torch.bfloat16).view(torch.uint8).reshape(n, -1), torch.zeros(n, 0, dtype=torch.uint8)
         nope = x[:, : self.nope_dim].reshape(n, -1, ATTENTION_FP8_BLOCK)  # [N, 7, 64]
         scale = fp8_scale(_finite_amax(nope), "ue8m0")  # [N, 7], powers of two
         nope_codes = encode_e4m3(nope, scale).reshape(n, self.nope_dim)
@@ -368,13 +365,8 @@ class AttentionKVFormat(EntryFormat):
         scales = torch.cat([exponent, torch.zeros(n, 1, dtype=torch.uint8)], dim=1)
         return torch.cat([nope_codes, rope], dim=1).contiguous(), scales.contiguous()
 
-    def dequantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        self.check_encoded(values, scales)
-        values = values.cpu()
-        scales = scales.cpu()
+    def _dequantize_scaled(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         n = values.shape[0]
-        if self.kind == "bf16":
-            return values.contiguous().view(torch.bfloat16).reshape(n, self.head_dim).float()
         blocks = self.nope_dim // ATTENTION_FP8_BLOCK
         nope = decode_e4m3(values[:, : self.nope_dim]).reshape(n, blocks, ATTENTION_FP8_BLOCK)
         nope = nope * ue8m0_to_float(scales[:, :blocks]).unsqueeze(-1)
