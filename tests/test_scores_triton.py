@@ -408,6 +408,16 @@ def test_reused_tile_plan_and_decode_plan(device):
         run_kernel(q[:3], w[:3], pool, fmt, table, counts, query_seq[:3], positions[:3], 1, tiles=general)
     with pytest.raises(ValueError, match="block_t"):
         scores_triton.plan_query_tiles(query_seq, b, h, kernel="tile", block_t=24)
+    # out-of-range sequence ids are named (a negative one used to escape as bincount's RuntimeError)
+    for bad_value in (-1, b):
+        bad_seq = query_seq.clone()
+        bad_seq[1] = bad_value
+        with pytest.raises(ValueError, match="query_seq values must be in"):
+            scores_triton.plan_query_tiles(bad_seq, b, h)
+    with pytest.raises(ValueError, match="query_seq values must be in"):
+        scores_triton.plan_query_tiles(query_seq, 0, h)
+    empty = scores_triton.plan_query_tiles(query_seq[:0], 0, h)
+    assert empty.num_tiles == 0 and empty.num_queries == 0
 
 
 def test_unvalidated_bad_input_stays_in_bounds(device):

@@ -382,17 +382,22 @@ def plan_query_tiles(query_seq: torch.Tensor, num_seqs: int, num_heads: int, ker
         raise ValueError(f"block_t must be a power of two >= 16, got {block_t!r}")
     if query_seq.dim() != 1 or query_seq.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"query_seq must be int [T], got {query_seq.dtype} {list(query_seq.shape)}")
+    if isinstance(num_seqs, bool) or not isinstance(num_seqs, int) or num_seqs < 0:
+        raise ValueError(f"num_seqs must be an int >= 0, got {num_seqs!r}")
     seq = query_seq.long()
-    per_seq = torch.bincount(seq, minlength=num_seqs)
-    if per_seq.shape[0] != num_seqs:
-        raise ValueError(f"query_seq values must be in 0..{num_seqs - 1}, got maximum {per_seq.shape[0] - 1}")
-    # every candidate tile size's tile count in the same sync as the largest per-sequence count
+    out_of_range = ((seq < 0) | (seq >= num_seqs)).sum()
+    # clamped so that bincount never sees a negative value; out-of-range values are refused below
+    per_seq = torch.bincount(seq.clamp(0, max(num_seqs - 1, 0)), minlength=num_seqs)[:num_seqs]
+    # the range check and every candidate tile size's tile count in the same sync as the largest count
     sizes = (1, 2, 4, 16, 32, 64, 128) if block_t is None else (1, 2, 4, block_t)
     if num_seqs:
         tile_counts = [((per_seq + z - 1) // z).sum() for z in sizes]
-        max_per_sequence, *counts = torch.stack([per_seq.max()] + tile_counts).tolist()
+        bad, max_per_sequence, *counts = torch.stack([out_of_range, per_seq.max()] + tile_counts).tolist()
     else:
-        max_per_sequence, counts = 0, [0] * len(sizes)
+        bad, max_per_sequence, counts = seq.numel(), 0, [0] * len(sizes)
+    if bad:
+        raise ValueError(f"query_seq values must be in 0..{num_seqs - 1}, got range "
+                         f"{int(seq.min())}..{int(seq.max())}")
     choice = kernel
     if kernel == "auto":
         choice = "group" if _group_kernel_fits(num_heads, max_per_sequence) else "tile"
