@@ -381,3 +381,35 @@ def test_failed_calibration_is_written_to_errors_jsonl(tmp_path):
     lines = (tmp_path / ERRORS_FILE).read_text().splitlines()
     assert [json.loads(line)["stage"] for line in lines] == ["calibration"]
     assert "usage.prompt_tokens" in json.loads(lines[0])["error"]
+
+
+@pytest.mark.parametrize("status,payload,error", [
+    (503, {"error": {"message": "busy"}}, "HTTP 503: busy"),
+    (200, {"choices": ["not an object"]}, "AttributeError"),  # malformed 200: retried, never crashes the sweep
+])
+def test_client_gives_up_with_the_last_status_and_survives_malformed_json(monkeypatch, status, payload, error):
+    import functools
+
+    import httpx
+
+    from dsakit.niah import client as client_module
+    from dsakit.niah.client import EndpointError, OpenAIClient
+
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        return httpx.Response(status, json=payload)
+
+    monkeypatch.setattr(client_module.httpx, "AsyncClient",
+                        functools.partial(httpx.AsyncClient, transport=httpx.MockTransport(handler)))
+    cfg = EndpointConfig(base_url="http://127.0.0.1:9/v1", model="m", max_retries=2, backoff_s=0.0)
+
+    async def go():
+        async with OpenAIClient(cfg) as client:
+            return await client.complete("hi")
+
+    with pytest.raises(EndpointError, match=error) as info:
+        asyncio.run(go())
+    assert len(calls) == 3 and info.value.attempts == 3
+    assert info.value.status == (503 if status == 503 else None)

@@ -1,9 +1,11 @@
 """Async client for OpenAI-compatible endpoints (chat and completions) with retries and backoff.
 
 One :class:`OpenAIClient` wraps one ``httpx.AsyncClient``. :meth:`OpenAIClient.complete` sends one request
-(each attempt bounded by ``timeout_s`` of wall time, streaming included) and retries, with exponential backoff and jitter (honouring ``Retry-After``), on HTTP 408/409/429/5xx,
-timeouts and connection errors (refused, reset, dropped mid-response), so a sweep survives a server that
-restarts. Other statuses (400 context overflow, 401, 404 unknown model) raise :class:`EndpointError` at once.
+(each attempt bounded by ``timeout_s`` of wall time, streaming included) and retries, with exponential
+backoff and jitter (honouring ``Retry-After``), on HTTP 408/409/425/429/5xx, timeouts, connection errors
+(refused, reset, dropped mid-response) and 200 responses whose JSON is not a completion, so a sweep survives
+a server that restarts. When retries run out, the error carries the last HTTP status (None if the last
+attempt got none). Other statuses (400 context overflow, 401, 404 unknown model) raise :class:`EndpointError` at once.
 
 Reasoning ("thinking") content is separated from the answer: ``reasoning_content`` / ``reasoning`` fields of
 the message or stream deltas, and ``<think>...</think>`` blocks inside the content (an unclosed ``<think>``
@@ -172,9 +174,9 @@ class OpenAIClient:
         cfg = self.config
         body = self.request_body(prompt, max_tokens)
         started = time.monotonic()
-        last_error = "no attempt made"
+        last_error, last_status = "no attempt made", None
         for attempt in range(1, cfg.max_retries + 2):
-            retry_after = None
+            retry_after, last_status = None, None
             try:
                 # timeout_s bounds the whole attempt (httpx's own timeouts bound each read/connect only)
                 send = self._send_stream(body) if cfg.stream else self._send(body)
@@ -183,20 +185,21 @@ class OpenAIClient:
                     result.attempts = attempt
                     result.latency_s = time.monotonic() - started
                     return result
-                status, message, retry_after = result
-                last_error = f"HTTP {status}: {message}"
-                if status not in RETRY_STATUSES:
-                    raise EndpointError(last_error, status, attempt)
+                last_status, message, retry_after = result
+                last_error = f"HTTP {last_status}: {message}"
+                if last_status not in RETRY_STATUSES:
+                    raise EndpointError(last_error, last_status, attempt)
             except asyncio.TimeoutError:
                 last_error = f"Timeout: no complete response within {cfg.timeout_s} s"
-            except (httpx.TransportError, httpx.StreamError, json.JSONDecodeError, KeyError, IndexError,
-                    TypeError) as exc:
+            except (httpx.TransportError, httpx.StreamError, httpx.DecodingError, json.JSONDecodeError, KeyError,
+                    IndexError, TypeError, AttributeError) as exc:
+                # AttributeError/TypeError/KeyError: a 200 whose JSON is not shaped like a completion
                 last_error = f"{type(exc).__name__}: {exc}"
             if attempt > cfg.max_retries:
                 break
             await asyncio.sleep(backoff_delay(attempt, cfg.backoff_s, cfg.backoff_max_s, retry_after, self._rng))
         raise EndpointError(f"gave up after {cfg.max_retries + 1} attempts; last error: {last_error}",
-                            None, cfg.max_retries + 1)
+                            last_status, cfg.max_retries + 1)
 
     @staticmethod
     def _error(response: httpx.Response) -> tuple[int, str, str | None]:
