@@ -297,6 +297,11 @@ def test_decode_wrapper(next_n, device):
     last = out.cpu().reshape(b, next_n, -1)[:, -1]
     for i, n in enumerate(lengths):
         assert torch.isfinite(last[i, :n]).all() and torch.isneginf(last[i, n:]).all()
+    # non-tensor arguments are named (they used to escape as AttributeError)
+    with pytest.raises(ValueError, match="weights must be a torch.Tensor"):
+        _triton().index_scores_decode(q, w.tolist(), pool, fmt, table, counts, positions)
+    with pytest.raises(ValueError, match="block_table must be a torch.Tensor"):
+        _triton().index_scores_decode(q, w, pool, fmt, table.tolist(), counts, positions)
 
 
 def deepgemm_semantics(q, kv_cache, weights, context_lens, block_table, max_len):
@@ -339,6 +344,10 @@ def test_deepgemm_paged_logits(lens_2d, device):
         fp8_paged_mqa_logits(q.float(), kv_cache, w, context_lens, table, max_len)
     with pytest.raises(ValueError, match="kv_cache"):
         fp8_paged_mqa_logits(q, pool, w, context_lens, table, max_len)
+    # next_n = 0 is named (used to escape as IndexError on the empty context_lens [B, 0])
+    with pytest.raises(ValueError, match="next_n >= 1"):
+        fp8_paged_mqa_logits(q[:, :0], kv_cache, w[:0], context_lens[:, :0] if lens_2d else context_lens,
+                             table, max_len)
 
 
 # --------------------------------------------------------------------------------------------------

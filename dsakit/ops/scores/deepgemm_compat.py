@@ -66,6 +66,8 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     if q.dtype != torch.float8_e4m3fn:
         raise ValueError(f"q must be float8_e4m3fn (DeepGEMM's paged logits take fp8 queries), got {q.dtype}")
     b, next_n, h, _ = q.shape
+    if next_n < 1:
+        raise ValueError(f"q must have next_n >= 1 queries per sequence, got q of shape {list(q.shape)}")
     rows = b * next_n
     if not isinstance(weights, torch.Tensor) or weights.shape != (rows, h) or weights.dtype != torch.float32:
         raise ValueError(f"weights must be fp32 [B * next_n, H] = [{rows}, {h}], got "
@@ -85,7 +87,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         entry_counts = context_lens.to(torch.int32)
         positions = context_lens.long()[:, None] - next_n + offsets[None, :]  # [B, next_n]
     else:
-        entry_counts = context_lens.max(dim=1).values.to(torch.int32) if next_n else context_lens[:, 0]
+        entry_counts = context_lens.max(dim=1).values.to(torch.int32)
         positions = context_lens.long() - 1
     if out is None:
         out = torch.empty(rows, max_context_len, dtype=torch.float32, device=q.device)

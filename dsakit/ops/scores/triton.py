@@ -633,6 +633,10 @@ def index_scores_decode(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tens
         raise ValueError(f"q must be [B, next_n, H, D], got "
                          f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     b, next_n, h, d = q.shape
+    for name, value in (("weights", weights), ("block_table", block_table), ("entry_counts", entry_counts),
+                        ("query_positions", query_positions), ("q_scale", q_scale)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if block_table.dim() != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table must be [B = {b}, max_pages], got {list(block_table.shape)}")
     if next_n < 1:
