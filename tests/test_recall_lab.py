@@ -275,6 +275,16 @@ def test_settings_validate():
         _small_settings(depths=(1.5,))
     with pytest.raises(ValueError, match="unknown backend"):
         _small_settings(backend="cuda")
+    # wrong types name the field instead of failing with a TypeError deep inside
+    for kwargs, field in (({"formats": "bf16"}, "formats"), ({"depths": ("a",)}, "depth"),
+                          ({"topks": (True,)}, "topks"), ({"seed": "x"}, "seed"), ({"horizon_quantile": "x"}, "quantile")):
+        with pytest.raises(ValueError, match=field):
+            _small_settings(**kwargs)
+    assert _small_settings(formats=["bf16", "fp8"], depths=[0.5]).formats == ("bf16", "fp8")  # lists become tuples
+    for kwargs, field in (({"shared_ratio": "x"}, "shared_ratio"), ({"query_tokens": True}, "query_tokens"),
+                          ({"outlier_channels": 1.5}, "outlier_channels")):
+        with pytest.raises(ValueError, match=field):
+            SyntheticConfig(**kwargs)
 
 
 def test_dense_scoring_used_by_the_horizon_matches_the_paged_op():

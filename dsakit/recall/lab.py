@@ -58,6 +58,14 @@ DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # --------------------------------------------------------------------------------------------------
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class RecallSettings:
     """Everything a recall sweep depends on (recorded with every JSONL row)."""
@@ -86,32 +94,40 @@ class RecallSettings:
     def __post_init__(self):
         if not isinstance(self.config, SyntheticConfig):
             raise ValueError(f"config must be a SyntheticConfig, got {type(self.config).__name__}")
+        for name in ("formats", "topks", "contexts", "depths", "horizon_topks", "faults", "fault_contexts",
+                     "fault_depths"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):  # "bf16" is not a list of names
+                raise ValueError(f"{name} must be a sequence (tuple or list), got {value!r}")
+            object.__setattr__(self, name, tuple(value))  # frozen: stored as tuples, hashable and JSON-ready
         for name in self.formats + (self.fault_format,):
             KeyFormat.parse(name)
         if not self.formats:
             raise ValueError("formats must name at least one key format")
         for what, ks in (("topks", self.topks), ("horizon_topks", self.horizon_topks)):
-            if not ks or any(not isinstance(k, int) or k < 1 for k in ks):
+            if not ks or any(not _is_int(k) or k < 1 for k in ks):
                 raise ValueError(f"{what} must be positive ints, got {ks!r}")
         ratio = self.config.ratio
         for what, ctxs in (("contexts", self.contexts), ("fault_contexts", self.fault_contexts)):
             for c in ctxs:
-                if not isinstance(c, int) or c < ratio * 1 or c % ratio or c < self.config.query_tokens:
+                if not _is_int(c) or c < ratio or c % ratio or c < self.config.query_tokens:
                     raise ValueError(f"{what}: context {c!r} must be a positive multiple of the compression "
                                      f"ratio {ratio} and at least query_tokens={self.config.query_tokens}")
         for what, ds in (("depths", self.depths), ("fault_depths", self.fault_depths)):
             for d in ds:
-                if not 0.0 <= d <= 1.0:
-                    raise ValueError(f"{what}: depth {d!r} must be in [0, 1]")
+                if not _is_number(d) or not 0.0 <= d <= 1.0:
+                    raise ValueError(f"{what}: depth {d!r} must be a number in [0, 1]")
         for what, n in (("trials", self.trials), ("horizon_trials", self.horizon_trials),
                         ("fault_trials", self.fault_trials), ("horizon_steps_per_octave", self.horizon_steps_per_octave)):
-            if not isinstance(n, int) or n < 1:
+            if not _is_int(n) or n < 1:
                 raise ValueError(f"{what} must be a positive int, got {n!r}")
-        if not 0.0 < self.horizon_quantile <= 1.0:
+        if not _is_number(self.horizon_quantile) or not 0.0 < self.horizon_quantile <= 1.0:
             raise ValueError(f"horizon_quantile must be in (0, 1], got {self.horizon_quantile!r}")
-        if not (isinstance(self.horizon_min, int) and isinstance(self.horizon_max, int)
+        if not (_is_int(self.horizon_min) and _is_int(self.horizon_max)
                 and ratio <= self.horizon_min <= self.horizon_max):
             raise ValueError(f"need ratio <= horizon_min <= horizon_max, got {self.horizon_min!r}, {self.horizon_max!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
         for name in self.faults:
             if name not in FAULTS:
                 raise ValueError(f"unknown fault {name!r}; choose from {sorted(FAULTS)}")

@@ -68,16 +68,24 @@ class SyntheticConfig:
 
     def __post_init__(self):
         preset = get_preset(self.preset)  # raises ValueError for an unknown name
+        for name in ("shared_ratio", "needle_strength", "outlier_scale", "head_weight_spread", "query_noise",
+                     "gate_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"SyntheticConfig.{name} must be a number, got {value!r}")
+        for name in ("outlier_channels", "query_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"SyntheticConfig.{name} must be an int, got {value!r}")
         checks = [
             ("shared_ratio", self.shared_ratio, self.shared_ratio >= 0),
             ("needle_strength", self.needle_strength, self.needle_strength >= 0),
-            ("outlier_channels", self.outlier_channels, isinstance(self.outlier_channels, int)
-             and 0 <= self.outlier_channels <= preset.index_head_dim),
+            ("outlier_channels", self.outlier_channels, 0 <= self.outlier_channels <= preset.index_head_dim),
             ("outlier_scale", self.outlier_scale, self.outlier_scale > 0),
             ("head_weight_spread", self.head_weight_spread, self.head_weight_spread >= 0),
             ("query_noise", self.query_noise, self.query_noise >= 0),
             ("gate_std", self.gate_std, self.gate_std >= 0),
-            ("query_tokens", self.query_tokens, isinstance(self.query_tokens, int) and self.query_tokens >= 1),
+            ("query_tokens", self.query_tokens, self.query_tokens >= 1),
         ]
         for name, value, ok in checks:
             if not ok or (isinstance(value, float) and not math.isfinite(value)):
