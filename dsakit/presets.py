@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .formats import KeyFormat
-from .transforms import ROPE_V4, ROPE_V32, RopeConfig, RopeLayout, YarnConfig
+from .transforms import NORMS, ROPE_V4, ROPE_V32, RopeConfig, RopeLayout, YarnConfig
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,19 @@ class KeyTransform:
     rope_dim: int = 64
     hadamard: bool = True
     eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.norm not in NORMS:
+            raise ValueError(f"unknown norm {self.norm!r}; choose one of {NORMS}")
+        # a layout given by name is stored as a RopeLayout: callers use .segment() / .pairing on it
+        object.__setattr__(self, "rope_layout", RopeLayout.parse(self.rope_layout))
+        if not isinstance(self.rope_dim, int) or isinstance(self.rope_dim, bool) or self.rope_dim <= 0 \
+                or self.rope_dim % 2:
+            raise ValueError(f"rope_dim must be a positive even int, got {self.rope_dim!r}")
+        if not isinstance(self.hadamard, bool):
+            raise ValueError(f"hadamard must be a bool, got {self.hadamard!r}")
+        if not self.eps >= 0:
+            raise ValueError(f"eps must be >= 0, got {self.eps!r}")
 
 
 @dataclass(frozen=True)

@@ -126,12 +126,24 @@ ROPE_V4 = RopeLayout("interleaved", "trailing")
 ROPE_V32 = RopeLayout("half-split", "leading")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class YarnConfig:
     factor: float
     original_max_position: int
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+
+    def __post_init__(self):
+        if not self.factor > 0:
+            raise ValueError(f"YaRN factor must be > 0, got {self.factor!r}")
+        if not _is_int(self.original_max_position) or self.original_max_position < 1:
+            raise ValueError(f"YaRN original_max_position must be a positive int, got {self.original_max_position!r}")
+        if not (self.beta_fast > 0 and self.beta_slow > 0):  # log(original / (beta * 2 pi)) needs beta > 0
+            raise ValueError(f"YaRN beta_fast / beta_slow must be > 0, got {self.beta_fast!r} / {self.beta_slow!r}")
 
 
 @dataclass(frozen=True)
@@ -141,6 +153,14 @@ class RopeConfig:
     rope_dim: int = 64
     theta: float = 10000.0
     yarn: YarnConfig | None = None
+
+    def __post_init__(self):
+        if not _is_int(self.rope_dim) or self.rope_dim <= 0 or self.rope_dim % 2:
+            raise ValueError(f"rope_dim must be a positive even int, got {self.rope_dim!r}")
+        if not self.theta > 1:  # theta^(-2i/d) must decrease; YaRN divides by log(theta)
+            raise ValueError(f"rope theta must be > 1, got {self.theta!r}")
+        if self.yarn is not None and not isinstance(self.yarn, YarnConfig):
+            raise ValueError(f"yarn must be a YarnConfig or None, got {type(self.yarn).__name__}")
 
     def inv_freq(self) -> torch.Tensor:
         """fp64 [rope_dim/2] angular frequency of each pair (YaRN blend as in DeepSeek's reference)."""
@@ -162,12 +182,16 @@ class RopeConfig:
         return freqs / y.factor * (1 - smooth) + freqs * smooth
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int [N] -> (cos, sin) fp32 [N, rope_dim/2], angles computed in fp64."""
-        angles = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq()
+        """positions int [N] -> (cos, sin) fp32 [N, rope_dim/2] on positions' device, angles computed in fp64."""
+        if not isinstance(positions, torch.Tensor):
+            raise ValueError(f"positions must be a tensor, got {type(positions).__name__}")
+        angles = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq().to(positions.device)
         return torch.cos(angles).float(), torch.sin(angles).float()
 
     def cos_sin_table(self, max_position: int) -> torch.Tensor:
         """fp32 [max_position, rope_dim]: cos of the rope_dim/2 pairs, then their sin, for positions 0.."""
+        if not _is_int(max_position) or max_position < 0:
+            raise ValueError(f"max_position must be a non-negative int, got {max_position!r}")
         cos, sin = self.cos_sin(torch.arange(max_position))
         return torch.cat([cos, sin], dim=-1)
 

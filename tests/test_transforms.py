@@ -218,3 +218,26 @@ def test_norms_match_torch():
         apply_norm(x, "rmsnorm", w, b)
     with pytest.raises(ValueError, match="batchnorm"):
         apply_norm(x, "batchnorm", w)
+
+
+def test_rope_and_key_transform_configs_validate():
+    """Regression: RopeConfig / YarnConfig / KeyTransform accepted anything (an odd rope_dim or theta 1
+    failed later with a shape error or a division by zero; a layout given by name stayed a str, breaking
+    callers that use .segment() on it)."""
+    from dsakit.presets import KeyTransform
+
+    for kwargs, match in [(dict(rope_dim=63), "rope_dim"), (dict(rope_dim=0), "rope_dim"), (dict(theta=1.0), "theta"),
+                          (dict(yarn=(16.0, 65536)), "yarn")]:
+        with pytest.raises(ValueError, match=match):
+            RopeConfig(**kwargs)
+    for args, match in [((0.0, 65536), "factor"), ((16.0, 0), "original_max_position"),
+                        ((16.0, 65536, 32.0, 0.0), "beta")]:
+        with pytest.raises(ValueError, match=match):
+            YarnConfig(*args)
+    with pytest.raises(ValueError, match="max_position"):
+        RopeConfig().cos_sin_table(-1)
+    assert KeyTransform(rope_layout="half-split-leading").rope_layout == ROPE_V32
+    for kwargs, match in [(dict(norm="batchnorm"), "norm"), (dict(rope_layout="sideways"), "rope layout"),
+                          (dict(rope_dim=7), "rope_dim"), (dict(hadamard="yes"), "hadamard"), (dict(eps=-1.0), "eps")]:
+        with pytest.raises(ValueError, match=match):
+            KeyTransform(**kwargs)
