@@ -681,3 +681,25 @@ def test_topk_to_slots_rejects_indices_outside_assigned_pages():
         topk_to_slots(torch.tensor([[1]], dtype=torch.int32), table, torch.tensor([1]))
     empty = torch.zeros(1, 0, dtype=torch.int32)
     assert topk_to_slots(torch.tensor([[-1, -1]], dtype=torch.int32), empty, seq).tolist() == [[-1, -1]]
+
+
+def test_dense_scores_and_compress_validate_inputs():
+    """Regression: index_scores_dense took a float ratio or float positions (floor-divided silently) and
+    raised AttributeError for non-tensor keys; compress raised AttributeError / einsum errors."""
+    q, w, keys = torch.randn(3, 2, 8), torch.rand(3, 2), torch.randn(5, 8)
+    for kwargs, match in [(dict(ratio=2.5), "ratio"), (dict(ratio=0), "ratio"),
+                          (dict(query_positions=torch.tensor([0.0, 1.0, 2.0])), "query_positions"),
+                          (dict(query_positions=torch.tensor([0, 1])), "query_positions")]:
+        with pytest.raises(ValueError, match=match):
+            index_scores_dense(q, w, keys, **kwargs)
+    with pytest.raises(ValueError, match="keys must be a floating"):
+        index_scores_dense(q, w, keys.tolist())
+    with pytest.raises(ValueError, match="keys must be a floating"):
+        index_scores_dense(q, w, keys.long())
+    kv = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="gate must be a floating"):
+        compress_projected(kv, kv.long(), torch.zeros(4, 16), 4)
+    with pytest.raises(ValueError, match="ratio"):
+        compress_projected(kv, kv, torch.zeros(1, 16), True)
+    with pytest.raises(ValueError, match="wkv must be a floating"):
+        compress(torch.randn(8, 4), None, torch.randn(16, 4), torch.zeros(4, 16), 4)

@@ -21,8 +21,12 @@ import torch
 
 def compress_projected(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int) -> torch.Tensor:
     """Pool projected rows: kv, gate [S, c*d], ape [ratio, c*d] -> fp32 [S // ratio, d]."""
-    if not isinstance(ratio, int) or ratio < 1:
+    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
         raise ValueError(f"ratio must be a positive int, got {ratio!r}")
+    for what, t in (("kv", kv), ("gate", gate), ("ape", ape)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{what} must be a floating tensor, got "
+                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
     if kv.dim() != 2 or gate.shape != kv.shape:
         raise ValueError(f"kv and gate must be the same [S, c*d] shape, got {list(kv.shape)} / {list(gate.shape)}")
     if ape.shape != (ratio, kv.shape[1]):
@@ -49,6 +53,10 @@ def compress_projected(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, 
 
 def compress(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape: torch.Tensor, ratio: int) -> torch.Tensor:
     """Hidden states x [S, hidden], wkv / wgate [c*d, hidden], ape [ratio, c*d] -> fp32 [S // ratio, d]."""
+    for what, t in (("x", x), ("wkv", wkv), ("wgate", wgate)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{what} must be a floating tensor, got "
+                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
     if x.dim() != 2 or wkv.dim() != 2 or wkv.shape[1] != x.shape[1] or wgate.shape != wkv.shape:
         raise ValueError(f"need x [S, hidden] and wkv, wgate [c*d, hidden]; got {list(x.shape)}, "
                          f"{list(wkv.shape)}, {list(wgate.shape)}")

@@ -45,10 +45,12 @@ def index_scores_dense(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
                        query_positions: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
     """Scores of queries q [T, H, D] with weights [T, H] against one sequence's keys [N, D] -> fp32 [T, N]."""
     check_queries(q, weights, q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 3 else 128)
-    if keys.dim() != 2 or keys.shape[1] != q.shape[2]:
-        raise ValueError(f"keys must be [N, {q.shape[2]}], got {list(keys.shape)}")
-    if ratio < 1:
-        raise ValueError(f"ratio must be >= 1, got {ratio}")
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.shape[1] != q.shape[2] \
+            or not keys.is_floating_point():
+        raise ValueError(f"keys must be a floating [N, {q.shape[2]}] tensor, got "
+                         f"{(keys.dtype, list(keys.shape)) if isinstance(keys, torch.Tensor) else type(keys).__name__}")
+    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
+        raise ValueError(f"ratio must be a positive int, got {ratio!r}")
     t, h, _ = q.shape
     n = keys.shape[0]
     qf, wf, kf = q.detach().cpu().float(), weights.detach().cpu().float(), keys.detach().cpu().float()
@@ -59,8 +61,10 @@ def index_scores_dense(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
         out[start:start + chunk] = (logits.relu() * wf[start:start + chunk].unsqueeze(-1)).sum(dim=1)
     counts = torch.full((t,), n, dtype=torch.long)
     if query_positions is not None:
-        if query_positions.shape != (t,):
-            raise ValueError(f"query_positions must be [T] = [{t}], got {list(query_positions.shape)}")
+        if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (t,) \
+                or query_positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"query_positions must be int [T] = [{t}] or None, got "
+                             f"{(query_positions.dtype, list(query_positions.shape)) if isinstance(query_positions, torch.Tensor) else query_positions!r}")
         counts = visible_counts(counts, query_positions.cpu(), ratio)
     masked = torch.arange(n).unsqueeze(0) >= counts.unsqueeze(1)
     return out.masked_fill_(masked, float("-inf"))
