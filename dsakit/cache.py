@@ -153,7 +153,7 @@ class PagedCache:
         fmt = KeyFormat.parse(fmt) if isinstance(fmt, str) else fmt
         if not isinstance(fmt, EntryFormat):
             raise ValueError(f"fmt must be an EntryFormat or a key format name, got {fmt!r}")
-        if not isinstance(num_pages, int) or num_pages <= 0:
+        if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         self.fmt = fmt
         self.pool = torch.zeros(num_pages, fmt.page_bytes, dtype=torch.uint8, device=device)
@@ -198,7 +198,7 @@ class PagedCache:
     def append(self, seq_id: int, n: int) -> torch.Tensor:
         """Reserve n more entries for a sequence; returns their slots int64 [n]. All or nothing."""
         self._check_seq(seq_id)
-        if not isinstance(n, int) or n < 0:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"number of entries to append must be a non-negative int, got {n!r}")
         old = self._lengths[seq_id]
         new = old + n
@@ -248,6 +248,8 @@ class PagedCache:
             self._check_seq(s)
         widest = max((len(self._tables[s]) for s in seq_ids), default=0)
         width = widest if width is None else width
+        if not isinstance(width, int) or isinstance(width, bool):
+            raise ValueError(f"block table width must be an int, got {width!r}")
         if width < widest:
             raise ValueError(f"block table width {width} is smaller than the longest table ({widest} pages)")
         out = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
@@ -281,10 +283,14 @@ class PagedCache:
         return self.read(self.slots(seq_id))
 
 
+def _check_compress_ratio(compress_ratio: int) -> None:
+    if not isinstance(compress_ratio, int) or isinstance(compress_ratio, bool) or compress_ratio < 1:
+        raise ValueError(f"compress_ratio must be a positive int, got {compress_ratio!r}")
+
+
 def bytes_per_token(fmt: EntryFormat, compress_ratio: int = 1) -> float:
     """Cache bytes per context token of one layer: page_bytes / 64 / compress_ratio."""
-    if compress_ratio < 1:
-        raise ValueError(f"compress_ratio must be >= 1, got {compress_ratio}")
+    _check_compress_ratio(compress_ratio)
     return fmt.page_bytes / ENTRIES_PER_PAGE / compress_ratio
 
 
@@ -292,4 +298,5 @@ def tokens_that_fit(fmt: EntryFormat, nbytes: int, compress_ratio: int = 1) -> i
     """Context tokens whose entries fit in ``nbytes`` of whole pages (one layer)."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    _check_compress_ratio(compress_ratio)
     return (int(nbytes) // fmt.page_bytes) * ENTRIES_PER_PAGE * compress_ratio

@@ -187,6 +187,10 @@ def test_bytes_per_token_and_tokens_that_fit():
     assert PagedCache("bf16", 2).bytes_per_token(1) == 256
     with pytest.raises(ValueError, match="compress_ratio"):
         bytes_per_token(KeyFormat.FP8, 0)
+    # regression: tokens_that_fit took any compress_ratio (a negative one gave a negative token count)
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match="compress_ratio"):
+            tokens_that_fit(KeyFormat.FP8, 10 ** 6, compress_ratio=bad)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -292,6 +296,12 @@ def test_paged_cache_argument_errors():
     with pytest.raises(ValueError, match="width 0"):
         cache.block_table(width=0)
     assert cache.block_table(width=3).tolist() == [[0, -1, -1]]
+    with pytest.raises(ValueError, match="width must be an int"):
+        cache.block_table(width=2.0)
+    with pytest.raises(ValueError, match="True"):
+        cache.append(seq, True)
+    with pytest.raises(ValueError, match="num_pages"):
+        PagedCache("fp8", num_pages=True)
 
 
 def test_check_slots_rejects_negative_when_padding_is_not_allowed():
