@@ -131,8 +131,12 @@ def test_select_other_buffer_sizes(triton_backend, cap, bins):
 
 
 def test_select_default_block_and_dispatcher(triton_backend):
-    scores = _crafted(4500).to(_device(triton_backend))
-    got = select_topk(scores, 20, backend="triton")  # default BLOCK (4096): two tiles
+    from dsakit.ops.topk.triton import default_select_config
+
+    rows, n = 6, 8192 + 300
+    assert default_select_config(rows)[0] == 8192  # the decode-regime default tile: n spans two tiles
+    scores = _crafted(n, rows).to(_device(triton_backend))
+    got = select_topk(scores, 20, backend="triton")
     assert torch.equal(got.cpu(), reference_select(scores.cpu(), 20))
 
 
