@@ -703,3 +703,26 @@ def test_dense_scores_and_compress_validate_inputs():
         compress_projected(kv, kv, torch.zeros(1, 16), True)
     with pytest.raises(ValueError, match="wkv must be a floating"):
         compress(torch.randn(8, 4), None, torch.randn(16, 4), torch.zeros(4, 16), 4)
+
+
+def test_explicit_triton_backend_on_cpu_without_interpreter_is_refused(monkeypatch):
+    """Regression: backend='triton' on CPU tensors without TRITON_INTERPRET=1 crashed inside Triton's launcher
+    ("0 active drivers") after validation; it is now a ValueError naming the device, and the pool is untouched."""
+    from dsakit.ops._backend import resolve_backend
+    from dsakit.ops.store import store_index_keys as public_store_index_keys
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.zeros(2)
+    assert resolve_backend("auto", cpu) == "reference"
+    assert resolve_backend("reference", cpu) == "reference"
+    if not torch.cuda.is_available():
+        pytest.importorskip("triton")
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1 .* cpu"):
+            resolve_backend("triton", cpu)
+        pool = torch.zeros(1, KeyFormat.FP8.page_bytes, dtype=torch.uint8)
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            public_store_index_keys(torch.randn(2, 128), torch.tensor([0, 1]), torch.tensor([0, 1]), pool, "fp8",
+                                    RopeConfig().cos_sin_table(4), torch.ones(128), backend="triton")
+        assert not pool.any()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("triton", cpu) == "triton"

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -18,7 +19,17 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def triton_interpreted() -> bool:
+    """True when Triton runs its kernels in the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
+    """'auto' | 'reference' | 'triton' -> 'reference' | 'triton' for data ``tensors`` (ValueError if impossible).
+
+    Explicit 'triton' on tensors none of which is on CUDA needs the interpreter (TRITON_INTERPRET=1); without
+    it Triton fails deep inside its launcher ("0 active drivers"), so it is refused here by name.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if backend == "auto":
@@ -26,4 +37,8 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
         return "triton" if on_cuda and triton_available() else "reference"
     if backend == "triton" and not triton_available():
         raise ValueError("backend='triton' requested but triton is not installed (pip install triton)")
+    data = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if backend == "triton" and data and not any(t.is_cuda for t in data) and not triton_interpreted():
+        raise ValueError(f"backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 for CPU tensors; the data "
+                         f"is on {data[0].device} (use backend='reference' or 'auto')")
     return backend
