@@ -83,9 +83,13 @@ def test_length_specs():
     assert parse_lengths("log:1k:8k:4") == [1000, 2000, 4000, 8000]
     assert parse_lengths("range:1000:3500:1000") == [1000, 2000, 3000]
     assert parse_lengths("1K") == [1024]
-    for bad in ("", "abc", "lin:1k:2k", "log:2k:1k:3", "0", "range:1:5:0"):
+    for bad in ("", "abc", "lin:1k:2k", "log:2k:1k:3", "0", "range:1:5:0",
+                "inf", "log:1k:8k:inf", "lin:1k:nan:3",  # non-finite: ValueError, not OverflowError
+                "range:1:1e12:1", "lin:1k:2k:1e9"):  # a typo asking for billions of points fails at once
         with pytest.raises(ValueError):
             parse_lengths(bad)
+    with pytest.raises(ValueError, match="finite"):
+        parse_depths("lin:nan")
 
 
 def test_depth_specs():

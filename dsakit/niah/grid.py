@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 
+MAX_POINTS = 10_000  # more points than any sweep can run: a spec that asks for more is a typo
+
 
 def _number(text: str) -> float:
     text = text.strip()
@@ -28,15 +30,18 @@ def _number(text: str) -> float:
     elif text.endswith("K"):
         scale, text = 1024, text[:-1]
     try:
-        return float(text) * scale
+        value = float(text) * scale
     except ValueError:
         raise ValueError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite number: {text!r}")
+    return value
 
 
 def _count(text: str, what: str) -> int:
     value = _number(text)
-    if value != int(value) or value < 1:
-        raise ValueError(f"{what} point count must be a positive integer, got {text!r}")
+    if value != int(value) or not 1 <= value <= MAX_POINTS:
+        raise ValueError(f"{what} point count must be an integer in 1..{MAX_POINTS}, got {text!r}")
     return int(value)
 
 
@@ -65,6 +70,8 @@ def parse_lengths(spec: str) -> list[int]:
         if start <= 0 or step <= 0 or stop < start:
             raise ValueError(f"range lengths need START > 0, STEP > 0, STOP >= START, got {spec!r}")
         count = int(math.floor((stop - start) / step + 1e-9)) + 1
+        if count > MAX_POINTS:
+            raise ValueError(f"range lengths {spec!r} give {count} points, more than {MAX_POINTS}: raise STEP")
         values = [start + i * step for i in range(count)]
     else:
         values = [_number(p) for p in spec.split(",") if p.strip()]
