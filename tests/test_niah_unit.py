@@ -225,6 +225,10 @@ def test_retrieval_finds_the_needle_and_says_when_it_cannot(service):
         model.retrieve(prompt, key_format="fp6")
     with pytest.raises(ValueError):
         RetrievalConfig(compress_ratio=0)
+    for kwargs, field in (({"common_scale": float("nan")}, "common_scale"), ({"topk": True}, "topk"),
+                          ({"read_ahead_tokens": 1.5}, "read_ahead_tokens"), ({"rope_scale": "x"}, "rope_scale")):
+        with pytest.raises(ValueError, match=field):
+            RetrievalConfig(**kwargs)
 
 
 def test_chat_template_and_question_span():
@@ -239,6 +243,10 @@ def test_chat_template_and_question_span():
         check_loopback("0.0.0.0")
     with pytest.raises(ValueError):
         FaultConfig(fail_rate=1.5)
+    for kwargs, field in (({"latency": float("nan")}, "latency"), ({"latency": float("inf")}, "latency"),
+                          ({"fail_rate": "x"}, "fail_rate")):
+        with pytest.raises(ValueError, match=field):  # NaN latency used to fail only inside a request thread
+            FaultConfig(**kwargs)
 
 
 def test_service_usage_finish_reason_streaming_and_errors(service):

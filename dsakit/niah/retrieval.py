@@ -93,16 +93,15 @@ class RetrievalConfig:
 
     def __post_init__(self):
         KeyFormat.parse(self.key_format)
-        if not isinstance(self.topk, int) or self.topk < 1:
-            raise ValueError(f"topk must be a positive int, got {self.topk!r}")
-        if not isinstance(self.compress_ratio, int) or self.compress_ratio < 1:
-            raise ValueError(f"compress_ratio must be a positive int, got {self.compress_ratio!r}")
-        if self.common_scale < 0 or self.rope_scale < 0:
-            raise ValueError(f"common_scale and rope_scale must be >= 0, got {self.common_scale}, {self.rope_scale}")
-        if self.read_ahead_tokens < 0:
-            raise ValueError(f"read_ahead_tokens must be >= 0, got {self.read_ahead_tokens}")
-        if self.max_context < 1:
-            raise ValueError(f"max_context must be >= 1, got {self.max_context}")
+        for name, low in (("topk", 1), ("compress_ratio", 1), ("read_ahead_tokens", 0), ("max_context", 1),
+                          ("embed_seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        for name in ("common_scale", "rope_scale", "query_common_share"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass

@@ -56,12 +56,17 @@ class FaultConfig:
     seed: int = 0
 
     def __post_init__(self):
+        for name in ("fail_rate", "drop_connection", "latency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         for name in ("fail_rate", "drop_connection"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be a probability in [0, 1], got {value}")
-        if self.latency < 0:
-            raise ValueError(f"latency must be >= 0 seconds, got {self.latency}")
+        # NaN or inf would only fail later, inside time.sleep in a request thread (a dropped connection)
+        if not 0 <= self.latency < float("inf"):
+            raise ValueError(f"latency must be a finite number of seconds >= 0, got {self.latency}")
 
 
 class RequestError(Exception):
