@@ -425,3 +425,30 @@ def test_client_gives_up_with_the_last_status_and_survives_malformed_json(monkey
         asyncio.run(go())
     assert len(calls) == 3 and info.value.attempts == 3
     assert info.value.status == (503 if status == 503 else None)
+
+
+def test_http_post_to_an_unknown_route_does_not_desync_keep_alive():
+    """A 404 sent before the body is read closes the connection; the body is never parsed as a request."""
+    import socket
+    import threading
+
+    from dsakit.niah.server import ReferenceHTTPServer
+
+    server = ReferenceHTTPServer(("127.0.0.1", 0), ReferenceService(RetrievalModel(RetrievalConfig())))
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        body = b'GET /health HTTP/1.1\r\nHost: x\r\n\r\n'  # a body that looks like a second request
+        request = (b"POST /v1/nope HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        with socket.create_connection(server.server_address[:2], timeout=10) as sock:
+            sock.sendall(request)
+            received = b""
+            while chunk := sock.recv(65536):  # ends when the server closes the connection
+                received += chunk
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    assert received.startswith(b"HTTP/1.1 404") and b"Connection: close" in received
+    assert received.count(b"HTTP/1.1 ") == 1  # the body was not answered as a request of its own

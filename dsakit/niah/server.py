@@ -324,14 +324,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802 - http.server naming
         path = self.path.split("?")[0].rstrip("/")
+        # Answers sent before the body is read close the connection (and say so): the unread body bytes
+        # would otherwise be parsed as the next request on this keep-alive connection.
         if path not in ("/v1/chat/completions", "/v1/completions"):
-            self._send_error(404, f"no route POST {self.path}", "not_found_error")
+            self._send_error(404, f"no route POST {self.path}", "not_found_error", {"Connection": "close"})
             return
         try:
             body = self._read_body()
         except RequestError as exc:
-            self._send_error(exc.status, str(exc), exc.kind)
-            self.close_connection = True
+            self._send_error(exc.status, str(exc), exc.kind, {"Connection": "close"})
             return
         fault = self.server.draw_fault()
         if fault == "drop":
