@@ -264,7 +264,7 @@ def test_index_keys_other_layouts(fmt, layout):
     check_index(fmt, layout, "rmsnorm", True, torch.bfloat16, seed=7)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
+@pytest.mark.parametrize("fmt", KEY_FORMATS)
 def test_index_keys_generic_kernel_other_rope_width(fmt):
     """rope_dim != 64 runs the generic kernel (any width): same contract."""
     table = RopeConfig(32, 10000.0).cos_sin_table(300)

@@ -152,6 +152,16 @@ def _e2m1_code(v, FP4_RNE: tl.constexpr):
 
 
 @triton.jit
+def _fp8_codes(x, inv_scale, scale, UE8M0: tl.constexpr, NATIVE: tl.constexpr):
+    """x [..] with the per-row scale broadcast -> e4m3fn bytes (uint8) of clamp(x / scale, +-448)."""
+    if UE8M0:
+        v = _sanitize(x) * inv_scale  # exact: scale is a power of two
+    else:
+        v = tl.div_rn(_sanitize(x), tl.broadcast_to(scale, x.shape))
+    return _e4m3_u8(tl.minimum(tl.maximum(v, -448.0), 448.0), NATIVE)
+
+
+@triton.jit
 def _ue8m0_ceil(s):
     """Positive normal fp32 s -> biased exponent (int32) of the smallest power of two >= s."""
     bits = s.to(tl.int32, bitcast=True)
@@ -294,14 +304,12 @@ def _store_index_keys_generic_kernel(
     elif KIND == 1:  # fp8 e4m3fn values + one fp32 scale (maybe a power of two)
         amax = tl.max(_finite_abs(x), axis=1)
         scale = tl.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32))
+        inv_scale = scale  # unused unless UE8M0
         if UE8M0:
             exponent = _ue8m0_ceil(scale)
             scale = _pow2(exponent)
-            v = _sanitize(x) * _pow2(254 - exponent)[:, None]  # exact: dividing by 2^k
-        else:
-            v = tl.div_rn(_sanitize(x), tl.broadcast_to(scale[:, None], x.shape))
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        codes = _e4m3_bits(v).to(tl.uint8)
+            inv_scale = _pow2(254 - exponent)
+        codes = _fp8_codes(x, inv_scale[:, None], scale[:, None], UE8M0, False)
         tl.store(pool_ptr + value_base[:, None] + cols[None, :], codes, mask=live[:, None])
         scale_dst = pool_ptr.to(tl.pointer_type(tl.float32)) + scale_base // 4
         tl.store(scale_dst, scale, mask=live)
@@ -310,15 +318,7 @@ def _store_index_keys_generic_kernel(
         amax = tl.maximum(tl.max(_finite_abs(blocks), axis=2), 1e-4)  # [BLOCK_N, 4]
         exponent = _ue8m0_ceil(tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
         v = _sanitize(blocks) * _pow2(254 - exponent)[:, :, None]  # exact: dividing by 2^k
-        v = tl.minimum(tl.maximum(v, -6.0), 6.0)
-        mag = tl.abs(v)
-        # code = number of thresholds strictly below |v| (ties go to the smaller magnitude) ...
-        code = ((mag > 0.25).to(tl.int32) + (mag > 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-                + (mag > 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag > 3.5).to(tl.int32)
-                + (mag > 5.0).to(tl.int32))
-        if FP4_RNE:  # ... except a tie above an odd code goes up to the even one (0.75, 1.75, 3.5)
-            code += ((mag == 0.75) | (mag == 1.75) | (mag == 3.5)).to(tl.int32)
-        code = code | ((v < 0).to(tl.int32) << 3)
+        code = _e2m1_code(tl.minimum(tl.maximum(v, -6.0), 6.0), FP4_RNE)
         even, odd = tl.split(tl.reshape(code, [BLOCK_N, 64, 2]))
         packed = (even | (odd << 4)).to(tl.uint8)  # [BLOCK_N, 64]
         byte_cols = tl.arange(0, 64)
@@ -426,16 +426,6 @@ def _wht32(x, BLOCK_N: tl.constexpr):
         a, b = tl.split(tl.reshape(x, [BLOCK_N, 16, 2]))
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [BLOCK_N, 32])
     return x
-
-
-@triton.jit
-def _fp8_codes(x, inv_scale, scale, UE8M0: tl.constexpr, NATIVE: tl.constexpr):
-    """x [..] with the per-row scale broadcast -> e4m3fn bytes (uint8) of clamp(x / scale, +-448)."""
-    if UE8M0:
-        v = _sanitize(x) * inv_scale  # exact: scale is a power of two
-    else:
-        v = tl.div_rn(_sanitize(x), tl.broadcast_to(scale, x.shape))
-    return _e4m3_u8(tl.minimum(tl.maximum(v, -448.0), 448.0), NATIVE)
 
 
 @triton.jit
