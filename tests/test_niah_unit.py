@@ -122,7 +122,9 @@ def test_backoff_and_endpoint_validation():
     assert cfg.url == "http://127.0.0.1:9/v1/chat/completions"
     assert EndpointConfig(base_url="http://h:1/api/v1/", model="m", endpoint="completions").url == \
         "http://h:1/api/v1/completions"
-    for kwargs in ({"base_url": "localhost:8000"}, {"endpoint": "responses"}, {"max_tokens": 0}, {"model": ""}):
+    for kwargs in ({"base_url": "localhost:8000"}, {"endpoint": "responses"}, {"max_tokens": 0}, {"model": ""},
+                   {"timeout_s": float("nan")}, {"backoff_s": float("nan")}, {"max_retries": 1.5},
+                   {"max_tokens": "5"}):
         with pytest.raises(ValueError):
             EndpointConfig(**{"base_url": "http://h:1", "model": "m", **kwargs})
 
@@ -348,9 +350,11 @@ def test_sweep_config_cells_and_validation():
     assert len(keys) == len(set(keys)) == 8 and "L1000-d0.1000-t1" in keys
     multi = SweepConfig(lengths=(1000,), depths=(0.1, 0.9), multi_needle=True).cells()
     assert [c.key for c in multi] == ["L1000-multi-t0"] and multi[0].depths == (0.1, 0.9)
-    for kwargs in ({"lengths": ()}, {"depths": (1.2,)}, {"trials": 0}, {"tolerance": 0.0}, {"concurrency": 0}):
+    for kwargs in ({"lengths": ()}, {"depths": (1.2,)}, {"trials": 0}, {"tolerance": 0.0}, {"concurrency": 0},
+                   {"trials": 1.5}, {"concurrency": 2.5}, {"max_calibration_probes": True}):
         with pytest.raises(ValueError):
             SweepConfig(**{"lengths": (1000,), "depths": (0.5,), **kwargs})
+    assert SweepConfig(lengths=[1000], depths=[0.5]).lengths == (1000,)
 
 
 def test_resume_refuses_changed_settings_and_fresh_runs_refuse_old_results(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import re
 import time
@@ -62,12 +63,16 @@ class EndpointConfig:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
         if not self.model:
             raise ValueError("model name must not be empty")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name, low in (("max_tokens", 1), ("max_retries", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        for name in ("temperature", "timeout_s", "backoff_s", "backoff_max_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.backoff_s < 0 or self.backoff_max_s < 0:
             raise ValueError(f"backoff times must be >= 0, got {self.backoff_s}, {self.backoff_max_s}")
         if not isinstance(self.extra_body, dict):

@@ -45,6 +45,10 @@ CALIBRATION_FILE = "calibration.json"
 DEFAULT_WORDS_PER_TOKEN = 0.75
 
 
+def _not_int(value) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
+
+
 @dataclass(frozen=True)
 class Cell:
     length: int
@@ -73,18 +77,19 @@ class SweepConfig:
     concurrency: int = 4
 
     def __post_init__(self):
-        if not self.lengths or any((not isinstance(n, int)) or n < 1 for n in self.lengths):
+        object.__setattr__(self, "lengths", tuple(self.lengths))  # frozen; lists accepted, stored as tuples
+        object.__setattr__(self, "depths", tuple(self.depths))
+        if not self.lengths or any(_not_int(n) or n < 1 for n in self.lengths):
             raise ValueError(f"lengths must be positive token counts, got {self.lengths!r}")
-        if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
+        if not self.depths or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d <= 1.0
+                                  for d in self.depths):
             raise ValueError(f"depths must lie in [0, 1], got {self.depths!r}")
-        if self.trials < 1:
-            raise ValueError(f"trials must be >= 1, got {self.trials}")
+        for name in ("trials", "max_calibration_probes", "concurrency"):
+            value = getattr(self, name)
+            if _not_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not 0 < self.tolerance < 0.5:
             raise ValueError(f"tolerance must be in (0, 0.5), got {self.tolerance}")
-        if self.max_calibration_probes < 1:
-            raise ValueError(f"max_calibration_probes must be >= 1, got {self.max_calibration_probes}")
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
 
     def cells(self) -> list[Cell]:
         if self.multi_needle:
