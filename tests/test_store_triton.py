@@ -436,8 +436,9 @@ def test_attention_kv_non_finite_rows():
 # --------------------------------------------------------------------------------------------------
 
 
-def test_kernel_drops_out_of_range_rows_without_validation():
-    """The launcher (no validation, as under capture) never writes for bad slots / positions."""
+@pytest.mark.parametrize("generic", [False, True], ids=["fast", "generic"])
+def test_kernel_drops_out_of_range_rows_without_validation(generic):
+    """The launcher (no validation, as under capture) never writes for bad slots / positions (both kernels)."""
     fmt = KeyFormat.FP8
     keys, positions, weight, _, g = index_case(8, torch.bfloat16, "rmsnorm", 9)
     positions[1] = TABLE.shape[0]  # outside the table
@@ -447,7 +448,7 @@ def test_kernel_drops_out_of_range_rows_without_validation():
     before = pool.clone()
     launch_store_index_keys(keys.to(DEVICE), positions.to(DEVICE), slots.to(DEVICE), pool_dev := pool.to(DEVICE),
                             TABLE.to(DEVICE), weight.to(DEVICE), None, fmt, "rmsnorm", "interleaved", "trailing",
-                            True, 1e-6)
+                            True, 1e-6, generic=generic)
     good = torch.tensor([0, 6, 7])
     ref = before.clone()
     store_reference.store_index_keys(keys[good], positions[good], slots[good], ref, fmt, TABLE, weight)
@@ -457,7 +458,8 @@ def test_kernel_drops_out_of_range_rows_without_validation():
     assert torch.equal(pool_dev.cpu()[~written], before[~written])
 
 
-def test_attention_kernel_drops_out_of_range_rows_without_validation():
+@pytest.mark.parametrize("generic", [False, True], ids=["fast", "generic"])
+def test_attention_kernel_drops_out_of_range_rows_without_validation(generic):
     fmt = AttentionKVFormat.FP8_ROPE_BF16
     g = torch.Generator().manual_seed(4)
     kv = torch.randn(5, 512, generator=g)
@@ -467,7 +469,8 @@ def test_attention_kernel_drops_out_of_range_rows_without_validation():
     before = pool.clone()
     out = pool.to(DEVICE)
     launch_store_attention_kv(kv.to(DEVICE), positions.to(DEVICE), slots.to(DEVICE), out, TABLE.to(DEVICE),
-                              (torch.rand(512, generator=g) + 0.5).to(DEVICE), fmt, "interleaved", "trailing", 1e-6)
+                              (torch.rand(512, generator=g) + 0.5).to(DEVICE), fmt, "interleaved", "trailing", 1e-6,
+                              generic=generic)
     written = written_mask(fmt, before, torch.tensor([1, 63]))
     assert torch.equal(out.cpu()[~written], before[~written])
     assert not torch.equal(out.cpu()[written], before[written])

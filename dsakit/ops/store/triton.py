@@ -187,6 +187,22 @@ def _sanitize(x):
 
 
 @triton.jit
+def _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position):
+    """Row indices (any shape) -> (slot, position, live), int64 / int64 / bool of the same shape.
+
+    A row is live when it exists, its slot is in 0..num_slots-1 and its position in 0..max_position-1.
+    Rows that are padding or would address outside the pool / rope table are never read nor written:
+    every load and store of the kernels is masked by ``live``, and the slot / position of a dead row are
+    replaced by 0 so that even the masked addresses stay inside the pool and the table.
+    """
+    in_range = rows < n_rows
+    slot = tl.load(slots_ptr + rows, mask=in_range, other=-1).to(tl.int64)
+    pos = tl.load(positions_ptr + rows, mask=in_range, other=-1).to(tl.int64)
+    live = in_range & (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < max_position)
+    return tl.where(live, slot, 0), tl.where(live, pos, 0), live
+
+
+@triton.jit
 def _norm_rope(row_ptrs, partner_ptrs, row_mask, w_ptr, b_ptr, cos_ptrs, sin_ptrs, rope_mask, is_second,
                partner_cols, cols, eps, D: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Load a [BLOCK_N, D] tile, normalize it and rotate its rope pairs; fp32 [BLOCK_N, D].
@@ -275,13 +291,7 @@ def _store_index_keys_generic_kernel(
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     cols = tl.arange(0, D)  # [D]
-    in_range = rows < n_rows
-    slot = tl.load(slots_ptr + rows, mask=in_range, other=-1).to(tl.int64)
-    pos = tl.load(positions_ptr + rows, mask=in_range, other=-1).to(tl.int64)
-    # rows that are padding or would address outside the pool / rope table are never read nor written
-    live = in_range & (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < max_position)
-    pos = tl.where(live, pos, 0)
-    slot = tl.where(live, slot, 0)
+    slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
 
     in_rope, is_second, partner_cols, pair = _rope_geometry(cols, D, ROPE_DIM, PAIRING, PLACEMENT)
     row_base = keys_ptr + rows[:, None] * keys_row_stride
@@ -345,12 +355,7 @@ def _store_attention_kv_generic_kernel(
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, D)
-    in_range = rows < n_rows
-    slot = tl.load(slots_ptr + rows, mask=in_range, other=-1).to(tl.int64)
-    pos = tl.load(positions_ptr + rows, mask=in_range, other=-1).to(tl.int64)
-    live = in_range & (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < max_position)
-    pos = tl.where(live, pos, 0)
-    slot = tl.where(live, slot, 0)
+    slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
 
     in_rope, is_second, partner_cols, pair = _rope_geometry(cols, D, ROPE_DIM, PAIRING, PLACEMENT)
     row_base = kv_ptr + rows[:, None] * kv_row_stride
@@ -515,13 +520,7 @@ def _store_index_keys_kernel(
     PAGE: tl.constexpr = 64
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None]  # [1, BLOCK_N, 1, 1]
-    in_range = rows < n_rows
-    slot = tl.load(slots_ptr + rows, mask=in_range, other=-1).to(tl.int64)
-    pos = tl.load(positions_ptr + rows, mask=in_range, other=-1).to(tl.int64)
-    # rows that are padding or would address outside the pool / rope table are never read nor written
-    live = in_range & (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < max_position)
-    pos = tl.where(live, pos, 0)
-    slot = tl.where(live, slot, 0)
+    slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
     half = tl.arange(0, 2)[:, None, None, None]
     cols = half * 64 + tl.arange(0, 8)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
     x = tl.load(keys_ptr + rows * keys_row_stride + cols, mask=live, other=0.0).to(tl.float32)
@@ -588,12 +587,7 @@ def _store_attention_kv_kernel(
     PAGE: tl.constexpr = 64
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None]  # [1, BLOCK_N, 1, 1]
-    in_range = rows < n_rows
-    slot = tl.load(slots_ptr + rows, mask=in_range, other=-1).to(tl.int64)
-    pos = tl.load(positions_ptr + rows, mask=in_range, other=-1).to(tl.int64)
-    live = in_range & (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < max_position)
-    pos = tl.where(live, pos, 0)
-    slot = tl.where(live, slot, 0)
+    slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
     block = tl.arange(0, 8)[:, None, None, None]
     cols = block * 64 + tl.arange(0, 8)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
     x = tl.load(kv_ptr + rows * kv_row_stride + cols, mask=live, other=0.0).to(tl.float32)  # [8, BLOCK_N, 8, 8]
