@@ -351,3 +351,5 @@ def test_query_construction_validates_and_matches_the_needle():
         make_queries(hay, needle, torch.tensor([10]), gen)
     with pytest.raises(ValueError, match="outside the rope table"):
         prepare_queries(q_pre, positions + 1000, table, tr.rope_layout, tr.rope_dim, tr.hadamard)
+    with pytest.raises(ValueError, match="non-empty"):  # used to be a RuntimeError from max() of nothing
+        prepare_queries(q_pre[:0], positions[:0], table, tr.rope_layout, tr.rope_dim, tr.hadamard)

@@ -86,6 +86,10 @@ def test_nan_fraction_future_selected_and_score_ratio():
     assert metrics.nan_fraction(row) == pytest.approx(1 / 3)
     top = torch.tensor([[0, 3, 5], [1, -1, -1]])
     assert metrics.future_selected(top, torch.tensor([4, 1])) == 2  # 5 >= 4 in row 0, 1 >= 1 in row 1
+    with pytest.raises(ValueError, match="same T"):  # one count must not silently apply to every row
+        metrics.future_selected(top, torch.tensor([4]))
+    with pytest.raises(ValueError, match="1-D"):  # a [T, K] set is not one row: flattening it mixed rows
+        metrics.topk_contains(top, [5])
     exact = torch.tensor([1.0, 0.0, 4.0])
     assert metrics.needle_score_ratio(exact / 2, exact, [2]) == pytest.approx(0.5)
     assert math.isnan(metrics.needle_score_ratio(torch.tensor([1.0, 0.0, float("nan")]), exact, [2]))

@@ -65,7 +65,10 @@ def worst_rank_index(ranks: "list[int | None]") -> int | None:
 
 def topk_contains(topk_row: torch.Tensor, needle_entries) -> bool:
     """Whether a top-k index row [K] (-1 padded) holds any needle entry."""
-    row = topk_row.detach().cpu().long().flatten()
+    if not isinstance(topk_row, torch.Tensor) or topk_row.dim() != 1:
+        raise ValueError(f"topk_row must be a 1-D index row [K], got "
+                         f"{list(topk_row.shape) if isinstance(topk_row, torch.Tensor) else type(topk_row).__name__}")
+    row = topk_row.detach().cpu().long()
     wanted = torch.as_tensor(needle_entries, dtype=torch.long).flatten().cpu()
     return bool(torch.isin(row[row >= 0], wanted).any())
 
@@ -131,6 +134,9 @@ def nan_fraction(scores: torch.Tensor) -> float:
 
 def future_selected(topk: torch.Tensor, visible_counts: torch.Tensor) -> int:
     """Number of selected indices [T, K] that are >= the row's correct visible count [T] (causality leaks)."""
+    if topk.dim() != 2 or visible_counts.shape != (topk.shape[0],):
+        raise ValueError(f"need topk [T, K] and visible_counts [T] with the same T, got {list(topk.shape)} and "
+                         f"{list(visible_counts.shape)}")  # a [1] count would silently broadcast to every row
     idx = topk.detach().cpu().long()
     limit = visible_counts.detach().cpu().long().reshape(-1, 1)
     return int(((idx >= 0) & (idx >= limit)).sum())

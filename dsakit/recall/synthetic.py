@@ -318,6 +318,8 @@ def prepare_queries(q: torch.Tensor, positions: torch.Tensor, rope_cos_sin: torc
     The query side of the indexer transform (SPEC.md 2.1): no norm, rope on the rope dims with ``layout``,
     then the Hadamard rotation when ``hadamard``.
     """
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.numel() == 0:
+        raise ValueError(f"positions must be a non-empty int tensor [T], got {positions!r}")
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != positions.shape[0]:
         raise ValueError(f"q must be [T, H, D] with T = {positions.shape[0]} positions, got "
                          f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
