@@ -547,6 +547,11 @@ def test_store_attention_kv_rejects_bad_input():
         store_attention_kv(kv, torch.arange(3), torch.arange(3), pool, fmt, TABLE, torch.ones(128), backend="triton")
     with pytest.raises(ValueError, match="backend"):
         store_attention_kv(kv, torch.arange(3), torch.arange(3), pool, fmt, TABLE, torch.ones(512), backend="cuda")
+    # regression: a negative eps was accepted and turned rows with a small mean square into NaN
+    for backend in ("triton", "reference"):
+        with pytest.raises(ValueError, match="eps must be a number >= 0, got -1"):
+            store_attention_kv(kv, torch.arange(3), torch.arange(3), pool, fmt, TABLE, torch.ones(512), eps=-1e-6,
+                               backend=backend)
     assert not bool(pool.any())
 
 

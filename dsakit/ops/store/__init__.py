@@ -22,7 +22,7 @@ from ...presets import KeyTransform
 from ...transforms import NORMS, ROPE_V4, RopeLayout
 from .._backend import resolve_backend, triton_available
 from . import reference
-from .reference import check_rope_inputs, prepare_attention_kv, prepare_index_keys
+from .reference import check_eps, check_rope_inputs, prepare_attention_kv, prepare_index_keys
 
 if triton_available():
     # registers the dsakit:: custom ops (the kernels compile lazily, on first use)
@@ -117,6 +117,7 @@ def store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.T
     """
     fmt = AttentionKVFormat.parse(fmt)
     check_pool(pool, fmt)
+    check_eps(eps)
     layout = RopeLayout.parse(rope_layout)
     chosen = resolve_backend(backend, kv, pool)
     if chosen == "reference":

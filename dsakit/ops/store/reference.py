@@ -53,6 +53,12 @@ def _quantize_and_write(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor
     write_entries(pool, fmt, slots, values, scales)
 
 
+def check_eps(eps: float) -> None:
+    """The norm's epsilon: a real number >= 0 (a negative one turns small rows into NaN)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+
+
 def check_rope_inputs(positions: torch.Tensor, rope_cos_sin: torch.Tensor, n: int, rope_dim: int) -> None:
     if not isinstance(positions, torch.Tensor) or positions.shape != (n,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be int32/int64 [{n}], got "
@@ -113,6 +119,7 @@ def prepare_attention_kv(kv: torch.Tensor, positions: torch.Tensor, rope_cos_sin
     """Pre-norm KV [N, 512] -> fp32 [N, 512] after RMSNorm and rope on the trailing 64 dims."""
     _check_rows(kv, 512, "kv")
     _check_vector(norm_weight, 512, "norm_weight")
+    check_eps(eps)
     rope_dim = rope_cos_sin.shape[1] if isinstance(rope_cos_sin, torch.Tensor) and rope_cos_sin.dim() == 2 else 64
     check_rope_inputs(positions, rope_cos_sin, kv.shape[0], rope_dim)
     x = apply_norm(kv.detach().cpu().float(), "rmsnorm", norm_weight.detach().cpu(), None, eps)
