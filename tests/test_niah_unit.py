@@ -315,6 +315,10 @@ def test_tokenizer_json_counter(tmp_path):
     assert load_counter(str(tmp_path)).count_prompt("a b") == 2  # directory: transformers or tokenizer.json
     with pytest.raises(ValueError, match="neither"):
         load_counter(str(tmp_path / "missing.json"))
+    bogus = tmp_path / "bogus.json"
+    bogus.write_text("not a tokenizer")
+    with pytest.raises(ValueError, match="bogus.json"):  # tokenizers raises a bare Exception: the CLI showed a traceback
+        load_counter(str(bogus))
 
 
 def test_transformers_directory_counts_chat_with_its_template(tmp_path):

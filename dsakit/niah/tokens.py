@@ -66,7 +66,10 @@ class JsonTokenizerCounter(TokenCounter):
             raise ValueError("--tokenizer with a tokenizer.json needs the 'tokenizers' package: "
                              "pip install 'dsakit[niah]'") from None
         self.name = str(path)
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file
+            raise ValueError(f"cannot load tokenizer file {str(path)!r}: {exc}") from None
 
     def count_prompt(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=True).ids)
