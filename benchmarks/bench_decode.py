@@ -25,23 +25,18 @@ Usage: PYTHONPATH=. python3 benchmarks/bench_decode.py --out DIR --commit SHA
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import DIM, environment, make_queries, median_ms, same_selection, timing_pool, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_indexer import make_queries, same_selection, timing_pool  # noqa: E402  (shared bench helpers)
+from dsakit.formats import KeyFormat
+from dsakit.ops.scores.triton import index_scores_triton
+from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
+from dsakit.ops.topk.triton import _launch_select, index_topk_triton
 
-from dsakit.formats import KeyFormat  # noqa: E402
-from dsakit.ops.scores.triton import index_scores_triton  # noqa: E402
-from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk  # noqa: E402
-from dsakit.ops.topk.triton import _launch_select, index_topk_triton  # noqa: E402
-
-DIM = 128
 HBM_TB_PER_S = 4.27  # PERF.md device-to-device copy ceiling
 # PERF.md, DeepGEMM 2.6.1 paged decode on the same H200, batch 64: logits ms, torch.topk ms for K 512 / 2048
 DEEPGEMM_DECODE = {65536: (0.150, 0.136, 0.139), 131072: (0.288, 0.186, 0.189)}
@@ -49,13 +44,7 @@ TIME_GUARD_S = 95  # stop starting new cases after this many seconds (the GPU ca
 
 
 def bench(fn, device: str, rep_ms: int) -> float:
-    if device != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))
+    return median_ms(fn, device, rep_ms, warmup=10)
 
 
 def reference_rows(s: dict, fmt: KeyFormat, rows: list[int], n: int) -> torch.Tensor:
@@ -197,21 +186,17 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
-    import triton
-
     b, heads = (4, 16) if smoke else (64, 64)
     ns = [300] if smoke else [65536, 131072]
     ks = [8, 32] if smoke else [512, 2048]
     rep_ms = 5 if smoke else 60
-    report = {"meta": {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
-                       "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-                       "commit": args.commit, "B": b, "H": heads, "D": DIM, "next_n": 1, "N": ns, "K": ks,
-                       "formats": ["fp8", "bf16", "fp4"], "timing": "triton.testing.do_bench median, ms"},
+    report = {"meta": {**environment(device, args.commit), "B": b, "H": heads, "D": DIM, "next_n": 1, "N": ns,
+                       "K": ks, "formats": ["fp8", "bf16", "fp4"], "timing": "triton.testing.do_bench median, ms"},
               "decode": [], "skipped": []}
     start = time.time()
 
     def save():
-        (out_dir / "decode_h200.json").write_text(json.dumps(report, indent=1))
+        write_json(out_dir / "decode_h200.json", report)
 
     for fmt_name in ("fp8", "bf16", "fp4"):
         for n in ns:
@@ -221,7 +206,8 @@ def main() -> int:
             report["decode"] += run_case(fmt_name, n, ks, b, heads, device, rep_ms, smoke)
             print(f"[{time.time() - start:.0f} s] {fmt_name} {n} done", flush=True)
             save()
-            torch.cuda.empty_cache() if device == "cuda" else None
+            if device == "cuda":
+                torch.cuda.empty_cache()
     report["meta"]["total_s"] = time.time() - start
     save()
 

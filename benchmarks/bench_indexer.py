@@ -24,27 +24,26 @@ Usage: PYTHONPATH=. python3 benchmarks/bench_indexer.py --out DIR --commit SHA
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import DIM, environment, make_queries, same_selection, timed, timing_pool, write_json
 
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.triton import index_scores_triton
+from dsakit.ops.scores.triton import flops, index_scores_triton
 from dsakit.ops.topk.reference import select_topk as reference_select
-from dsakit.ops.topk.triton import DEFAULT_WORKSPACE_BYTES, index_topk_triton, select_topk_triton
+from dsakit.ops.topk.triton import DEFAULT_WORKSPACE_BYTES, index_topk_triton, rows_per_chunk, select_topk_triton
 
-HEADS, DIM = 64, 128
-FLOPS_PER_PAIR = 2 * HEADS * DIM
+HEADS = 64
 # PERF.md, DeepGEMM 2.6.1 on the same H200 (fp8 q and keys): logits ms, torch.topk ms for k = 512 / 2048.
 DEEPGEMM_PREFILL = {8192: (1.08, 1.32, 1.54), 16384: (2.18, 2.23, 2.46), 32768: (4.40, 4.06, 4.33),
                     65536: (8.69, 7.67, 7.98)}
 DEEPGEMM_DECODE = {65536: (0.150, 0.136, 0.139), 131072: (0.288, 0.186, 0.189)}
-QUERY_DTYPE = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp4": torch.bfloat16}
+# Select configuration when the sweep section is skipped: None = the library's tuned defaults
+# (dsakit.ops.topk.triton.default_select_config), i.e. what a caller gets.
+LIBRARY_DEFAULTS = {"block": None, "num_warps": None, "bins": None}
 
 
 class Sizes:
@@ -62,85 +61,6 @@ class Sizes:
                                                    (8192, 16, 64)]
         self.decode_sweep = [(64, 4, 32)] if smoke else [(8192, 16, 64), (4096, 8, 64), (8192, 8, 64)]
         self.rep_ms = 5 if smoke else 100
-
-
-def timed(fn, device: str, rep_ms: int) -> tuple[float, float]:
-    """(median ms, peak extra GiB over what was allocated before the call) of fn()."""
-    if device != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3, 0.0
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    ms = triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
-    return float(ms), float(peak)
-
-
-def timing_pool(fmt: KeyFormat, lengths: list[int], device: str, seed: int):
-    """Random valid page bytes (never zeros) in shuffled pages -> (pool, block_table int32, entry_counts int32).
-
-    bf16: randn values; fp8: randn as e4m3 with fp32 scales in [0.5, 1.5); fp4: random nibbles with ue8m0 scale
-    bytes 120..130.
-    """
-    g = torch.Generator(device=device).manual_seed(seed)
-    pages_per = [max(1, math.ceil(n / 64)) for n in lengths]
-    num_pages = sum(pages_per)
-    pool = torch.empty(num_pages, fmt.page_bytes, dtype=torch.uint8, device=device)
-    values = pool[:, : fmt.scale_offset_in_page]
-    if fmt.kind == "bf16":
-        values.copy_(torch.randn(num_pages, 64 * 128, device=device, generator=g).to(torch.bfloat16).view(torch.uint8))
-    elif fmt.kind == "fp8":
-        values.copy_(torch.randn(num_pages, 64 * 128, device=device, generator=g).to(torch.float8_e4m3fn)
-                     .view(torch.uint8))
-        scales = torch.rand(num_pages, 64, device=device, generator=g) + 0.5
-        pool[:, fmt.scale_offset_in_page:].copy_(scales.view(torch.uint8))
-    else:
-        values.copy_(torch.randint(0, 256, values.shape, device=device, generator=g, dtype=torch.uint8))
-        pool[:, fmt.scale_offset_in_page:].copy_(
-            torch.randint(120, 131, (num_pages, 256), device=device, generator=g, dtype=torch.uint8))
-    perm = torch.randperm(num_pages, device=device, generator=g).to(torch.int32)
-    table = torch.full((len(lengths), max(pages_per)), -1, dtype=torch.int32, device=device)
-    used = 0
-    for b, p in enumerate(pages_per):
-        table[b, :p] = perm[used:used + p]
-        used += p
-    return pool, table, torch.tensor(lengths, dtype=torch.int32, device=device)
-
-
-def make_queries(fmt_kind: str, t: int, heads: int, device: str, seed: int):
-    """q [T, H, 128] (fp8 e4m3 for fp8 keys, else bf16), weights fp32 [T, H], q_scale fp32 [T, H] or None."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(t, heads, DIM, device=device, generator=g)
-    w = torch.rand(t, heads, device=device, generator=g) + 0.05
-    if fmt_kind == "fp8" and device == "cuda":
-        return q.to(torch.float8_e4m3fn), w, torch.rand(t, heads, device=device, generator=g) + 0.5
-    return q.to(torch.bfloat16), w, None
-
-
-def same_selection(got: torch.Tensor, scores: torch.Tensor, k: int) -> dict:
-    """Exactness of a selection against torch.topk on the same scores (finite scores, -inf allowed).
-
-    values_equal: the selected values, sorted, equal torch.topk's values (the definition of an exact top-k);
-    set_mismatch_rows: rows whose index sets differ (only possible where the k-th value is tied)."""
-    k_eff = min(k, scores.shape[1])
-    ref_vals, ref_idx = torch.topk(scores, k_eff, dim=1)
-    valid = got[:, :k_eff] >= 0
-    got_vals = torch.where(valid, scores.gather(1, got[:, :k_eff].long().clamp(min=0)),
-                           torch.full_like(ref_vals, float("-inf")))
-    got_sorted = torch.sort(got_vals, dim=1, descending=True).values
-    values_equal = bool(torch.equal(got_sorted, ref_vals))
-    ref_sorted_idx = torch.sort(ref_idx, dim=1).values
-    got_sorted_idx = torch.sort(torch.where(valid, got[:, :k_eff].long(), ref_idx), dim=1).values
-    mismatch = int((ref_sorted_idx != got_sorted_idx).any(dim=1).sum())
-    return {"values_equal": values_equal, "set_mismatch_rows": mismatch,
-            "pad_ok": bool((got[:, k_eff:] == -1).all())}
 
 
 def select_checks(device: str, sz: Sizes) -> list[dict]:
@@ -210,9 +130,37 @@ def naive_indexer(q_bf16, w, keys_bf16, k):
     return torch.topk(scores, k, dim=1).indices
 
 
+def e2e_call(q, w, q_scale, pool, fmt, table, counts, query_seq, k: int, sel: dict, sort: bool = True):
+    """The timed end-to-end call: index_topk_triton with the select configuration ``sel``."""
+    return lambda: index_topk_triton(q, w, pool, fmt, table, counts, query_seq, k, q_scale=q_scale, sort=sort,
+                                     select_block=sel["block"], select_warps=sel["num_warps"],
+                                     select_bins=sel["bins"])
+
+
+def topk_columns(run_e2e, run_scores, scores: torch.Tensor, k: int, sel: dict, device: str, rep_ms: int) -> dict:
+    """Columns every (format, N, K) case shares: exactness of the e2e call against torch.topk on the
+    materialized scores (run_scores fills ``scores``), e2e time and peak, the select alone, torch.topk."""
+    got = run_e2e()
+    run_scores()
+    check = same_selection(got, scores, k)
+    del got
+    ms_e2e, peak_e2e = timed(run_e2e, device, rep_ms)
+    ms_sel, _ = timed(lambda: select_topk_triton(scores, k, block=sel["block"], num_warps=sel["num_warps"],
+                                                 bins=sel["bins"]), device, rep_ms)
+    ms_torch_topk, _ = timed(lambda: torch.topk(scores, k, dim=1), device, rep_ms)
+    return {"ms": ms_e2e, "peak_extra_gib": peak_e2e, "select_ms": ms_sel, "torch_topk_ms": ms_torch_topk,
+            "check_vs_torch_topk": check}
+
+
+def deepgemm_columns(anchor: tuple | None, k: int, ms: float) -> dict:
+    """DeepGEMM logits + torch.topk anchor of PERF.md (None where there is none) and our speedup over it."""
+    total = None if anchor is None else anchor[0] + anchor[1 if k == 512 else 2]
+    return {"deepgemm_plus_topk_ms": total, "vs_deepgemm": None if total is None else total / ms}
+
+
 def prefill_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
     rows = []
-    sel = best.get("prefill", {"block": 4096, "num_warps": 8, "bins": 64})
+    sel = best.get("prefill", LIBRARY_DEFAULTS)
     t = sz.t
     for fmt_name in ("fp8", "bf16", "fp4"):
         fmt = KeyFormat.parse(fmt_name)
@@ -227,35 +175,14 @@ def prefill_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
 
             ms_scores, peak_scores = timed(run_scores, device, sz.rep_ms)
             for k in sz.ks:
-                def run_e2e():
-                    return index_topk_triton(q, w, pool, fmt, table, counts, query_seq, k, q_scale=q_scale,
-                                             select_block=sel["block"], select_warps=sel["num_warps"],
-                                             select_bins=sel["bins"])
-
-                got = run_e2e()
-                run_scores()
-                check = same_selection(got, scores, k)
-                del got
-                ms_e2e, peak_e2e = timed(run_e2e, device, sz.rep_ms)
-                ms_unsorted, _ = timed(lambda: index_topk_triton(
-                    q, w, pool, fmt, table, counts, query_seq, k, q_scale=q_scale, sort=False,
-                    select_block=sel["block"], select_warps=sel["num_warps"], select_bins=sel["bins"]),
-                    device, sz.rep_ms)
-                ms_sel, _ = timed(lambda: select_topk_triton(scores, k, block=sel["block"], num_warps=sel["num_warps"],
-                                                     bins=sel["bins"]),
-                                  device, sz.rep_ms)
-                ms_torch_topk, _ = timed(lambda: torch.topk(scores, k, dim=1), device, sz.rep_ms)
-                anchor = DEEPGEMM_PREFILL.get(n)
-                deepgemm_total = None if anchor is None else anchor[0] + anchor[1 if k == 512 else 2]
+                inputs = (q, w, q_scale, pool, fmt, table, counts, query_seq, k, sel)
+                shared = topk_columns(e2e_call(*inputs), run_scores, scores, k, sel, device, sz.rep_ms)
+                ms_unsorted, _ = timed(e2e_call(*inputs, sort=False), device, sz.rep_ms)
                 row = {"case": "prefill", "format": fmt_name, "q": str(q.dtype), "T": t, "N": n, "H": sz.heads,
-                       "D": DIM, "K": k, "ms": ms_e2e, "tflops": FLOPS_PER_PAIR * t * n / ms_e2e / 1e9,
-                       "unsorted_ms": ms_unsorted,
-                       "peak_extra_gib": peak_e2e, "scores_ms": ms_scores, "scores_peak_gib": peak_scores,
-                       "select_ms": ms_sel, "torch_topk_ms": ms_torch_topk,
-                       "triton_scores_plus_torch_topk_ms": ms_scores + ms_torch_topk,
-                       "deepgemm_plus_topk_ms": deepgemm_total,
-                       "vs_deepgemm": None if deepgemm_total is None else deepgemm_total / ms_e2e,
-                       "check_vs_torch_topk": check}
+                       "D": DIM, "K": k, **shared, "tflops": flops(t * n, sz.heads) / shared["ms"] / 1e9,
+                       "unsorted_ms": ms_unsorted, "scores_ms": ms_scores, "scores_peak_gib": peak_scores,
+                       "triton_scores_plus_torch_topk_ms": ms_scores + shared["torch_topk_ms"],
+                       **deepgemm_columns(DEEPGEMM_PREFILL.get(n), k, shared["ms"])}
                 rows.append(row)
                 print(row, flush=True)
             del pool, scores
@@ -280,7 +207,7 @@ def prefill_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
 
 def decode_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
     rows = []
-    sel = best.get("decode", {"block": 4096, "num_warps": 8, "bins": 64})
+    sel = best.get("decode", LIBRARY_DEFAULTS)
     b = sz.decode_b
     for fmt_name in ("fp8", "bf16", "fp4"):
         fmt = KeyFormat.parse(fmt_name)
@@ -295,19 +222,8 @@ def decode_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
 
             ms_scores, _ = timed(run_scores, device, sz.rep_ms)
             for k in sz.ks:
-                def run_e2e():
-                    return index_topk_triton(q, w, pool, fmt, table, counts, query_seq, k, q_scale=q_scale,
-                                             select_block=sel["block"], select_warps=sel["num_warps"],
-                                             select_bins=sel["bins"])
-
-                got = run_e2e()
-                run_scores()
-                check = same_selection(got, scores, k)
-                ms_e2e, peak_e2e = timed(run_e2e, device, sz.rep_ms)
-                ms_sel, _ = timed(lambda: select_topk_triton(scores, k, block=sel["block"], num_warps=sel["num_warps"],
-                                                     bins=sel["bins"]),
-                                  device, sz.rep_ms)
-                ms_torch_topk, _ = timed(lambda: torch.topk(scores, k, dim=1), device, sz.rep_ms)
+                shared = topk_columns(e2e_call(q, w, q_scale, pool, fmt, table, counts, query_seq, k, sel),
+                                      run_scores, scores, k, sel, device, sz.rep_ms)
                 g = torch.Generator(device=device).manual_seed(33)
                 keys = torch.randn(b, n, DIM, device=device, generator=g).to(torch.bfloat16)
                 q16 = q.to(torch.bfloat16) if q.dtype != torch.bfloat16 else q
@@ -319,16 +235,11 @@ def decode_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
 
                 ms_naive, peak_naive = timed(run_naive, device, sz.rep_ms)
                 del keys
-                anchor = DEEPGEMM_DECODE.get(n)
-                deepgemm_total = None if anchor is None else anchor[0] + anchor[1 if k == 512 else 2]
                 row = {"case": "decode", "format": fmt_name, "q": str(q.dtype), "B": b, "next_n": 1, "N": n,
-                       "H": sz.heads, "K": k, "ms": ms_e2e, "tflops": FLOPS_PER_PAIR * b * n / ms_e2e / 1e9,
-                       "key_tb_per_s": b * n * fmt.bytes_per_entry / ms_e2e / 1e9, "peak_extra_gib": peak_e2e,
-                       "scores_ms": ms_scores, "select_ms": ms_sel, "torch_topk_ms": ms_torch_topk,
+                       "H": sz.heads, "K": k, **shared, "tflops": flops(b * n, sz.heads) / shared["ms"] / 1e9,
+                       "key_tb_per_s": b * n * fmt.bytes_per_entry / shared["ms"] / 1e9, "scores_ms": ms_scores,
                        "naive_ms": ms_naive, "naive_peak_gib": peak_naive,
-                       "deepgemm_plus_topk_ms": deepgemm_total,
-                       "vs_deepgemm": None if deepgemm_total is None else deepgemm_total / ms_e2e,
-                       "check_vs_torch_topk": check}
+                       **deepgemm_columns(DEEPGEMM_DECODE.get(n), k, shared["ms"])}
                 rows.append(row)
                 print(row, flush=True)
             del pool, scores
@@ -338,7 +249,7 @@ def decode_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
 def big_run(device: str, sz: Sizes, best: dict) -> list[dict]:
     """N = 262144 entries x T = 8192 queries, K 2048, default workspace: completes, peak extra memory < 1 GiB."""
     rows = []
-    sel = best.get("prefill", {"block": 4096, "num_warps": 8, "bins": 64})
+    sel = best.get("prefill", LIBRARY_DEFAULTS)
     t, n, k = sz.t, sz.big_n, sz.ks[-1]
     for fmt_name in ("fp8", "bf16", "fp4"):
         fmt = KeyFormat.parse(fmt_name)
@@ -346,11 +257,7 @@ def big_run(device: str, sz: Sizes, best: dict) -> list[dict]:
         query_seq = torch.zeros(t, dtype=torch.int32, device=device)
         pool, table, counts = timing_pool(fmt, [n], device, seed=42)
 
-        def run_e2e():
-            return index_topk_triton(q, w, pool, fmt, table, counts, query_seq, k, q_scale=q_scale,
-                                     select_block=sel["block"], select_warps=sel["num_warps"],
-                                             select_bins=sel["bins"])
-
+        run_e2e = e2e_call(q, w, q_scale, pool, fmt, table, counts, query_seq, k, sel)
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -362,10 +269,10 @@ def big_run(device: str, sz: Sizes, best: dict) -> list[dict]:
         check = same_selection(got[:check_rows], part, k)
         del got, part
         ms, peak = timed(run_e2e, device, sz.rep_ms)
-        rows_per_chunk = max(1, min(t, DEFAULT_WORKSPACE_BYTES // (4 * n)))
         row = {"case": "big prefill", "format": fmt_name, "q": str(q.dtype), "T": t, "N": n, "K": k, "ms": ms,
-               "tflops": FLOPS_PER_PAIR * t * n / ms / 1e9, "peak_extra_gib": peak,
-               "workspace_bytes": DEFAULT_WORKSPACE_BYTES, "rows_per_chunk": rows_per_chunk,
+               "tflops": flops(t * n, sz.heads) / ms / 1e9, "peak_extra_gib": peak,
+               "workspace_bytes": DEFAULT_WORKSPACE_BYTES,
+               "rows_per_chunk": rows_per_chunk(t, n, DEFAULT_WORKSPACE_BYTES),
                "materialized_fp32_gib": t * n * 4 / 2**30, "check_first_rows_vs_torch_topk": check}
         rows.append(row)
         print(row, flush=True)
@@ -414,15 +321,10 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="toy sizes (CPU interpreter); no timing claims")
     parser.add_argument("--sections", default="checks,sweep,prefill,decode,big,profile")
     args = parser.parse_args()
-    import triton
-
     device = args.device
     sz = Sizes(args.smoke)
     sections = set(args.sections.split(","))
-    meta = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
-            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-            "commit": args.commit, "H": sz.heads, "D": DIM, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "workspace_bytes": DEFAULT_WORKSPACE_BYTES,
+    meta = {**environment(device, args.commit), "H": sz.heads, "D": DIM, "workspace_bytes": DEFAULT_WORKSPACE_BYTES,
             "notes": "prefill: one sequence, every query sees every entry (query_positions=None), as the DeepGEMM "
                      "anchor; fp8 keys use fp8 e4m3 q with q_scale, bf16/fp4 keys bf16 q. Times are medians of "
                      "triton.testing.do_bench; peak = max_memory_allocated over what was allocated before the "
@@ -434,7 +336,7 @@ def main() -> int:
     path = out_dir / ("indexer_smoke.json" if args.smoke else "indexer_h200.json")
 
     def save():
-        path.write_text(json.dumps(report, indent=1))
+        write_json(path, report)
 
     t0 = time.time()
     best: dict = {}

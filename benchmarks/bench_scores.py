@@ -17,20 +17,19 @@ Writes DIR/scores_h200.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import DIM, environment, timed, timing_pool, write_json
 
 from dsakit.formats import KeyFormat
 from dsakit.ops.scores.deepgemm_compat import fp8_mqa_logits, fp8_paged_mqa_logits
 from dsakit.ops.scores.triton import index_scores_decode, index_scores_triton, plan_decode_tiles, plan_query_tiles
 
-HEADS, DIM = 64, 128
+HEADS = 64
 DEEPGEMM_LOGITS_MS = {8192: 1.08, 16384: 2.18, 32768: 4.40, 65536: 8.69}  # PERF.md, 8192 q, fp8
 DEEPGEMM_DECODE_MS = {65536: 0.150, 131072: 0.288}  # PERF.md, B = 64
 
@@ -56,39 +55,6 @@ def build_pool(fmt: KeyFormat, lengths: list[int], device: str,
         used += p
     return (pool.to(device), table.to(device), torch.tensor(lengths, dtype=torch.int32, device=device),
             dequant.to(device))
-
-
-def timing_pool(fmt: KeyFormat, lengths: list[int], device: str,
-                seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random valid page bytes built on the GPU (no CPU quantization of millions of keys), shuffled pages.
-
-    bf16: randn values; fp8: randn cast to e4m3 with scales in [0.5, 1.5); fp4: random nibbles with ue8m0
-    scale bytes 120..130. Never zeros (zeros hide bugs and can run faster).
-    """
-    g = torch.Generator(device=device).manual_seed(seed)
-    pages_per = [max(1, math.ceil(n / 64)) for n in lengths]
-    num_pages = sum(pages_per)
-    pool = torch.empty(num_pages, fmt.page_bytes, dtype=torch.uint8, device=device)
-    values = pool[:, : fmt.scale_offset_in_page]
-    if fmt.kind == "bf16":
-        values.copy_(torch.randn(num_pages, 64 * 128, device=device, generator=g).to(torch.bfloat16)
-                     .view(torch.uint8))
-    elif fmt.kind == "fp8":
-        values.copy_(torch.randn(num_pages, 64 * 128, device=device, generator=g).to(torch.float8_e4m3fn)
-                     .view(torch.uint8))
-        scales = torch.rand(num_pages, 64, device=device, generator=g) + 0.5
-        pool[:, fmt.scale_offset_in_page:].copy_(scales.view(torch.uint8))
-    else:
-        values.copy_(torch.randint(0, 256, values.shape, device=device, generator=g, dtype=torch.uint8))
-        pool[:, fmt.scale_offset_in_page:].copy_(
-            torch.randint(120, 131, (num_pages, 256), device=device, generator=g, dtype=torch.uint8))
-    perm = torch.randperm(num_pages, device=device, generator=g).to(torch.int32)
-    table = torch.full((len(lengths), max(pages_per)), -1, dtype=torch.int32, device=device)
-    used = 0
-    for b, p in enumerate(pages_per):
-        table[b, :p] = perm[used:used + p]
-        used += p
-    return pool, table, torch.tensor(lengths, dtype=torch.int32, device=device)
 
 
 def torch_scores(q32: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, counts: torch.Tensor,
@@ -248,29 +214,10 @@ def failed(row: dict) -> bool:
             or row["rel_l2"] > tight_bound(row["format"], row["q"]))
 
 
-def timed(fn, graph: bool, rep_ms: int = 200) -> tuple[float, float]:
-    """(median ms, peak extra GiB) of fn(). graph=True times CUDA-graph replays (sync-free calls only),
-    which removes the Python launch cost from the figure; graph=False times plain calls, host work included."""
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    if graph:
-        ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
-    else:
-        ms = triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
-    return float(ms), float(peak)
-
-
 def measure(results: list[dict], base: dict, fn, graph: bool, extra) -> None:
     """Time fn, append base + timing + extra(ms) to results (errors are recorded, not fatal)."""
     try:
-        ms, peak = timed(fn, graph)
+        ms, peak = timed(fn, "cuda", 200, graph=graph)  # graph=True: CUDA-graph replays, no Python launch cost
     except Exception as exc:  # a config that does not compile (shared memory) is reported, not fatal
         row = {**base, "error": repr(exc)[:300]}
     else:
@@ -370,21 +317,15 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="smoke-size correctness cases")
     args = parser.parse_args()
-    import triton
-
     device = args.device
     torch.backends.cuda.matmul.allow_tf32 = False  # the torch comparison must be true fp32
-    meta = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
-            "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "commit": args.commit, "H": HEADS, "D": DIM,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    report = {"meta": meta}
+    report = {"meta": {**environment(device, args.commit), "H": HEADS, "D": DIM}}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "scores_h200.json"
 
     def save():
-        path.write_text(json.dumps(report, indent=1))
+        write_json(path, report)
 
     t0 = time.time()
     if not args.skip_check:

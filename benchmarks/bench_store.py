@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
-import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
+from _common import environment, median_ms, peak_extra_bytes, write_json
 
 from dsakit.cache import read_entries
 from dsakit.formats import ENTRIES_PER_PAGE, AttentionKVFormat, KeyFormat, _finite_amax, _sanitize
@@ -260,11 +260,8 @@ def transform_name(t: KeyTransform) -> str:
 
 
 def bench_ms(fn, graph: bool = False) -> float:
-    import triton.testing
-
-    if graph:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    """Median ms on the GPU (CUDA-graph replays with graph=True, for the launch-bound sizes)."""
+    return median_ms(fn, "cuda", 50 if graph else 100, graph=graph)
 
 
 def bandwidth_row(kind: str, fmt_name: str, n: int, table: torch.Tensor, block_n=None, num_warps=None,
@@ -347,15 +344,6 @@ def measure_copy_tbs() -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def peak_extra_bytes(fn) -> int:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 def memory_rows(tokens: int, table: torch.Tensor) -> list[dict]:
     rows = []
     for kind, fmt_name in (("index", "fp4"), ("index", "fp8"), ("index", "bf16"), ("attention", "fp8-rope-bf16"),
@@ -377,9 +365,9 @@ def memory_rows(tokens: int, table: torch.Tensor) -> list[dict]:
                                                       "interleaved", "trailing", 1e-6)
             unfused = lambda: unfused_store_attention_kv(rows_in, positions, slots, pool, fmt, table, w)  # noqa
         fused()  # compile outside the measurement
-        fused_extra = peak_extra_bytes(fused)
+        fused_extra = peak_extra_bytes(fused, "cuda")
         fused_pool = pool.clone()
-        unfused_extra = peak_extra_bytes(unfused)
+        unfused_extra = peak_extra_bytes(unfused, "cuda")
         differing_bytes = int((fused_pool != pool).sum())  # fused vs unfused output, same slots
         unfused_ms = bench_ms(unfused)
         fused_ms = bench_ms(fused)
@@ -405,8 +393,6 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: correctness only, under TRITON_INTERPRET=1")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: check,bandwidth,memory")
     args = parser.parse_args()
-    import triton
-
     global DEVICE
     DEVICE = args.device
     skip = set(filter(None, args.skip.split(",")))
@@ -414,8 +400,9 @@ def main() -> None:
         skip |= {"bandwidth", "memory"}
         args.sweep = False
     started = time.time()
-    result = {"gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (TRITON_INTERPRET)", "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(), "commit": args.commit, "copy_ceiling_tbs_perf_md": COPY_CEILING_TBS,
+    out_path = Path(args.out) / "store_bench.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    result = {**environment(DEVICE, args.commit), "copy_ceiling_tbs_perf_md": COPY_CEILING_TBS,
               "input_dtype": "bf16", "positions_slots_dtype": "int64"}
     # V4 rope table; 1M positions (256 MiB) so that prefill positions 4j up to 4M wrap only at N = 1M
     table = RopeConfig(64, 160000.0).cos_sin_table(2**20 if DEVICE == "cuda" else 4096).to(DEVICE)
@@ -431,8 +418,7 @@ def main() -> None:
             import traceback
             traceback.print_exc()
             result.setdefault("errors", {})[name] = traceback.format_exc()[-2000:]
-        with open(f"{args.out}/store_bench.json", "w") as f:  # partial results survive a timeout
-            json.dump(result, f, indent=1)
+        write_json(out_path, result)  # partial results survive a timeout
 
     def run_checks():
         checks = []
@@ -497,8 +483,7 @@ def main() -> None:
         section("memory", run_memory)
 
     result["wall_s"] = time.time() - started
-    with open(f"{args.out}/store_bench.json", "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(out_path, result)
 
     # summary table last (the device reply keeps the tail of the output)
     if "correctness" in result:
