@@ -224,7 +224,7 @@ def main() -> int:
               f"{ok!s:5}  {r.get('sync_free', '-')}  rel_l2 {r['scores_rel_l2_vs_fp32']:.1e} "
               f"overlap {r['topk_overlap_vs_fp32_reference']:.3f}")
     print(f"skipped: {report['skipped']}; check failures: {failures}; total {time.time() - start:.0f} s")
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -383,7 +383,7 @@ def memory_rows(tokens: int, table: torch.Tensor) -> list[dict]:
 # --------------------------------------------------------------------------------------------------
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--commit", default="unknown")
@@ -511,9 +511,12 @@ def main() -> None:
             print(f"  {r['tokens']:>6} tokens {r['kind']:<9} {r['format']:<14} cache {r['cache_bytes'] / 2**20:8.1f} "
                   f"input {r['input_bytes'] / 2**20:7.1f} fused +{r['fused_peak_extra_bytes'] / 2**20:.2f} unfused "
                   f"+{r['unfused_peak_extra_bytes'] / 2**20:.1f} ({r['fused_ms']:.3f} vs {r['unfused_ms']:.3f} ms)")
-    print(f"wall {result['wall_s']:.0f} s")
+    failures = [c for c in result.get("correctness", []) if not c["ok"]]
+    print(f"wall {result['wall_s']:.0f} s; check failures: {len(failures)}; section errors: "
+          f"{sorted(result.get('errors', {}))}")
     sys.stdout.flush()
+    return 1 if failures or result.get("errors") else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
