@@ -32,6 +32,10 @@ def test_roundtrip_and_validation(tmp_path):
         CapturedTensors(q=cap.q, k=cap.k, weights=cap.weights, needle_entries=torch.tensor([300]))
     with pytest.raises(ValueError, match="does not exist"):
         load_captured(tmp_path / "missing.safetensors")
+    for formats, topks, match in (("bf16", [16], "sequences"), (["bf16"], [0], "topks"), (["bf16"], [True], "topks"),
+                                  (["bf16", "fp6"], [16], "fp6")):
+        with pytest.raises(ValueError, match=match):  # "bf16" used to be read as the formats 'b', 'f', ...
+            run_captured(cap, formats, topks)
 
 
 def test_planted_needle_is_found_and_metrics_are_sane():

@@ -129,8 +129,16 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
     One record per (format, k). Needle metrics use, per query row, the best needle entry; ``needle_rank`` and
     ``found`` report the worst row among the rows that can see a needle entry (every such row must find it).
     """
-    from .lab import _finite_or_none, _pages_for, call_op, lab_device
+    from .lab import _finite_or_none, _is_int, _pages_for, call_op, lab_device
 
+    if not isinstance(captured, CapturedTensors):
+        raise ValueError(f"captured must be CapturedTensors (see load_captured), got {type(captured).__name__}")
+    if isinstance(formats, str) or isinstance(topks, (str, int)):
+        raise ValueError(f"formats and topks must be sequences like ['bf16', 'fp8'] and [512], got {formats!r}, "
+                         f"{topks!r}")
+    formats = [KeyFormat.parse(name).name for name in formats]  # every name checked before any work
+    if any(not _is_int(k) or k < 1 for k in topks):
+        raise ValueError(f"topks must be positive ints, got {list(topks)!r}")
     device = lab_device(backend)
     q, k = captured.q, captured.k
     if not captured.rotated:
