@@ -200,6 +200,13 @@ def test_summary_table_and_heatmap(tmp_path):
     assert "not scored" in table
     png = write_heatmap(rows, tmp_path / "h.png", "t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.pyplot as plt
+
+    open_before = plt.get_fignums()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError):  # a file where the folder should be: savefig fails ...
+        write_heatmap(rows, tmp_path / "file" / "h.png", "t")
+    assert plt.get_fignums() == open_before  # ... and the figure is closed anyway (pyplot keeps it otherwise)
 
 
 # -- retrieval model and service -------------------------------------------------------------------

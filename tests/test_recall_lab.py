@@ -129,6 +129,13 @@ def test_jsonl_schema_and_heatmap(sweep_runs, tmp_path):
     png = report.plot_heatmap(sweep_runs, tmp_path / "heatmap.png")
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    import matplotlib.pyplot as plt
+
+    open_before = plt.get_fignums()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError):  # a file where the folder should be: writing fails, the figure is closed anyway
+        report.plot_heatmap(sweep_runs, tmp_path / "file" / "heatmap.png")
+    assert plt.get_fignums() == open_before
     line = report.format_run_line(sweep_runs[0])
     assert line.startswith("fmt=bf16 ") and "ctx_tok=  1024 depth=0.00 needle_rank=" in line and "found=True" in line
 

@@ -131,6 +131,16 @@ def write_heatmap(rows: list[dict], path: "str | Path", title: str = "") -> Path
             if scored:
                 grid[i, j] = found / scored
     fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.45 * len(depths)), dpi=110)
+    try:  # pyplot keeps every open figure alive: close it on errors too
+        return _draw_heatmap(fig, ax, grid, lengths, depths, title, Path(path))
+    finally:
+        plt.close(fig)
+
+
+def _draw_heatmap(fig, ax, grid, lengths: list[int], depths: list[float], title: str, path: Path) -> Path:
+    import matplotlib
+    import numpy as np
+
     cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="#cccccc")  # grey = no scored needle
     image = ax.imshow(grid, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45, ha="right")
@@ -144,7 +154,5 @@ def write_heatmap(rows: list[dict], path: "str | Path", title: str = "") -> Path
     fig.colorbar(image, ax=ax, label="found rate")
     ax.set_title(title or "needle in a haystack", fontsize=9)
     fig.tight_layout()
-    path = Path(path)
     fig.savefig(path)
-    plt.close(fig)
     return path

@@ -216,6 +216,13 @@ def plot_heatmap(records: Sequence[dict], path: "str | Path", topks: Sequence[in
     depths = sorted({r["depth"] for r in runs})
     fig, axes = plt.subplots(len(topks), len(formats), squeeze=False,
                              figsize=(2.2 + 2.6 * len(formats), 0.8 + 0.45 * len(depths) * len(topks) + 0.6))
+    try:  # pyplot keeps every open figure alive: close it on errors too
+        return _draw_heatmap(fig, axes, runs, topks, formats, contexts, depths, Path(path))
+    finally:
+        plt.close(fig)
+
+
+def _draw_heatmap(fig, axes, runs, topks, formats, contexts, depths, path: Path) -> Path:
     image = None
     for row, k in enumerate(topks):
         for col, f in enumerate(formats):
@@ -243,8 +250,6 @@ def plot_heatmap(records: Sequence[dict], path: "str | Path", topks: Sequence[in
             if row == len(topks) - 1:
                 ax.set_xlabel("context (tokens)")
     fig.colorbar(image, ax=axes, shrink=0.8, label="found fraction (cell text: worst needle rank)")
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
