@@ -389,6 +389,28 @@ def test_validation_errors(device):
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("next_n,h", [(1, 16), (3, 64), (4, 12), (70, 16), (130, 64)])
+def test_decode_tile_plan_equals_general_plan_without_sync(next_n, h, device, monkeypatch):
+    """plan_decode_tiles builds, from the shape alone, the plan plan_query_tiles builds with a host sync, also
+    when a sequence needs several tiles (next_n > 64: it used to fall back to plan_query_tiles and sync)."""
+    scores_triton = _triton()
+    b = 3
+    query_seq = torch.arange(b, dtype=torch.int32, device=device).repeat_interleave(next_n)
+    general = scores_triton.plan_query_tiles(query_seq, b, h)
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("plan_decode_tiles called plan_query_tiles (a host sync)")
+
+    monkeypatch.setattr(scores_triton, "plan_query_tiles", no_sync)
+    decode = scores_triton.plan_decode_tiles(b, next_n, h, device)
+    assert (decode.kernel, decode.size, decode.num_tiles) == (general.kernel, general.size, general.num_tiles)
+    for name in ("rows", "tile_seq", "tile_start", "tile_len"):
+        got, want = getattr(decode, name), getattr(general, name)
+        assert got.dtype == torch.int32 and torch.equal(got.cpu(), want.cpu()), name
+    with pytest.raises(ValueError, match="next_n must be an int >= 1"):
+        scores_triton.plan_decode_tiles(b, 0, h, device)
+
+
 def test_reused_tile_plan_and_decode_plan(device):
     scores_triton = _triton()
     lengths = [70, 129, 5]

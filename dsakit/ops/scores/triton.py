@@ -410,16 +410,22 @@ def plan_query_tiles(query_seq: torch.Tensor, num_seqs: int, num_heads: int, ker
 
 
 def plan_decode_tiles(batch: int, next_n: int, num_heads: int, device: "torch.device | str") -> QueryTiles:
-    """Tile plan of a decode batch (row b * next_n + i = query i of sequence b) built without any host sync."""
-    if batch < 0 or not 1 <= next_n:
-        raise ValueError(f"batch must be >= 0 and next_n >= 1, got {batch}, {next_n}")
+    """Tile plan of a decode batch (row b * next_n + i = query i of sequence b) built without any host sync.
+
+    Same plan as :func:`plan_query_tiles` on query_seq = repeat_interleave(arange(B), next_n): every sequence
+    has next_n rows, so its tiles (cdiv(next_n, size) of them) follow from the shape alone.
+    """
+    for name, value, minimum in (("batch", batch, 0), ("next_n", next_n, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     kernel = "group" if _group_kernel_fits(num_heads, next_n) else "tile"
     size = _tile_size(kernel, next_n, None)
-    if next_n > size:  # many queries per sequence: the general plan (one sync) handles the split
-        return plan_query_tiles(torch.arange(batch, device=device).repeat_interleave(next_n), batch, num_heads)
-    arange = torch.arange(batch, device=device, dtype=torch.int32)
-    return QueryTiles(kernel, size, torch.arange(batch * next_n, device=device, dtype=torch.int32), arange,
-                      arange * next_n, torch.full((batch,), next_n, device=device, dtype=torch.int32))
+    tiles_per_seq = -(-next_n // size)
+    tile = torch.arange(batch * tiles_per_seq, device=device, dtype=torch.int32)
+    tile_seq = tile // tiles_per_seq
+    first_row_in_seq = (tile % tiles_per_seq) * size
+    return QueryTiles(kernel, size, torch.arange(batch * next_n, device=device, dtype=torch.int32), tile_seq,
+                      tile_seq * next_n + first_row_in_seq, torch.clamp(next_n - first_row_in_seq, max=size))
 
 
 def _interpreting() -> bool:
