@@ -467,3 +467,29 @@ def test_http_post_to_an_unknown_route_does_not_desync_keep_alive():
         thread.join(10)
     assert received.startswith(b"HTTP/1.1 404") and b"Connection: close" in received
     assert received.count(b"HTTP/1.1 ") == 1  # the body was not answered as a request of its own
+
+
+def test_http_server_drops_a_client_that_stalls_mid_request():
+    """A request whose body never arrives must not hold a server thread forever (request_timeout)."""
+    import socket
+    import threading
+    import time
+
+    from dsakit.niah.server import ReferenceHTTPServer
+
+    server = ReferenceHTTPServer(("127.0.0.1", 0), ReferenceService(RetrievalModel(RetrievalConfig())),
+                                 request_timeout=0.5)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        with socket.create_connection(server.server_address[:2], timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            started = time.monotonic()
+            assert sock.recv(65536) == b""  # the server closed the connection ...
+            assert time.monotonic() - started < 5  # ... after its request timeout, not the client's 10 s
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    with pytest.raises(ValueError, match="request_timeout"):
+        ReferenceHTTPServer(("127.0.0.1", 0), None, request_timeout=float("nan"))

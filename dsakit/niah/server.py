@@ -270,6 +270,12 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "dsakit-serve-reference"
     server: "ReferenceHTTPServer"
 
+    def setup(self):
+        # bounds every socket read and write: a client that stalls mid-request (headers sent, body never
+        # finished) or an idle keep-alive connection gives its thread back instead of holding it forever
+        self.timeout = self.server.request_timeout
+        super().setup()
+
     def log_message(self, format, *args):  # noqa: A002 - signature of the base class
         if self.server.verbose:
             super().log_message(format, *args)
@@ -376,7 +382,10 @@ class ReferenceHTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], service: ReferenceService, faults: FaultConfig = FaultConfig(),
-                 verbose: bool = False):
+                 verbose: bool = False, request_timeout: float = 120.0):
+        if not 0 < request_timeout < float("inf"):
+            raise ValueError(f"request_timeout must be a finite number of seconds > 0, got {request_timeout!r}")
+        self.request_timeout = request_timeout
         host = check_loopback(address[0])
         if ":" in host:
             self.address_family = socket.AF_INET6
