@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         stored = StoredHaystack(haystack, [fmt.name], FAULTS["none"], table, args.backend, device)
         _sync(device)
         first_store_s = time.perf_counter() - t0  # includes the exact path's fp32 key preparation (CPU)
-        cache, seq, slots = stored.caches[fmt.name]
+        cache, _, slots = stored.caches[fmt.name]
         dev = dict(keys=haystack.keys.to(device), positions=stored.entry_positions.to(device), slots=slots.to(device),
                    pool=cache.pool, fmt=fmt, rope_cos_sin=table.to(device),
                    norm_weight=haystack.norm_weight.to(device), transform=stored.key_transform)
@@ -124,10 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         q = torch.randn(qpos.numel(), geo.index_heads, geo.index_head_dim,
                         generator=generator_for(args.seed, "timing-q")).to(device)
         w = torch.rand(qpos.numel(), geo.index_heads, generator=generator_for(args.seed, "timing-w")).to(device)
-        common = dict(q=q, weights=w, pool=cache.pool, fmt=fmt, block_table=cache.block_table([seq]),
-                      entry_counts=cache.entry_counts([seq]),
-                      query_seq=torch.zeros(qpos.numel(), dtype=torch.int32, device=device),
-                      query_positions=qpos.to(device), ratio=config.ratio)
+        common = stored.op_kwargs(fmt.name, q, w, qpos)
         scores_s, _ = _time(lambda: call_op(scores_ops.index_scores, args.backend, **common), device, args.repeats)
         topk_s = {}
         for k in ks:

@@ -253,20 +253,24 @@ class StoredHaystack:
                 rope_cos_sin=self.table_dev, norm_weight=self.haystack.norm_weight.to(self.device),
                 transform=self.key_transform)
 
+    def op_kwargs(self, fmt_name: str, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor) -> dict:
+        """Keyword arguments of ``index_scores`` / ``index_topk`` for queries q [T, H, D], weights [T, H] and
+        positions [T] against the stored haystack of one format (one sequence, on the lab's device)."""
+        cache, seq, _ = self.caches[fmt_name]
+        return dict(q=q.to(self.device), weights=weights.to(self.device), pool=cache.pool, fmt=cache.fmt,
+                    block_table=cache.block_table([seq]), entry_counts=cache.entry_counts([seq]),
+                    query_seq=torch.zeros(q.shape[0], dtype=torch.int32, device=self.device),
+                    query_positions=positions.to(self.device), ratio=self.config.ratio)
+
     def _scores_and_topk(self, fmt_name: str, q: torch.Tensor, weights: torch.Tensor, op_positions: torch.Tensor,
                          ks: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         cache, seq, slots = self.caches[fmt_name]
-        ratio = self.config.ratio
-        t = q.shape[0]
         if self.fault.custom_reader:
             values, scales = read_entries(cache.pool, cache.fmt, slots)
             keys = decode_fp8_entries(values, scales, self.fault)
-            scores = scores_ops.index_scores_dense(q, weights, keys, op_positions, ratio)
+            scores = scores_ops.index_scores_dense(q, weights, keys, op_positions, self.config.ratio)
             return scores, {k: topk_ops.select_topk(scores, k) for k in ks}
-        common = dict(q=q.to(self.device), weights=weights.to(self.device), pool=cache.pool, fmt=cache.fmt,
-                      block_table=cache.block_table([seq]), entry_counts=cache.entry_counts([seq]),
-                      query_seq=torch.zeros(t, dtype=torch.int32, device=self.device),
-                      query_positions=op_positions.to(self.device), ratio=ratio)
+        common = self.op_kwargs(fmt_name, q, weights, op_positions)
         scores = call_op(scores_ops.index_scores, self.backend, **common).float().cpu()
         if resolve_backend(self.backend, cache.pool) == "reference":
             # index_topk's reference is select_topk(index_scores(...)): reuse the scores instead of a second pass
