@@ -282,6 +282,7 @@ def test_settings_validate():
         _small_settings(depths=(1.5,))
     with pytest.raises(ValueError, match="unknown backend"):
         _small_settings(backend="cuda")
+    assert lab.op_backends("auto")["index_scores"] == ("triton" if torch.cuda.is_available() else "reference")
     # wrong types name the field instead of failing with a TypeError deep inside
     for kwargs, field in (({"formats": "bf16"}, "formats"), ({"depths": ("a",)}, "depth"),
                           ({"topks": (True,)}, "topks"), ({"seed": "x"}, "seed"), ({"horizon_quantile": "x"}, "quantile")):
@@ -380,3 +381,11 @@ def test_recall_1m_benchmark_runs_on_the_cpu_at_a_tiny_size(tmp_path):
         assert entry["index_scores_ms"] > 0 and set(entry["index_topk_ms"]) == {"16"}
         (run,) = entry["runs"]
         assert run["format"] == name and run["exact_rank"] == 0 and run["context_tokens"] == 1024
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_triton_backend_without_cuda_or_interpreter_is_refused_up_front(monkeypatch):
+    """Not mid-sweep after the haystack was drawn (the CLI turns this ValueError into a usage error)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        _small_settings(backend="triton")

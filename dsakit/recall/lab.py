@@ -131,7 +131,7 @@ class RecallSettings:
         for name in self.faults:
             if name not in FAULTS:
                 raise ValueError(f"unknown fault {name!r}; choose from {sorted(FAULTS)}")
-        resolve_backend(self.backend)
+        resolved_backend(self.backend)  # 'triton' on a machine that cannot run it fails here, not mid-sweep
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -176,10 +176,11 @@ def call_op(fn: Callable, backend: str, **kwargs):
 
 
 def op_backends(backend: str) -> dict[str, str]:
-    """Which implementation each op used, for the records."""
+    """Which implementation each op used, for the records ('auto' resolved for the lab's device)."""
+    used = resolved_backend(backend)
     out = {}
     for fn in (store_ops.store_index_keys, scores_ops.index_scores, topk_ops.index_topk):
-        out[fn.__name__] = backend if _accepts_backend(fn) else "reference"
+        out[fn.__name__] = used if _accepts_backend(fn) else "reference"
     return out
 
 
@@ -189,6 +190,12 @@ def lab_device(backend: str) -> torch.device:
     if backend in ("triton", "auto") and torch.cuda.is_available() and triton_available():
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def resolved_backend(backend: str) -> str:
+    """'reference' | 'triton': what ``backend`` runs as on the lab's device; ValueError if it cannot run there
+    (``triton`` without CUDA and without TRITON_INTERPRET=1)."""
+    return resolve_backend(backend, torch.empty(0, device=lab_device(backend)))
 
 
 def swapped_layout(layout: RopeLayout) -> RopeLayout:
