@@ -92,8 +92,9 @@ PRESETS: dict[str, DSAPreset] = {p.name: p for p in (DEEPSEEK_V4_FLASH, DEEPSEEK
 
 
 def get_preset(name: "str | DSAPreset") -> DSAPreset:
+    """'deepseek-v4-flash' | 'deepseek-v4-pro' | 'deepseek-v3.2' (or a DSAPreset) -> DSAPreset."""
     if isinstance(name, DSAPreset):
         return name
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]

@@ -241,3 +241,10 @@ def test_rope_and_key_transform_configs_validate():
                           (dict(rope_dim=7), "rope_dim"), (dict(hadamard="yes"), "hadamard"), (dict(eps=-1.0), "eps")]:
         with pytest.raises(ValueError, match=match):
             KeyTransform(**kwargs)
+
+
+def test_get_preset_rejects_non_names():
+    """Regression: an unhashable name (a list) raised TypeError instead of the ValueError listing presets."""
+    for bad in (["deepseek-v4-flash"], None, "deepseek-v4"):
+        with pytest.raises(ValueError, match="unknown preset"):
+            get_preset(bad)
