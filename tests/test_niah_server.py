@@ -232,8 +232,11 @@ def test_sweep_survives_a_server_restart(tmp_path):
     box: dict = {}
 
     def run():
-        box["outcome"] = sweep(srv.url, tmp_path / "out", [1000, 2000], [0.1, 0.5, 0.9], tokenizer="reference",
-                               max_retries=400, concurrency=1)
+        try:
+            box["outcome"] = sweep(srv.url, tmp_path / "out", [1000, 2000], [0.1, 0.5, 0.9], tokenizer="reference",
+                                   max_retries=400, concurrency=1)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread, which reports it
+            box["error"] = exc
 
     worker = threading.Thread(target=run, daemon=True)  # a stuck sweep must not keep pytest from exiting
     worker.start()
@@ -250,6 +253,7 @@ def test_sweep_survives_a_server_restart(tmp_path):
     finally:
         srv.stop()
         worker.join(5)
+    assert "error" not in box, f"the sweep raised {box.get('error')!r}"
     outcome = box["outcome"]
     assert not outcome.errors and len(outcome.rows) == 6 and all(r["found"] for r in outcome.rows)
     assert len(results.read_text().splitlines()) == 6
