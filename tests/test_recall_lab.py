@@ -260,6 +260,10 @@ def test_fnuz_decoder_makes_nan_of_negative_zero():
     unscaled = decode_fp8_entries(values, torch.tensor([0.25]).view(torch.uint8).reshape(1, 4),
                                   FAULTS["missing-key-scale"])
     assert unscaled[0, 1] == 1.0
+    with pytest.raises(ValueError, match=r"\[N, 4\]"):  # used to be a RuntimeError from view()
+        decode_fp8_entries(values, scales[:, :2], FAULTS["none"])
+    with pytest.raises(ValueError, match=r"\[N, 128\]"):
+        decode_fp8_entries(values[:, :64], scales, FAULTS["none"])
 
 
 def test_parse_faults():

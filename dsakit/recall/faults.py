@@ -100,6 +100,10 @@ def decode_fp8_entries(values: torch.Tensor, scales: torch.Tensor, fault: Fault)
     """fp8 entry bytes (values uint8 [N, 128], scales uint8 [N, 4]) -> fp32 [N, 128] as the fault reads them."""
     if values.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"fp8 entry bytes must be uint8, got {values.dtype} / {scales.dtype}")
+    if values.dim() != 2 or values.shape[1] != 128 or scales.shape != (values.shape[0], 4):
+        # a wrong width would pair scales with the wrong entries (or fail inside view()) instead
+        raise ValueError(f"fp8 entry bytes must be values [N, 128] and scales [N, 4], got {list(values.shape)} "
+                         f"and {list(scales.shape)}")
     if fault.fp8_read == "e4m3fnuz":
         decoded = values.contiguous().view(torch.float8_e4m3fnuz).to(torch.float32)
     elif fault.fp8_read == "e4m3fn":
