@@ -15,7 +15,8 @@ Prompt length:
   token positions.
 
 Every row records the measured prompt tokens (``usage.prompt_tokens``), the target, and per needle its code,
-depth, character offset and token offset (exact with a tokenizer, estimated otherwise).
+depth, character offset and token offset in the prompt text (the completion prompt, or the chat user message:
+tokens a chat template puts before the message are not counted), exact with a tokenizer, estimated otherwise.
 
 Scoring: a needle is found when its code is a substring of the normalized answer (reasoning removed). When
 the server stopped on ``length`` and the code is not in the answer, the needle's ``found`` is ``None``
