@@ -36,8 +36,8 @@ from dsakit.ops import store as store_ops  # noqa: E402
 from dsakit.ops import topk as topk_ops  # noqa: E402
 from dsakit.recall import report  # noqa: E402
 from dsakit.recall.faults import FAULTS  # noqa: E402
-from dsakit.recall.lab import (ALL_FORMATS, StoredHaystack, call_op, generator_for, lab_device,  # noqa: E402
-                               op_backends)
+from dsakit.recall.haystack import StoredHaystack  # noqa: E402
+from dsakit.recall.settings import ALL_FORMATS, generator_for, lab_device, op_backends  # noqa: E402
 from dsakit.recall.synthetic import SyntheticConfig, make_haystack, model_weights, query_positions  # noqa: E402
 
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         dev = dict(keys=haystack.keys.to(device), positions=stored.entry_positions.to(device), slots=slots.to(device),
                    pool=cache.pool, fmt=fmt, rope_cos_sin=table.to(device),
                    norm_weight=haystack.norm_weight.to(device), transform=stored.key_transform)
-        store_s, _ = _time(lambda: call_op(store_ops.store_index_keys, args.backend, **dev), device, args.repeats)
+        store_s, _ = _time(lambda: store_ops.store_index_keys(**dev, backend=args.backend), device, args.repeats)
         runs = []
         for i, depth in enumerate(depths):
             runs += stored.run_depth(depth, generator_for(args.seed, "needle", args.context_tokens, 0, i), ks)
@@ -125,10 +125,10 @@ def main(argv: list[str] | None = None) -> dict:
                         generator=generator_for(args.seed, "timing-q")).to(device)
         w = torch.rand(qpos.numel(), geo.index_heads, generator=generator_for(args.seed, "timing-w")).to(device)
         common = stored.op_kwargs(fmt.name, q, w, qpos)
-        scores_s, _ = _time(lambda: call_op(scores_ops.index_scores, args.backend, **common), device, args.repeats)
+        scores_s, _ = _time(lambda: scores_ops.index_scores(**common, backend=args.backend), device, args.repeats)
         topk_s = {}
         for k in ks:
-            topk_s[str(k)], _ = _time(lambda: call_op(topk_ops.index_topk, args.backend, **common, k=k), device,
+            topk_s[str(k)], _ = _time(lambda: topk_ops.index_topk(**common, k=k, backend=args.backend), device,
                                       args.repeats)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         result["formats"][fmt.name] = {

@@ -8,9 +8,9 @@ import torch
 
 from dsakit.ops.compress import compress_projected
 from dsakit.ops.scores import index_scores_dense
-from dsakit.recall import lab, report
+from dsakit.recall import haystack, horizon, report, settings as lab_settings
 from dsakit.recall.faults import FAULTS, decode_fp8_entries, parse_faults
-from dsakit.recall.lab import RecallSettings, recall_horizon, run_faults, run_sweep
+from dsakit.recall import RecallSettings, recall_horizon, run_faults, run_sweep
 from dsakit.recall.synthetic import (SyntheticConfig, make_haystack, model_weights, needle_direction,
                                      needle_entry_for_depth, place_needle, place_needles)
 
@@ -149,12 +149,12 @@ def test_horizon_bisection_finds_the_edge(monkeypatch):
     def fake_ranks(self, formats, context_tokens, trial_ids):
         return {f: [context_tokens // 8 if f == "fp8" else 0 for _ in trial_ids] for f in formats}
 
-    monkeypatch.setattr(lab.HorizonHaystack, "ranks", fake_ranks)
-    monkeypatch.setattr(lab.HorizonHaystack, "__init__", lambda self, *a, **k: None)
-    monkeypatch.setattr(lab, "make_haystack", lambda *a, **k: None)
+    monkeypatch.setattr(horizon.HorizonHaystack, "ranks", fake_ranks)
+    monkeypatch.setattr(horizon.HorizonHaystack, "__init__", lambda self, *a, **k: None)
+    monkeypatch.setattr(horizon, "make_haystack", lambda *a, **k: None)
     settings = _small_settings(horizon_topks=(64, 128, 4096), horizon_trials=10, horizon_min=256,
                                horizon_max=8192, horizon_steps_per_octave=2)
-    grid = lab.horizon_grid(settings)
+    grid = horizon.horizon_grid(settings)
     assert grid[0] == 256 and grid[-1] == 8192 and all(b > a for a, b in zip(grid, grid[1:]))
     rows, points = recall_horizon(settings)
     by = {(r["format"], r["index_topk"]): r for r in rows}
@@ -173,9 +173,9 @@ def test_horizon_below_min_and_quantile(monkeypatch):
         calls.append(len(trial_ids))
         return {f: [10_000 if t % 50 == 0 else 0 for t in trial_ids] for f in formats}  # 2 misses in 100
 
-    monkeypatch.setattr(lab.HorizonHaystack, "ranks", fake_ranks)
-    monkeypatch.setattr(lab.HorizonHaystack, "__init__", lambda self, *a, **k: None)
-    monkeypatch.setattr(lab, "make_haystack", lambda *a, **k: None)
+    monkeypatch.setattr(horizon.HorizonHaystack, "ranks", fake_ranks)
+    monkeypatch.setattr(horizon.HorizonHaystack, "__init__", lambda self, *a, **k: None)
+    monkeypatch.setattr(horizon, "make_haystack", lambda *a, **k: None)
     settings = _small_settings(formats=("fp4",), horizon_topks=(8,), horizon_min=256, horizon_max=1024)
     rows, _ = recall_horizon(settings)
     assert rows[0]["status"] == "below-min" and rows[0]["horizon_tokens"] is None
@@ -197,12 +197,12 @@ def test_real_horizon_orders_formats():
 
 def test_horizon_prefix_equals_fresh_haystack():
     hay, _ = _haystack(n=64)
-    prefix = lab.haystack_prefix(hay, 40)
+    prefix = horizon.haystack_prefix(hay, 40)
     assert prefix.num_entries == 40 and prefix.gate.shape[0] == 160
     torch.testing.assert_close(compress_projected(torch.zeros(160, 256), prefix.gate, hay.ape, 4),
                                torch.zeros(40, 128))
     with pytest.raises(ValueError):
-        lab.haystack_prefix(hay, 65)
+        horizon.haystack_prefix(hay, 65)
 
 
 # -- faults ----------------------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ def test_settings_validate():
         _small_settings(depths=(1.5,))
     with pytest.raises(ValueError, match="unknown backend"):
         _small_settings(backend="cuda")
-    assert lab.op_backends("auto")["index_scores"] == ("triton" if torch.cuda.is_available() else "reference")
+    assert lab_settings.op_backends("auto")["index_scores"] == ("triton" if torch.cuda.is_available() else "reference")
     # wrong types name the field instead of failing with a TypeError deep inside
     for kwargs, field in (({"formats": "bf16"}, "formats"), ({"depths": ("a",)}, "depth"),
                           ({"topks": (True,)}, "topks"), ({"seed": "x"}, "seed"), ({"horizon_quantile": "x"}, "quantile")):
@@ -303,8 +303,8 @@ def test_dense_scoring_used_by_the_horizon_matches_the_paged_op():
     """The horizon path scores dequantized keys with index_scores_dense; the sweep path uses the paged op."""
     hay, gen = _haystack(n=128)
     settings = _small_settings(contexts=(512,))
-    table = lab.rope_table(settings, 512)
-    stored = lab.StoredHaystack(hay, ["fp8"], FAULTS["none"], table, "reference", torch.device("cpu"))
+    table = lab_settings.rope_table(settings, 512)
+    stored = haystack.StoredHaystack(hay, ["fp8"], FAULTS["none"], table, "reference", torch.device("cpu"))
     cache, seq, _ = stored.caches["fp8"]
     q = torch.randn(3, 64, 128, generator=gen)
     w = torch.rand(3, 64, generator=gen)
@@ -348,10 +348,10 @@ def test_query_construction_validates_and_matches_the_needle():
     q_pre, w = make_queries(hay, needle, positions, gen)
     assert q_pre.shape == (4, 64, 128) and w.shape == (4, 64) and bool((w > 0).all())
     settings = _small_settings(contexts=(256,))
-    table = lab.rope_table(settings, 256)
+    table = lab_settings.rope_table(settings, 256)
     tr = SMALL.geometry.key_transform
     q = prepare_queries(q_pre, positions, table, tr.rope_layout, tr.rope_dim, tr.hadamard)
-    stored = lab.StoredHaystack(hay, ["bf16"], FAULTS["none"], table, "reference", torch.device("cpu"))
+    stored = haystack.StoredHaystack(hay, ["bf16"], FAULTS["none"], table, "reference", torch.device("cpu"))
     exact = stored.exact_keys.clone()
     from dsakit.ops.store import prepare_index_keys
 

@@ -10,9 +10,11 @@ See docs/recall.md for the model behind the synthetic data, the metrics and the 
 from .captured import (CapturedTensors, capture_deepseek_v4_indexer, load_captured, run_captured,
                        save_captured)
 from .faults import FAULTS, Fault, parse_faults
-from .lab import (ALL_FORMATS, DEFAULT_FORMATS, RecallSettings, StoredHaystack, horizon_grid, recall_horizon,
-                  run_faults, run_sweep)
+from .haystack import StoredHaystack
+from .horizon import horizon_grid, recall_horizon
 from .metrics import (needle_rank, needle_score_ratio, score_margin, set_recall, topk_contains)
+from .settings import ALL_FORMATS, DEFAULT_FORMATS, RecallSettings
+from .sweep import run_faults, run_sweep
 from .synthetic import SyntheticConfig, make_haystack, place_needle
 
 __all__ = ["CapturedTensors", "capture_deepseek_v4_indexer", "load_captured", "run_captured", "save_captured",

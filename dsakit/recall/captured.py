@@ -129,7 +129,8 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
     One record per (format, k). Needle metrics use, per query row, the best needle entry; ``needle_rank`` and
     ``found`` report the worst row among the rows that can see a needle entry (every such row must find it).
     """
-    from .lab import _finite_or_none, _is_int, _pages_for, call_op, lab_device
+    from .haystack import _finite_or_none, _pages_for
+    from .settings import _is_int, lab_device
 
     if not isinstance(captured, CapturedTensors):
         raise ValueError(f"captured must be CapturedTensors (see load_captured), got {type(captured).__name__}")
@@ -158,13 +159,13 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
                       block_table=cache.block_table([seq]), entry_counts=cache.entry_counts([seq]),
                       query_seq=torch.zeros(t, dtype=torch.int32, device=device),
                       query_positions=None if pos is None else pos.to(device), ratio=captured.ratio)
-        scores = call_op(scores_ops.index_scores, backend, **common).float().cpu()
+        scores = scores_ops.index_scores(**common, backend=backend).float().cpu()
         for kk in topks:
             exact_topk = topk_ops.select_topk(exact_scores, kk)
             if resolve_backend(backend, cache.pool) == "reference":
                 topk = topk_ops.select_topk(scores, kk)
             else:
-                topk = call_op(topk_ops.index_topk, backend, **common, k=kk).cpu()
+                topk = topk_ops.index_topk(**common, k=kk, backend=backend).cpu()
             rec = {"kind": "run", "source": source, "fault": "none", "format": fmt.name, "index_topk": kk,
                    "context_tokens": n * captured.ratio, "entries": n, "query_tokens": t, "depth": None,
                    "set_recall": metrics.set_recall(topk, exact_topk),

@@ -10,8 +10,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..formats import KEY_FORMATS
 from .faults import FAULTS, parse_faults
-from .lab import (ALL_FORMATS, DEFAULT_CONTEXTS, DEFAULT_DEPTHS, DEFAULT_FORMATS, RecallSettings, fault_carriers,
-                  op_backends, recall_horizon, run_faults, run_sweep)
+from .horizon import recall_horizon
+from .settings import ALL_FORMATS, DEFAULT_CONTEXTS, DEFAULT_DEPTHS, DEFAULT_FORMATS, RecallSettings, op_backends
+from .sweep import fault_carriers, run_faults, run_sweep
 from .synthetic import SyntheticConfig
 
 

@@ -1,0 +1,192 @@
+"""One haystack stored in every format, and the runs of needles against it.
+
+One *run* = one haystack of N entries (context L = N * ratio tokens), one needle at a relative depth, the
+last ``query_tokens`` tokens of the context as queries, one key format, one ``index_topk``::
+
+    exact path:  keys -> prepare_index_keys (fp32, correct conventions) -> index_scores_dense -> select_topk
+    format path: keys -> store_index_keys (paged cache of the format) -> index_scores / index_topk (ops,
+                 ``backend=``), or, for the read faults, read_entries -> the fault's decoder -> scores
+    metrics:     needle rank (last query token, which sees every entry) under both paths, found (a needle
+                 entry in the op's top-k), set recall of the format's top-k against the exact top-k (mean
+                 over the query tokens), score margin, NaN fraction, leaked future entries, score scale.
+
+The needle is written into the cache slots of its entries with the store op before the runs of a depth
+and the haystack's own entries are stored back afterwards, like a cache being overwritten in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..cache import PagedCache, read_entries
+from ..formats import ENTRIES_PER_PAGE, KeyFormat
+from ..ops import scores as scores_ops
+from ..ops import store as store_ops
+from ..ops import topk as topk_ops
+from ..ops._backend import resolve_backend
+from ..ops.scores.reference import visible_counts
+from ..presets import KeyTransform
+from ..transforms import RopeLayout
+from . import metrics
+from .faults import Fault, decode_fp8_entries
+from .settings import RecallSettings, generator_for
+from .synthetic import (Haystack, SyntheticConfig, make_haystack, make_queries, model_weights, needle_direction,
+                        needle_entry_for_depth, place_needle, prepare_queries, query_positions)
+
+
+def swapped_layout(layout: RopeLayout) -> RopeLayout:
+    other = "half-split" if layout.pairing == "interleaved" else "interleaved"
+    return RopeLayout(other, layout.placement)
+
+
+def key_transform_for(config: SyntheticConfig, fault: Fault) -> KeyTransform:
+    tr = config.geometry.key_transform
+    if fault.key_rope_swap:
+        tr = dataclasses.replace(tr, rope_layout=swapped_layout(tr.rope_layout))
+    return tr
+
+
+def _pages_for(entries: int) -> int:
+    return max(1, (entries + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE)
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return None
+    return float(x)
+
+
+class StoredHaystack:
+    """A haystack stored through the store op in one paged cache per format (with a fault's key conventions)."""
+
+    def __init__(self, haystack: Haystack, formats: Sequence[str], fault: Fault, rope_cos_sin: torch.Tensor,
+                 backend: str, device: torch.device):
+        self.haystack = haystack
+        self.config = haystack.config
+        self.fault = fault
+        self.backend = backend
+        self.device = device
+        self.table = rope_cos_sin
+        self.table_dev = rope_cos_sin.to(device)
+        geo = self.config.geometry
+        n = haystack.num_entries
+        self.entry_positions = torch.arange(n) * self.config.ratio
+        self.exact_keys = store_ops.prepare_index_keys(
+            keys=haystack.keys, positions=self.entry_positions, rope_cos_sin=rope_cos_sin,
+            norm_weight=haystack.norm_weight, transform=geo.key_transform)
+        self.key_transform = key_transform_for(self.config, fault)
+        self.caches: dict[str, tuple[PagedCache, int, torch.Tensor]] = {}
+        for name in formats:
+            fmt = KeyFormat.parse(name)
+            cache = PagedCache(fmt, _pages_for(n), device=device)
+            seq = cache.add_sequence()
+            slots = cache.append(seq, n)
+            self.caches[fmt.name] = (cache, seq, slots)
+            self._store(fmt.name, haystack.keys, self.entry_positions, slots)
+
+    def _store(self, fmt_name: str, keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        cache = self.caches[fmt_name][0]
+        store_ops.store_index_keys(keys=keys.to(self.device), positions=positions.to(self.device),
+                                   slots=slots.to(self.device), pool=cache.pool, fmt=cache.fmt,
+                                   rope_cos_sin=self.table_dev, norm_weight=self.haystack.norm_weight.to(self.device),
+                                   transform=self.key_transform, backend=self.backend)
+
+    def op_kwargs(self, fmt_name: str, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor) -> dict:
+        """Keyword arguments of ``index_scores`` / ``index_topk`` for queries q [T, H, D], weights [T, H] and
+        positions [T] against the stored haystack of one format (one sequence, on the lab's device)."""
+        cache, seq, _ = self.caches[fmt_name]
+        return dict(q=q.to(self.device), weights=weights.to(self.device), pool=cache.pool, fmt=cache.fmt,
+                    block_table=cache.block_table([seq]), entry_counts=cache.entry_counts([seq]),
+                    query_seq=torch.zeros(q.shape[0], dtype=torch.int32, device=self.device),
+                    query_positions=positions.to(self.device), ratio=self.config.ratio)
+
+    def _scores_and_topk(self, fmt_name: str, q: torch.Tensor, weights: torch.Tensor, op_positions: torch.Tensor,
+                         ks: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        cache, seq, slots = self.caches[fmt_name]
+        if self.fault.custom_reader:
+            values, scales = read_entries(cache.pool, cache.fmt, slots)
+            keys = decode_fp8_entries(values, scales, self.fault)
+            scores = scores_ops.index_scores_dense(q, weights, keys, op_positions, self.config.ratio)
+            return scores, {k: topk_ops.select_topk(scores, k) for k in ks}
+        common = self.op_kwargs(fmt_name, q, weights, op_positions)
+        scores = scores_ops.index_scores(**common, backend=self.backend).float().cpu()
+        if resolve_backend(self.backend, cache.pool) == "reference":
+            # index_topk's reference is select_topk(index_scores(...)): reuse the scores instead of a second pass
+            topk = {k: topk_ops.select_topk(scores, k) for k in ks}
+        else:
+            topk = {k: topk_ops.index_topk(**common, k=k, backend=self.backend).cpu() for k in ks}
+        return scores, topk
+
+    def run_depth(self, depth: float, generator: torch.Generator, ks: Sequence[int]) -> list[dict]:
+        """Place one needle at ``depth`` and run every stored format and every k; one record per (format, k)."""
+        cfg = self.config
+        geo = cfg.geometry
+        hay = self.haystack
+        ctx = hay.context_tokens
+        qpos = query_positions(cfg, ctx)
+        ratio = cfg.ratio
+        correct_visible = visible_counts(torch.full((qpos.numel(),), hay.num_entries), qpos, ratio)
+        entry = needle_entry_for_depth(depth, int(correct_visible[-1]))
+        needle = place_needle(hay, entry, needle_direction(hay, generator))
+        q_pre, weights = make_queries(hay, needle, qpos, generator)
+        tr = geo.key_transform
+        q_exact = prepare_queries(q_pre, qpos, self.table, tr.rope_layout, tr.rope_dim, tr.hadamard)
+        q_fmt = prepare_queries(q_pre, qpos, self.table, tr.rope_layout, tr.rope_dim,
+                                tr.hadamard and self.fault.query_hadamard)
+        exact_keys = self.exact_keys.clone()
+        exact_keys[needle.entries] = store_ops.prepare_index_keys(
+            keys=needle.keys, positions=needle.entries * ratio, rope_cos_sin=self.table,
+            norm_weight=hay.norm_weight, transform=tr)
+        exact_scores = scores_ops.index_scores_dense(q_exact, weights, exact_keys, qpos, ratio)
+        exact_topk = {k: topk_ops.select_topk(exact_scores, k) for k in ks}
+        exact_rank = metrics.needle_rank(exact_scores[-1], needle.entries)
+        op_positions = qpos + self.fault.visibility_shift * ratio
+        records = []
+        for fmt_name, (cache, seq, slots) in self.caches.items():
+            needle_slots = slots[needle.entries.to(slots.device)]
+            self._store(fmt_name, needle.keys, needle.entries * ratio, needle_slots)
+            try:
+                scores, topk = self._scores_and_topk(fmt_name, q_fmt, weights, op_positions, ks)
+            finally:  # put the haystack's own entries back: the next depth starts from a clean cache
+                self._store(fmt_name, hay.keys[needle.entries], needle.entries * ratio, needle_slots)
+            rank = metrics.needle_rank(scores[-1], needle.entries)
+            for k in ks:
+                records.append({
+                    "kind": "run", "source": "synthetic", "fault": self.fault.name, "format": fmt_name,
+                    "index_topk": k, "context_tokens": ctx, "entries": hay.num_entries, "depth": depth,
+                    "needle_entry": entry, "needle_entries": needle.entries.tolist(),
+                    "needle_rank": rank, "exact_rank": exact_rank,
+                    "found": metrics.topk_contains(topk[k][-1], needle.entries),
+                    "exact_found": metrics.topk_contains(exact_topk[k][-1], needle.entries),
+                    "set_recall": metrics.set_recall(topk[k], exact_topk[k]),
+                    "margin": _finite_or_none(metrics.score_margin(scores[-1], needle.entries)),
+                    "exact_margin": _finite_or_none(metrics.score_margin(exact_scores[-1], needle.entries)),
+                    "nan_fraction": metrics.nan_fraction(scores[-1]),
+                    "leaked": metrics.future_selected(topk[k], correct_visible),
+                    "needle_score_ratio": _finite_or_none(
+                        metrics.needle_score_ratio(scores[-1], exact_scores[-1], needle.entries)),
+                    "query_tokens": int(qpos.numel()),
+                })
+        return records
+
+
+class HaystackPool:
+    """Haystacks by (context, trial), drawn once per sweep from seeded generators."""
+
+    def __init__(self, settings: RecallSettings):
+        self.settings = settings
+        self.norm_weight, self.ape = model_weights(settings.config, generator_for(settings.seed, "model"))
+        self._cache: dict[tuple[int, int], Haystack] = {}
+
+    def get(self, ctx: int, trial: int) -> Haystack:
+        key = (ctx, trial)
+        if key not in self._cache:
+            cfg = self.settings.config
+            self._cache = {}  # keep one haystack alive at a time (they can be large)
+            self._cache[key] = make_haystack(cfg, ctx // cfg.ratio, generator_for(self.settings.seed, "haystack", ctx, trial),
+                                             self.norm_weight, self.ape)
+        return self._cache[key]
