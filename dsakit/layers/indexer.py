@@ -90,11 +90,13 @@ class DSAIndexer(torch.nn.Module):
         preset: a V4 preset (ratio 4 with overlap); its rope, key transform and index_topk are used.
         rope: override of the preset's RopeConfig (``from_transformers`` reads it off the module).
         index_topk: override of the preset's K.
+        norm_eps: epsilon of the keys' RMSNorm (default: the preset's key transform, 1e-6 for V4);
+            ``from_transformers`` passes the module's ``kv_norm.variance_epsilon`` (its config's rms_norm_eps).
     """
 
     def __init__(self, wq_b: torch.Tensor, weights_proj: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
                  ape: torch.Tensor, norm_weight: torch.Tensor, preset: "str | DSAPreset" = "deepseek-v4-flash",
-                 rope: RopeConfig | None = None, index_topk: int | None = None):
+                 rope: RopeConfig | None = None, index_topk: int | None = None, norm_eps: float | None = None):
         super().__init__()
         preset = get_preset(preset)
         if preset.compress_ratio != 4 or not preset.compress_overlap:
@@ -104,6 +106,9 @@ class DSAIndexer(torch.nn.Module):
             raise ValueError(f"rope must be a RopeConfig or None, got {type(rope).__name__}")
         if index_topk is not None and (not isinstance(index_topk, int) or index_topk < 1):
             raise ValueError(f"index_topk must be a positive int, got {index_topk!r}")
+        if norm_eps is not None and (isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float))
+                                     or not math.isfinite(norm_eps) or norm_eps < 0):
+            raise ValueError(f"norm_eps must be a finite number >= 0 or None, got {norm_eps!r}")
         d = preset.index_head_dim
         if d != INDEX_HEAD_DIM:
             raise ValueError(f"index head dim must be {INDEX_HEAD_DIM}, preset {preset.name!r} has {d}")
@@ -125,7 +130,9 @@ class DSAIndexer(torch.nn.Module):
         if rope.rope_dim != preset.key_transform.rope_dim:
             raise ValueError(f"rope_dim {rope.rope_dim} differs from the key transform's "
                              f"{preset.key_transform.rope_dim}")
-        self.preset = dataclasses.replace(preset, rope=rope,
+        key_transform = preset.key_transform if norm_eps is None else \
+            dataclasses.replace(preset.key_transform, eps=float(norm_eps))
+        self.preset = dataclasses.replace(preset, rope=rope, key_transform=key_transform,
                                           index_topk=preset.index_topk if index_topk is None else index_topk,
                                           index_heads=heads)
         self.heads, self.head_dim, self.hidden_size, self.q_lora_rank = heads, d, hidden, wq_b.shape[1]
@@ -295,8 +302,10 @@ class DSAIndexer(torch.nn.Module):
 
         In transformers 5.x the indexer owns its compressor (``kv_proj``, ``gate_proj``, ``position_bias``,
         ``kv_norm`` at ``index_head_dim``); ``compressor_module`` may name another module holding those four
-        at the same dim (e.g. a checkpoint that splits them out). The rope is rebuilt from the module's
-        config (``rope_parameters["compress"]``) and checked against the module's own ``inv_freq`` buffer.
+        at the same dim (e.g. a checkpoint that splits them out). The keys' RMSNorm epsilon is the module's
+        ``kv_norm.variance_epsilon`` (the config's ``rms_norm_eps``). The rope is rebuilt from the module's
+        config (``rope_parameters["compress"]``) and checked against the module's own ``inv_freq`` buffer at
+        that buffer's precision (a model cast with ``.to(torch.bfloat16)`` holds bf16-rounded frequencies).
         Raises ValueError if the module scales cos/sin (YaRN ``attention_factor`` != 1), which V4 does not.
         """
         indexer = getattr(indexer_module, "indexer", indexer_module)
@@ -310,9 +319,14 @@ class DSAIndexer(torch.nn.Module):
         if indexer.compress_rate != 4:
             raise ValueError(f"indexer compress_rate must be 4, got {indexer.compress_rate}")
         rope = rope_from_transformers(indexer.rotary_emb, layer_type=getattr(indexer, "rope_layer_type", "compress"))
+        eps = getattr(source.kv_norm, "variance_epsilon", None)
+        if eps is None:
+            raise ValueError(f"{type(source.kv_norm).__name__} has no variance_epsilon: cannot tell the keys' "
+                             f"RMSNorm epsilon")
         return cls(wq_b=indexer.q_b_proj.weight, weights_proj=indexer.scorer.weights_proj.weight,
                    wkv=source.kv_proj.weight, wgate=source.gate_proj.weight, ape=source.position_bias,
-                   norm_weight=source.kv_norm.weight, preset=preset, rope=rope, index_topk=int(indexer.index_topk))
+                   norm_weight=source.kv_norm.weight, preset=preset, rope=rope, index_topk=int(indexer.index_topk),
+                   norm_eps=float(eps))
 
 
 def rope_from_transformers(rotary_emb: torch.nn.Module, layer_type: str = "compress") -> RopeConfig:
@@ -320,7 +334,11 @@ def rope_from_transformers(rotary_emb: torch.nn.Module, layer_type: str = "compr
 
     Reads ``config.rope_parameters[layer_type]`` (theta, rope_type 'default' | 'yarn', factor,
     original_max_position_embeddings, beta_fast, beta_slow), rope_dim = 2 x len(inv_freq); verifies the
-    frequencies against the module's fp32 ``inv_freq`` buffer and that cos/sin are not rescaled.
+    frequencies against the module's ``inv_freq`` buffer and that cos/sin are not rescaled.
+
+    The check runs at the buffer's own precision: transformers computes the buffer in fp32, but
+    ``model.to(torch.bfloat16)`` casts it too, so a bf16 buffer is compared with the rebuilt frequencies
+    rounded to bf16. The returned config always holds the exact (fp64) frequencies of the config.
     """
     config = getattr(rotary_emb, "config", None)
     params = getattr(config, "rope_parameters", {}).get(layer_type) if config is not None else None
@@ -343,7 +361,21 @@ def rope_from_transformers(rotary_emb: torch.nn.Module, layer_type: str = "compr
     elif rope_type != "default":
         raise ValueError(f"unsupported rope_type {rope_type!r} (V4 uses 'yarn' or 'default')")
     rope = RopeConfig(rope_dim=2 * inv_freq.numel(), theta=float(params["rope_theta"]), yarn=yarn)
-    # transformers computes inv_freq in fp32, dsakit in fp64: equal to fp32 rounding
-    if not torch.allclose(rope.inv_freq().float(), inv_freq.detach().float().cpu(), rtol=1e-5, atol=0):
-        raise ValueError("rebuilt rope frequencies differ from the module's inv_freq buffer")
+    buffer = inv_freq.detach().cpu()
+    if not buffer.is_floating_point():
+        raise ValueError(f"the module's {layer_type}_inv_freq buffer is {buffer.dtype}, not a float tensor")
+    # transformers computes inv_freq in fp32, dsakit in fp64; a cast model holds them rounded to its dtype:
+    # compare both at the buffer's precision, allowing one rounding step of that dtype (fp32: 1e-5 as before)
+    rebuilt = rope.inv_freq().to(buffer.dtype).double()
+    rtol = max(1e-5, float(torch.finfo(buffer.dtype).eps))
+    held = buffer.double()
+    rel = ((rebuilt - held).abs() / held.abs().clamp_min(1e-30)).max() if held.numel() else torch.tensor(0.0)
+    if held.shape != rebuilt.shape or not bool(torch.isfinite(held).all()) or float(rel) > rtol:
+        yarn_desc = "no YaRN" if yarn is None else (f"YaRN factor {yarn.factor:g} from "
+                                                    f"{yarn.original_max_position}")
+        raise ValueError(
+            f"the module's {layer_type}_inv_freq buffer ({buffer.dtype}, {held.numel()} pairs) is not the rope of "
+            f"its config.rope_parameters[{layer_type!r}] (theta {rope.theta:g}, {yarn_desc}, {rope.rope_dim} dims): "
+            f"largest relative difference {float(rel):.3g} > {rtol:.3g} (the tolerance of one {buffer.dtype} "
+            f"rounding). The buffer was changed after construction or comes from another config")
     return rope
