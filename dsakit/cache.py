@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat
+from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat, is_centred
 
 
 # --------------------------------------------------------------------------------------------------
@@ -113,6 +113,8 @@ def dequantize_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor
     values, scales = read_entries(pool, fmt, slots)
     if slots.numel() == 0:
         return torch.zeros(0, fmt.head_dim)
+    if is_centred(fmt):  # + the centre of each entry's page
+        return fmt.dequantize(values, scales, fmt.read_centres(pool, slots))
     return fmt.dequantize(values, scales)
 
 
@@ -271,6 +273,9 @@ class PagedCache:
             raise ValueError(f"slots must be an int tensor [N] with N = {x.shape[0]} rows of x, got "
                              f"{list(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__}")
         check_slots(slots, num_slots(self.pool))
+        if is_centred(self.fmt):  # the page-centre rule needs the pool (dsakit.formats.CentredKeyFormat)
+            self.fmt.store_entries(self.pool, slots, x)
+            return
         values, scales = self.fmt.quantize(x)
         write_entries(self.pool, self.fmt, slots, values, scales)
 

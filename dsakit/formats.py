@@ -21,7 +21,14 @@ Index-key formats (one entry = one 128-dim key; SPEC.md section 4):
                  low nibble = even element; ties of
                  the thresholds go to the smaller code
     fp4-rne      same, round half to even code          4 x ue8m0      68          4352
+    fp8-centred  fp8 codes of k - c, then the page's    1 x fp32 LE    136         8704
+                 centre c: 128 x bf16 (256 B per page)
+    fp4-centred  fp4 codes of k - c, then the centre    4 x ue8m0      72          4608
     ===========  =====================================  ===========  ==========  ==========
+
+The page-centred formats (:class:`CentredKeyFormat`) append one bf16 centre per page after the scales and
+code every entry as its residual from it; the centre is entry 0's key (rule and byte layout in the class
+docstring, docs/formats-centred.md).
 
 The fp8 layout is byte-identical to what DeepGEMM's paged fp8 logits kernel and SGLang read
 ([pages, 64, 1, 132] viewed as bytes).
@@ -287,10 +294,12 @@ class KeyFormat(EntryFormat):
     FP8_UE8M0: ClassVar["KeyFormat"]
     FP4: ClassVar["KeyFormat"]
     FP4_RNE: ClassVar["KeyFormat"]
+    FP8_CENTRED: ClassVar["KeyFormat"]
+    FP4_CENTRED: ClassVar["KeyFormat"]
 
     @staticmethod
     def parse(name: "str | KeyFormat") -> "KeyFormat":
-        """'bf16' | 'fp8' | 'fp8-ue8m0' | 'fp4' | 'fp4-rne' (or a KeyFormat) -> KeyFormat."""
+        """'bf16' | 'fp8' | 'fp8-ue8m0' | 'fp4' | 'fp4-rne' | 'fp8-centred' | 'fp4-centred' (or a KeyFormat)."""
         return name if isinstance(name, KeyFormat) else _lookup(KEY_FORMATS, name, "key format")
 
     def _quantize_scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -387,3 +396,188 @@ AttentionKVFormat.BF16 = AttentionKVFormat(
     page_bytes=ENTRIES_PER_PAGE * 1024, kind="bf16")
 ATTENTION_KV_FORMATS: dict[str, AttentionKVFormat] = {
     f.name: f for f in (AttentionKVFormat.FP8_ROPE_BF16, AttentionKVFormat.BF16)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Page-centred index keys (fp8-centred, fp4-centred)
+# --------------------------------------------------------------------------------------------------
+
+CENTRE_BYTES = 2 * INDEX_HEAD_DIM  # one bf16 [128] centre per page
+
+
+def centre_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The page centre made from a page's first entry: fp32 x [N, 128] -> (bytes uint8 [N, 256], fp32 [N, 128]).
+
+    bf16 round-to-nearest-even of x, except that an element whose bf16 value is not finite (NaN, +-Inf, or a
+    finite fp32 beyond the bf16 range) becomes 0: a centre is always finite, so one bad element can never
+    poison the other 63 entries of its page (the entry's own NaN / Inf still go through its residual).
+    """
+    c = x.float().to(torch.bfloat16)
+    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+    n = c.shape[0]
+    return c.view(torch.uint8).reshape(n, CENTRE_BYTES).contiguous(), c.float()
+
+
+def decode_centres(raw: torch.Tensor) -> torch.Tensor:
+    """Centre bytes uint8 [N, 256] (128 x bf16 little endian) -> fp32 [N, 128]."""
+    if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != CENTRE_BYTES:
+        raise ValueError(f"centre bytes must be uint8 [N, {CENTRE_BYTES}], got "
+                         f"{(raw.dtype, list(raw.shape)) if isinstance(raw, torch.Tensor) else type(raw).__name__}")
+    return raw.cpu().contiguous().view(torch.bfloat16).float().reshape(raw.shape[0], INDEX_HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class CentredKeyFormat(KeyFormat):
+    """A key format that stores each page's centre c (bf16) once and every entry as its residual x - c.
+
+    The residual is quantized exactly like the plain format of the same ``kind`` (``fp8``: e4m3fn values and
+    one fp32 scale of the residual's own amax; ``fp4``: e2m1 values and ue8m0 scales per 32 elements), and
+    an entry decodes to c + dequantized residual. Page layout (bytes; V = value_bytes, S = scale_bytes)::
+
+        [0, 64 V)               values of entries 0..63 (the residual's codes, entry e at e * V)
+        [64 V, 64 (V + S))      scales of entries 0..63 (entry e at 64 V + e * S)
+        [64 (V + S), +256)      the page centre: 128 x bf16 little endian (dim d at 64 (V + S) + 2 d)
+
+    fp8-centred: V = 128, S = 4, page 8704 B = 136 B per entry; fp4-centred: V = 64, S = 4, page 4608 B =
+    72 B per entry. The entry part is the plain format's page, so values and scales sit where they do there.
+
+    Centre rule: the centre of a page is the bf16 value (:func:`centre_of`) of the transformed key stored at
+    entry 0 of that page, written when entry 0 is stored, and never otherwise. Storing entry 0 (re)starts the
+    page: every other entry of the page is encoded against the centre in force when it is stored, so a
+    page's entry 0 must be stored no later than its other entries (always true for a sequence that appends
+    in order, one at a time or in bulk). A bulk store of entries 0..n gives the same bytes as n + 1
+    one-at-a-time appends, because each entry depends only on its own key and on entry 0's key.
+    """
+
+    centre_bytes: int = CENTRE_BYTES
+
+    @property
+    def bytes_per_entry(self) -> int:
+        return self.value_bytes + self.scale_bytes + self.centre_bytes // self.entries_per_page
+
+    @property
+    def centre_offset_in_page(self) -> int:
+        return self.entries_per_page * (self.value_bytes + self.scale_bytes)
+
+    @property
+    def residual_format(self) -> KeyFormat:
+        """The plain format whose codec the residuals use (fp8 or fp4)."""
+        return KEY_FORMATS[self.kind]
+
+    # -- entry codec (centres given) ------------------------------------------------------------------
+    def check_centres(self, centres, n: int) -> torch.Tensor:
+        if not isinstance(centres, torch.Tensor) or centres.dim() != 2 or centres.shape != (n, self.head_dim) \
+                or not centres.is_floating_point():
+            raise ValueError(f"format {self.name} needs centres: a floating [N, {self.head_dim}] tensor with "
+                             f"N = {n} (the centre of each entry's page), got "
+                             f"{(centres.dtype, list(centres.shape)) if isinstance(centres, torch.Tensor) else centres!r}")
+        return centres.detach().to("cpu", torch.float32)
+
+    def quantize(self, x: torch.Tensor, centres: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 x [N, 128] and the centre of each entry's page centres [N, 128] -> (values uint8 [N, value_bytes],
+        scales uint8 [N, scale_bytes]) of the residual x - centres, coded like the plain format."""
+        x = self.check_entries(x)
+        centres = self.check_centres(centres, x.shape[0])
+        return self.residual_format._quantize_scaled(x - centres)
+
+    def dequantize(self, values: torch.Tensor, scales: torch.Tensor,
+                   centres: torch.Tensor | None = None) -> torch.Tensor:
+        """(values, scales) of N entries and their pages' centres [N, 128] -> fp32 [N, 128] = centre + residual."""
+        self.check_encoded(values, scales)
+        centres = self.check_centres(centres, values.shape[0])
+        return centres + self.dequantize_residual(values, scales)
+
+    def dequantize_residual(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The residuals alone, fp32 [N, 128] (what the scores multiply before adding q . c)."""
+        self.check_encoded(values, scales)
+        return self.residual_format._dequantize_scaled(values.cpu(), scales.cpu())
+
+    # -- pages ----------------------------------------------------------------------------------------
+    def quantize_pages(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 [P * 64, 128] -> uint8 [P, page_bytes]: whole pages under the centre rule (entry 0's bf16)."""
+        x = self.check_entries(x)
+        n = x.shape[0]
+        if n % self.entries_per_page:
+            raise ValueError(f"quantize_pages needs a multiple of {self.entries_per_page} entries, got {n}")
+        pages = n // self.entries_per_page
+        raw, centre = centre_of(x[:: self.entries_per_page])
+        values, scales = self.quantize(x, centre.repeat_interleave(self.entries_per_page, dim=0))
+        out = torch.zeros(pages, self.page_bytes, dtype=torch.uint8)
+        out[:, : self.scale_offset_in_page] = values.reshape(pages, -1)
+        out[:, self.scale_offset_in_page: self.centre_offset_in_page] = scales.reshape(pages, -1)
+        out[:, self.centre_offset_in_page:] = raw
+        return out
+
+    def page_centres(self, pages: torch.Tensor) -> torch.Tensor:
+        """uint8 [P, page_bytes] -> fp32 [P, 128]: each page's centre."""
+        self.split_pages(pages)  # validates the shape
+        return decode_centres(pages[:, self.centre_offset_in_page:])
+
+    def dequantize_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """uint8 [P, page_bytes] -> fp32 [P * 64, 128]."""
+        pages = pages.cpu()
+        values, scales = self.split_pages(pages)
+        centres = self.page_centres(pages).repeat_interleave(self.entries_per_page, dim=0)
+        return self.dequantize(values, scales, centres)
+
+    # -- pool access (raw pool tensors, like the kernels) ---------------------------------------------
+    def centre_offsets(self, pages: torch.Tensor) -> torch.Tensor:
+        """Flat byte offset (int64 [N]) of the centre of each page id [N]."""
+        return pages.long() * self.page_bytes + self.centre_offset_in_page
+
+    def read_centres(self, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 [N, 128]: the centre of the page of each slot [N] (slots >= 0, already validated)."""
+        pages = slots.detach().cpu().long() // self.entries_per_page
+        index = self.centre_offsets(pages).unsqueeze(1) + torch.arange(self.centre_bytes)
+        return decode_centres(pool.view(-1)[index.to(pool.device)].cpu())
+
+    def store_entries(self, pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Reference store of transformed keys x [N, 128] at slots [N] (< 0 = padding) under the centre rule.
+
+        Pages whose entry 0 is among the slots get the centre of that row; every entry is then encoded
+        against its page's centre (new or already in the pool). Everything is validated and computed before
+        the first byte is written.
+        """
+        from .cache import check_pool, check_slots, num_slots, write_entries
+
+        check_pool(pool, self)
+        x = self.check_entries(x)
+        if not isinstance(slots, torch.Tensor) or slots.shape != (x.shape[0],):
+            raise ValueError(f"slots must be an int tensor [{x.shape[0]}] (one per row of x), got "
+                             f"{list(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__}")
+        slots = check_slots(slots, num_slots(pool))
+        keep = slots >= 0
+        slots, x = slots[keep], x[keep]
+        if slots.numel() == 0:
+            return
+        starts = slots % self.entries_per_page == 0
+        new_raw, new_centre = centre_of(x[starts])
+        new_pages = slots[starts] // self.entries_per_page
+        centres = self.read_centres(pool, slots)
+        # entries of a page (re)started in this call use its new centre
+        page_of = slots // self.entries_per_page
+        match = page_of.unsqueeze(1) == new_pages.unsqueeze(0)  # [N, new pages]
+        has_new = match.any(dim=1)
+        if bool(has_new.any()):
+            centres[has_new] = new_centre[match[has_new].float().argmax(dim=1)]
+        values, scales = self.quantize(x, centres)
+        if new_pages.numel():
+            index = self.centre_offsets(new_pages).unsqueeze(1) + torch.arange(self.centre_bytes)
+            pool.view(-1)[index.reshape(-1).to(pool.device)] = new_raw.reshape(-1).to(pool.device)
+        write_entries(pool, self, slots, values, scales)
+
+
+def _centred_format(name: str, kind: str, value_bytes: int, **kw) -> CentredKeyFormat:
+    return CentredKeyFormat(name=name, head_dim=INDEX_HEAD_DIM, value_bytes=value_bytes, scale_bytes=4,
+                            page_bytes=ENTRIES_PER_PAGE * (value_bytes + 4) + CENTRE_BYTES, kind=kind, **kw)
+
+
+KeyFormat.FP8_CENTRED = _centred_format("fp8-centred", "fp8", 128, scale_fmt="fp32")
+KeyFormat.FP4_CENTRED = _centred_format("fp4-centred", "fp4", 64, rounding="threshold")
+CENTRED_KEY_FORMATS: dict[str, CentredKeyFormat] = {f.name: f for f in (KeyFormat.FP8_CENTRED, KeyFormat.FP4_CENTRED)}
+KEY_FORMATS.update(CENTRED_KEY_FORMATS)
+
+
+def is_centred(fmt) -> bool:
+    """True for the page-centred key formats (their pages end in a bf16 centre)."""
+    return isinstance(fmt, CentredKeyFormat)

@@ -183,7 +183,7 @@ def serve_reference(
     port: int = typer.Option(8000, "--port", help="TCP port (0 = any free port)"),
     port_file: Optional[Path] = typer.Option(None, "--port-file", help="write the bound port to this file"),
     model_name: str = typer.Option("dsakit-reference", "--model-name", help="name served in /v1/models"),
-    index_key_format: str = typer.Option("bf16", "--index-key-format", help="bf16 | fp8 | fp8-ue8m0 | fp4 | fp4-rne"),
+    index_key_format: str = typer.Option("bf16", "--index-key-format", help="bf16 | fp8 | fp8-ue8m0 | fp4 | fp4-rne | fp8-centred | fp4-centred"),
     topk: int = typer.Option(128, "--topk", help="entries the indexer selects"),
     ratio: int = typer.Option(4, "--ratio", help="tokens per index entry (mean pooling)"),
     common_scale: float = typer.Option(120.0, "--common-scale",

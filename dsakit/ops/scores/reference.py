@@ -4,6 +4,10 @@
     entry j is visible to query t iff j < entry_count[seq(t)] and j < (position[t] + 1) // ratio
     invisible entries score -inf
 
+Page-centred key formats (``fp8-centred``, ``fp4-centred``) store k[j] = c[page(j)] + r[j]; their logit is
+computed as q . r[j] + q . c[page(j)], the second term once per (query, head, page) and exact in fp32 (the
+centre is bf16), then the relu.
+
 ``ratio`` is the compression ratio of the entries (1 = one key per token, plain causal s <= t; 4 = V4 CSA
 entries of 4 tokens, visible once all 4 tokens are <= t). ``query_positions = None`` makes every cached
 entry of the sequence visible (decode without a causal cut).
@@ -16,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import check_pool, dequantize_entries, sequence_slots
-from ...formats import KeyFormat
+from ...cache import check_pool, dequantize_entries, read_entries, sequence_slots
+from ...formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
 
 # Queries processed per chunk so that [chunk, H, N] stays small on the CPU.
 _CHUNK_ELEMENTS = 1 << 24
@@ -42,8 +46,14 @@ def visible_counts(entry_counts: torch.Tensor, query_positions: torch.Tensor | N
 
 
 def index_scores_dense(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                       query_positions: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
-    """Scores of queries q [T, H, D] with weights [T, H] against one sequence's keys [N, D] -> fp32 [T, N]."""
+                       query_positions: torch.Tensor | None = None, ratio: int = 1, *,
+                       centres: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores of queries q [T, H, D] with weights [T, H] against one sequence's keys [N, D] -> fp32 [T, N].
+
+    Page-centred keys: ``keys`` are the residuals and ``centres`` [ceil(N / 64), D] the centres of the
+    sequence's pages; the logit of entry j is q . keys[j] + q . centres[j // 64], the second term computed
+    once per (query, head, page) and added before the relu.
+    """
     check_queries(q, weights, q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 3 else 128)
     if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.shape[1] != q.shape[2] \
             or not keys.is_floating_point():
@@ -54,10 +64,21 @@ def index_scores_dense(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     t, h, _ = q.shape
     n = keys.shape[0]
     qf, wf, kf = q.detach().cpu().float(), weights.detach().cpu().float(), keys.detach().cpu().float()
+    page_of = None
+    if centres is not None:
+        pages = (n + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
+        if not isinstance(centres, torch.Tensor) or centres.shape != (pages, q.shape[2]) \
+                or not centres.is_floating_point():
+            raise ValueError(f"centres must be a floating [{pages}, {q.shape[2]}] tensor (one per page of the N = "
+                             f"{n} keys), got {(centres.dtype, list(centres.shape)) if isinstance(centres, torch.Tensor) else centres!r}")
+        cf = centres.detach().cpu().float()
+        page_of = torch.arange(n) // ENTRIES_PER_PAGE
     out = torch.empty(t, n)
     chunk = max(1, _CHUNK_ELEMENTS // max(1, h * n))
     for start in range(0, t, chunk):
         logits = torch.einsum("thd,nd->thn", qf[start:start + chunk], kf)
+        if page_of is not None:  # + q . c: once per (query, head, page), broadcast to the page's entries
+            logits += torch.einsum("thd,pd->thp", qf[start:start + chunk], cf)[:, :, page_of]
         out[start:start + chunk] = (logits.relu() * wf[start:start + chunk].unsqueeze(-1)).sum(dim=1)
     counts = torch.full((t,), n, dtype=torch.long)
     if query_positions is not None:
@@ -98,6 +119,16 @@ def gather_sequence_keys(pool: torch.Tensor, fmt: "KeyFormat | str", block_table
     return dequantize_entries(pool, fmt, sequence_slots(block_table_row, length))
 
 
+def gather_sequence_residuals(pool: torch.Tensor, fmt: "KeyFormat | str", block_table_row: torch.Tensor,
+                              length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page-centred formats: one sequence's (residuals fp32 [length, 128], page centres fp32 [pages, 128])."""
+    fmt = KeyFormat.parse(fmt)
+    slots = sequence_slots(block_table_row, length)
+    values, scales = read_entries(pool, fmt, slots)
+    first_slots = slots[::ENTRIES_PER_PAGE]
+    return fmt.dequantize_residual(values, scales), fmt.read_centres(pool, first_slots)
+
+
 def index_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt: "KeyFormat | str",
                  block_table: torch.Tensor, entry_counts: torch.Tensor, query_seq: torch.Tensor,
                  query_positions: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
@@ -119,7 +150,10 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt
         rows = torch.nonzero(seq_of == b).flatten()
         if rows.numel() == 0 or counts[b] == 0:
             continue
-        keys = gather_sequence_keys(pool, fmt, block_table[b], int(counts[b]))
         pos = None if query_positions is None else query_positions.cpu()[rows]
-        out[rows, : keys.shape[0]] = index_scores_dense(q[rows], weights[rows], keys, pos, ratio)
+        if is_centred(fmt):
+            keys, centres = gather_sequence_residuals(pool, fmt, block_table[b], int(counts[b]))
+        else:
+            keys, centres = gather_sequence_keys(pool, fmt, block_table[b], int(counts[b])), None
+        out[rows, : keys.shape[0]] = index_scores_dense(q[rows], weights[rows], keys, pos, ratio, centres=centres)
     return out

@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from ...cache import check_pool
-from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
+from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat, is_centred
 from .reference import check_queries, visible_counts
 
 _KIND_CODE = {"bf16": 0, "fp8": 1, "fp4": 2}
@@ -552,6 +552,8 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tens
     tests); ``kernel`` is "auto", "tile" (prefill) or "group" (decode, <= 4 queries per sequence).
     """
     fmt = KeyFormat.parse(fmt)
+    if is_centred(fmt):
+        raise ValueError(f"the Triton scores kernels do not read {fmt.name} pages yet; use backend='reference'")
     _check_shapes(q, weights, pool, fmt, block_table, entry_counts, query_seq, query_positions, ratio, q_scale, out)
     t, num_heads, d = q.shape
     if kernel not in ("auto", "tile", "group"):

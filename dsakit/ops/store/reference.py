@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...cache import check_pool, check_slots, num_slots, write_entries
-from ...formats import AttentionKVFormat, KeyFormat
+from ...formats import AttentionKVFormat, KeyFormat, is_centred
 from ...presets import KeyTransform
 from ...transforms import ROPE_V4, RopeLayout, apply_norm, apply_rope, hadamard_transform
 
@@ -49,6 +49,9 @@ def _check_store_target(rows: torch.Tensor, dim: int, what: str, slots: torch.Te
 
 def _quantize_and_write(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
                         fmt: "KeyFormat | AttentionKVFormat") -> None:
+    if is_centred(fmt):  # page centres: the rule of dsakit.formats.CentredKeyFormat (bulk = appends)
+        fmt.store_entries(pool, slots, x)
+        return
     values, scales = fmt.quantize(x)
     write_entries(pool, fmt, slots, values, scales)
 

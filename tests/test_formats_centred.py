@@ -1,0 +1,326 @@
+"""Page-centred key formats (fp8-centred, fp4-centred): page layout byte for byte, the centre rule, bulk
+store = one-at-a-time appends, scores q . r + q . c, and the recall they buy on keys with a shared part.
+
+The centre bytes are computed here independently of torch (fp32 bits -> bf16 with round-to-nearest-even in
+integer arithmetic); the residual codes are the plain format's codec, whose bytes tests/test_formats.py and
+tests/test_formats_engine_bytes.py pin down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import pytest
+import torch
+
+from dsakit.cache import PagedCache
+from dsakit.formats import CENTRED_KEY_FORMATS, KeyFormat, centre_of, decode_centres, is_centred
+from dsakit.ops import scores as scores_ops
+from dsakit.ops import store as store_ops
+from dsakit.ops import topk as topk_ops
+from dsakit.ops.scores.reference import index_scores_dense
+from dsakit.presets import KeyTransform, get_preset
+
+CENTRED = sorted(CENTRED_KEY_FORMATS)
+
+
+def bf16_bits(value: float) -> int:
+    """fp32 value -> bf16 bit pattern, round to nearest even on the fp32 bits (finite inputs)."""
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def bf16_value(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+
+def independent_centre(row: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """(256 little-endian bytes, fp32 [128] values) of a row's centre, without torch's casts."""
+    raw, values = [], []
+    for v in row.tolist():
+        b = bf16_bits(v)
+        if (b & 0x7F80) == 0x7F80:  # Inf / NaN after rounding: the centre keeps 0 there
+            b = 0
+        raw += [b & 0xFF, b >> 8]
+        values.append(bf16_value(b))
+    return raw, torch.tensor(values, dtype=torch.float32)
+
+
+def shared_keys(n: int, ratio: float, seed: int = 0) -> torch.Tensor:
+    """Keys mu + z with |mu| / |z| = ratio (the recall lab's model of pooled keys)."""
+    g = torch.Generator().manual_seed(seed)
+    mu = torch.randn(128, generator=g)
+    z = torch.randn(n, 128, generator=g)
+    return mu * ratio * z.norm(dim=1).mean() / mu.norm() + z
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizes and layout
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,value_bytes,page_bytes,per_entry,centre_offset", [
+    ("fp8-centred", 128, 8704, 136, 8448), ("fp4-centred", 64, 4608, 72, 4352)])
+def test_sizes(name, value_bytes, page_bytes, per_entry, centre_offset):
+    fmt = KeyFormat.parse(name)
+    assert is_centred(fmt) and isinstance(fmt, KeyFormat) and KeyFormat.parse(name.upper()) is fmt
+    assert (fmt.value_bytes, fmt.scale_bytes, fmt.page_bytes) == (value_bytes, 4, page_bytes)
+    assert fmt.bytes_per_entry == per_entry and fmt.page_bytes == 64 * per_entry
+    assert fmt.centre_offset_in_page == centre_offset and fmt.scale_offset_in_page == 64 * value_bytes
+    assert not is_centred(KeyFormat.FP8) and not is_centred(KeyFormat.parse(fmt.kind))
+
+
+@pytest.mark.parametrize("name", CENTRED)
+def test_page_bytes_literal_layout(name):
+    """Two pages written by quantize_pages: [64 residual values][64 scales][bf16 centre of entry 0]."""
+    fmt = KeyFormat.parse(name)
+    plain = KeyFormat.parse(fmt.kind)
+    x = shared_keys(128, 30.0, seed=1)
+    x[64, :3] = torch.tensor([float("nan"), float("inf"), 3.5e38])  # entry 0 of page 1: non-finite centre parts
+    pages = fmt.quantize_pages(x)
+    v, s = fmt.value_bytes, fmt.scale_bytes
+    for p in range(2):
+        raw, centre = independent_centre(x[64 * p])
+        if p == 1:
+            assert raw[:6] == [0, 0, 0, 0, 0, 0]  # NaN, Inf and a value beyond bf16's range: 0 in the centre
+        values, scales = plain.quantize(x[64 * p: 64 * p + 64] - centre)
+        assert pages[p, : 64 * v].tolist() == values.reshape(-1).tolist()
+        assert pages[p, 64 * v: 64 * (v + s)].tolist() == scales.reshape(-1).tolist()
+        assert pages[p, 64 * (v + s):].tolist() == raw
+    assert torch.equal(centre_of(x[::64])[0], pages[:, fmt.centre_offset_in_page:])
+    assert torch.equal(decode_centres(pages[:, fmt.centre_offset_in_page:]), fmt.page_centres(pages))
+
+
+@pytest.mark.parametrize("name", CENTRED)
+def test_round_trip_is_centre_plus_residual(name):
+    fmt = KeyFormat.parse(name)
+    x = shared_keys(64, 50.0, seed=2)
+    pages = fmt.quantize_pages(x)
+    centre = fmt.page_centres(pages)
+    values, scales = fmt.split_pages(pages)
+    residual = KeyFormat.parse(fmt.kind).dequantize(values, scales)
+    assert torch.equal(fmt.dequantize_pages(pages), centre + residual)
+    assert torch.equal(fmt.dequantize_residual(values, scales), residual)
+    # entry 0 is its own centre up to bf16 rounding, so its residual (and error) is tiny
+    err = (fmt.dequantize_pages(pages) - x).abs()
+    assert float(err[0].max()) < 1e-3 * float(x[0].abs().max())
+
+
+def test_centred_error_is_set_by_the_spread_not_the_shared_part():
+    """With |mu| / |z| = 100 the plain formats' error scales with |mu|; the centred ones' with |z|."""
+    x = shared_keys(256, 100.0, seed=3)
+    spread = float((x - x.mean(dim=0)).norm(dim=1).mean())
+    for name in CENTRED:
+        fmt = KeyFormat.parse(name)
+        plain = KeyFormat.parse(fmt.kind)
+        err_c = float((fmt.dequantize_pages(fmt.quantize_pages(x)) - x).norm(dim=1).mean())
+        err_p = float((plain.dequantize(*plain.quantize(x)) - x).norm(dim=1).mean())
+        assert err_c < err_p / 20, (name, err_c, err_p)
+        assert err_c < 0.5 * spread, (name, err_c, spread)
+
+
+def test_codec_needs_centres():
+    fmt = KeyFormat.FP8_CENTRED
+    x = torch.randn(3, 128)
+    with pytest.raises(ValueError, match="needs centres"):
+        fmt.quantize(x)
+    with pytest.raises(ValueError, match="needs centres"):
+        fmt.quantize(x, torch.zeros(2, 128))
+    values, scales = fmt.quantize(x, torch.zeros(3, 128))
+    with pytest.raises(ValueError, match="needs centres"):
+        fmt.dequantize(values, scales)
+    with pytest.raises(ValueError, match="centre bytes"):
+        decode_centres(torch.zeros(3, 255, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        fmt.quantize_pages(torch.zeros(65, 128))
+
+
+# --------------------------------------------------------------------------------------------------
+# The centre rule through the store op (reference)
+# --------------------------------------------------------------------------------------------------
+
+
+def _store(fmt, pool, keys, slots, positions, table, transform):
+    store_ops.store_index_keys(keys, positions, slots, pool, fmt, table, torch.ones(128), None, transform,
+                               backend="reference")
+
+
+@pytest.fixture(scope="module")
+def v4():
+    preset = get_preset("deepseek-v4-flash")
+    return preset.rope.cos_sin_table(512), preset.key_transform
+
+
+@pytest.mark.parametrize("name", CENTRED)
+def test_bulk_store_equals_one_at_a_time_appends(name, v4):
+    """Two interleaved sequences, pages out of order: a bulk store, chunked stores and one-entry appends (with
+    padding rows) write the same pool, byte for byte; the bytes are the quantize_pages rule on the
+    transformed keys.
+
+    Without the Hadamard rotation: the reference rotates with a matmul, whose fp32 summation order may
+    depend on the number of rows, so its transformed keys (for every format, centred or not) can differ in
+    the last bit between a bulk store and appends. The centre rule adds no such dependence (PagedCache.write
+    of transformed keys below, and the Triton store, whose rotation is a per-row butterfly)."""
+    table, transform = v4
+    transform = dataclasses.replace(transform, hadamard=False)
+    fmt = KeyFormat.parse(name)
+    n = 150
+    keys = shared_keys(2 * n, 40.0, seed=4) * 0.3
+    positions = torch.arange(n)
+
+    def new_cache():
+        cache = PagedCache(fmt, 8)
+        a, b = cache.add_sequence(), cache.add_sequence()
+        sa, sb = cache.append(a, 64), cache.append(b, 64)  # pages interleave: a0 b0 a1 b1 ...
+        sa = torch.cat([sa, cache.append(a, n - 64)])
+        sb = torch.cat([sb, cache.append(b, n - 64)])
+        return cache, sa, sb
+
+    bulk, sa, sb = new_cache()
+    _store(fmt, bulk.pool, keys, torch.cat([sa, sb]), torch.cat([positions, positions]), table, transform)
+    chunked, _, _ = new_cache()
+    for lo, hi in ((0, 10), (10, 64), (64, 65), (65, 150)):
+        _store(fmt, chunked.pool, keys[n + lo: n + hi], sb[lo:hi], positions[lo:hi], table, transform)
+        _store(fmt, chunked.pool, keys[lo:hi], sa[lo:hi], positions[lo:hi], table, transform)
+    appended, _, _ = new_cache()
+    for i in range(n):
+        rows = torch.stack([keys[i], keys[n + i], keys[0]])
+        slots = torch.stack([sa[i], sb[i], torch.tensor(-1)])  # a padding row is skipped
+        _store(fmt, appended.pool, rows, slots, torch.stack([positions[i]] * 3), table, transform)
+    assert torch.equal(bulk.pool, chunked.pool) and torch.equal(bulk.pool, appended.pool)
+
+    x = store_ops.prepare_index_keys(keys[:n], positions, table, torch.ones(128), None, transform)
+    full = fmt.quantize_pages(torch.cat([x, torch.zeros(192 - n, 128)]))  # the last page is partly filled
+    pages = bulk.block_table([0])[0, :3].long()
+    assert torch.equal(bulk.pool[pages[:2]], full[:2])
+    used = 64 - (192 - n)
+    last = bulk.pool[pages[2]]
+    assert torch.equal(last[: used * fmt.value_bytes], full[2, : used * fmt.value_bytes])
+    assert torch.equal(last[fmt.centre_offset_in_page:], full[2, fmt.centre_offset_in_page:])
+
+
+@pytest.mark.parametrize("name", CENTRED)
+def test_centre_is_never_rewritten_by_later_entries(name, v4):
+    table, transform = v4
+    fmt = KeyFormat.parse(name)
+    pool = torch.zeros(1, fmt.page_bytes, dtype=torch.uint8)
+    keys = shared_keys(64, 20.0, seed=5)
+    _store(fmt, pool, keys[:1], torch.tensor([0]), torch.tensor([0]), table, transform)
+    centre = pool[0, fmt.centre_offset_in_page:].clone()
+    assert centre.any()
+    entry0 = pool[0, : fmt.value_bytes].clone()
+    for i in range(1, 64):
+        _store(fmt, pool, keys[i:i + 1], torch.tensor([i]), torch.tensor([i]), table, transform)
+        assert torch.equal(pool[0, fmt.centre_offset_in_page:], centre)
+    assert torch.equal(pool[0, : fmt.value_bytes], entry0)
+    # PagedCache.write (already transformed keys) follows the same rule, one entry at a time or in bulk
+    cache = PagedCache(fmt, 1)
+    seq = cache.add_sequence()
+    cache.write(cache.append(seq, 1), keys[:1])
+    cache.write(cache.append(seq, 40), keys[1:41])
+    for i in range(41, 64):
+        cache.write(cache.append(seq, 1), keys[i:i + 1])
+    assert torch.equal(cache.pool, fmt.quantize_pages(keys))
+
+
+def test_store_validates_before_writing(v4):
+    table, transform = v4
+    fmt = KeyFormat.FP8_CENTRED
+    pool = torch.zeros(1, fmt.page_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="duplicate"):
+        _store(fmt, pool, torch.randn(2, 128), torch.tensor([0, 0]), torch.tensor([0, 1]), table, transform)
+    with pytest.raises(ValueError, match="out of range"):
+        _store(fmt, pool, torch.randn(2, 128), torch.tensor([0, 64]), torch.tensor([0, 1]), table, transform)
+    assert not pool.any()
+    with pytest.raises(ValueError, match="8704"):
+        _store(fmt, torch.zeros(1, 8448, dtype=torch.uint8), torch.randn(1, 128), torch.tensor([0]),
+               torch.tensor([0]), table, transform)
+
+
+def test_non_finite_entry_zero_keeps_the_page_finite():
+    fmt = KeyFormat.FP8_CENTRED
+    x = shared_keys(64, 30.0, seed=6)
+    x[0, 5], x[0, 6] = float("nan"), float("-inf")
+    out = fmt.dequantize_pages(fmt.quantize_pages(x))
+    assert bool(torch.isfinite(out[1:]).all())
+    # the other entries carry those dims in their residual: errors of fp8 at their own residual scale
+    assert float((out[1:] - x[1:]).abs().max()) < 0.05 * float(x[1:].abs().max())
+
+
+# --------------------------------------------------------------------------------------------------
+# Scores and top-k (reference): q . k = q . r + q . c
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", CENTRED)
+def test_scores_add_q_dot_centre_before_the_relu(name):
+    fmt = KeyFormat.parse(name)
+    g = torch.Generator().manual_seed(7)
+    keys = shared_keys(3 * 64, 30.0, seed=7)
+    cache = PagedCache(fmt, 4)
+    seq = cache.add_sequence()
+    cache.write(cache.append(seq, 150), keys[:150])
+    q = torch.randn(5, 4, 128, generator=g)
+    w = torch.rand(5, 4, generator=g)
+    positions = torch.tensor([10, 63, 64, 100, 149])
+    args = dict(q=q, weights=w, pool=cache.pool, fmt=fmt, block_table=cache.block_table([seq]),
+                entry_counts=cache.entry_counts([seq]), query_seq=torch.zeros(5, dtype=torch.int32))
+    prefill = scores_ops.index_scores(**args, query_positions=positions, backend="reference")
+    decode = scores_ops.index_scores(**args, backend="reference")
+
+    # by hand: residuals and centres from the page bytes
+    pages = cache.pool[cache.block_table([seq])[0].long()]
+    values, scales = fmt.split_pages(pages)
+    residual = KeyFormat.parse(fmt.kind).dequantize(values, scales)[:150]
+    centre = fmt.page_centres(pages)
+    logits = torch.einsum("thd,nd->thn", q, residual) + torch.einsum("thd,pd->thp", q, centre)[:, :, torch.arange(150) // 64]
+    expected = (logits.relu() * w[:, :, None]).sum(dim=1)
+    assert torch.allclose(decode, expected, rtol=1e-5, atol=1e-4)
+    visible = torch.arange(150)[None, :] < (positions + 1)[:, None]
+    assert torch.equal(torch.isinf(prefill), ~visible)
+    assert torch.allclose(prefill[visible], expected[visible], rtol=1e-5, atol=1e-4)
+    # and the dense scores of the dequantized keys agree up to fp32 rounding
+    assert torch.allclose(decode, index_scores_dense(q, w, cache.gather(seq)), rtol=1e-4, atol=1e-3)
+    for k in (1, 16, 200):
+        top = topk_ops.index_topk(**args, k=k, query_positions=positions, backend="reference")
+        assert torch.equal(top, topk_ops.select_topk(prefill, k, backend="reference"))
+
+
+def test_centred_keeps_a_needle_that_fp8_loses():
+    """|mu| / |z| = 100, 4096 entries, a needle 4 spreads above the rest along the query: fp8 scores bury
+    it (rank in the hundreds), fp8-centred keeps it at rank 0 like the exact scores."""
+    g = torch.Generator().manual_seed(8)
+    n = 4096
+    keys = shared_keys(n, 100.0, seed=8)
+    mu = keys.mean(dim=0)
+    u = torch.randn(128, generator=g)
+    u -= (u @ mu) / (mu @ mu) * mu
+    u /= u.norm()
+    needle = 1234
+    keys[needle] += 4.0 * u  # the individual part has ~1 per dim along any unit direction
+    q = (u + 0.02 * mu / mu.norm()).reshape(1, 1, 128)
+    w = torch.ones(1, 1)
+    ranks = {}
+    for name in ("fp8", "fp8-centred", "bf16"):
+        fmt = KeyFormat.parse(name)
+        cache = PagedCache(fmt, n // 64)
+        seq = cache.add_sequence()
+        cache.write(cache.append(seq, n), keys)
+        s = scores_ops.index_scores(q, w, cache.pool, fmt, cache.block_table([seq]), cache.entry_counts([seq]),
+                                    torch.zeros(1, dtype=torch.int32), backend="reference")[0]
+        ranks[name] = int((s > s[needle]).sum())
+    assert ranks["bf16"] == 0 and ranks["fp8-centred"] == 0, ranks
+    assert ranks["fp8"] > 50, ranks
+
+
+def test_triton_refuses_centred_pages_until_supported():
+    """Until a kernel reads the centre, the Triton entry points refuse these formats by name."""
+    pytest.importorskip("triton")
+    fmt = KeyFormat.FP8_CENTRED
+    pool = torch.zeros(1, fmt.page_bytes, dtype=torch.uint8)
+    from dsakit.ops.scores.triton import index_scores_triton
+
+    with pytest.raises(ValueError, match="fp8-centred"):
+        index_scores_triton(torch.zeros(1, 1, 128), torch.ones(1, 1), pool, fmt, torch.zeros(1, 1, dtype=torch.int32),
+                            torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
