@@ -1,0 +1,46 @@
+"""Context-parallel indexer top-k: each rank scores and selects its own query rows against the full cache."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _batch
+from .exchange import gather_rows
+from .split import ContextParallelPlan
+
+
+def context_parallel_index_topk(q: torch.Tensor, weights: torch.Tensor, batch, k: int, plan: ContextParallelPlan,
+                                *, group=None, gather: bool = False, backend: str = "auto",
+                                return_slots: bool = False):
+    """Top-k of this rank's query rows of a ragged batch; optionally gathered back to the full [T, k].
+
+    q [T_r, H, 128] and weights [T_r, H]: this rank's rows (``plan.take(q_full)``, T_r = plan.num_local).
+    batch: the FULL batch (query_seq / query_positions [T] of every rank's queries) over this rank's pool,
+    which must already hold every entry the queries see (:func:`all_gather_entries` after a
+    context-parallel store). plan: :meth:`ContextParallelPlan.zigzag` of the batch's query_seq.
+
+    Runs the ordinary single-device top-k on the local rows, so each row equals the single-device result
+    (same set, same order, ties to the lower index). Returns int32 [T_r, k] (-1 padded) in ``plan.rows``
+    order, or with ``gather=True`` the full int32 [T, k] in the batch's order on every rank (one
+    all-gather). ``return_slots=True`` returns ``(indices, slots)`` (slots via the block table, -1 kept).
+    Not collective unless ``gather=True``.
+    """
+    if not isinstance(plan, ContextParallelPlan):
+        raise ValueError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
+    if not isinstance(batch, _batch.BATCH_TYPES):
+        raise ValueError(f"batch must be a PagedBatch, got {type(batch).__name__}")
+    if not isinstance(gather, bool):
+        raise ValueError(f"gather must be a bool, got {gather!r}")
+    if batch.num_queries != plan.num_queries:
+        raise ValueError(f"plan covers {plan.num_queries} queries, the batch has {batch.num_queries}")
+    for what, x in (("q", q), ("weights", weights)):
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != plan.num_local:
+            raise ValueError(f"{what} must hold this rank's {plan.num_local} query rows (plan.take of the full "
+                             f"tensor), got {list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    local = _batch.select_queries(batch, plan.rows)
+    out = _batch.index_topk(q, weights, local, k, backend=backend, return_slots=return_slots)
+    if not gather:
+        return out
+    if return_slots:
+        return tuple(gather_rows(t, plan, group=group) for t in out)
+    return gather_rows(out, plan, group=group)
