@@ -3,7 +3,8 @@
 Covers: calibration accuracy (no tokenizer), exact fitting (tokenizer), fp8 vs bf16 index keys changing the
 found pattern, multi-needle scoring, streaming + reasoning separation, length stops, retries under injected
 failures, a server killed and restarted mid-sweep, and a CLI run killed (SIGKILL, then SIGINT) and resumed
-without lost or duplicated rows. Every test stops the servers it starts.
+without lost or duplicated rows (behind a gate that decides how far each run gets, so the outcome does not
+depend on the machine's speed). Every test stops the servers it starts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -259,6 +261,74 @@ def test_sweep_survives_a_server_restart(tmp_path):
     assert len(results.read_text().splitlines()) == 6
 
 
+class GatedProxy:
+    """A loopback HTTP proxy in front of a server that forwards only the first ``allowed`` POSTs of a round and
+    holds the next ones: a sweep behind it stops making progress at a point the test chose, so a kill or a
+    Ctrl-C sent after that point always lands mid-sweep, however fast or slow the machine is.
+
+    :meth:`open_round` starts a round (``allowed=None``: forward everything) and drops the requests held in
+    the previous one; call it only once the CLI that sent them has exited.
+    """
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream.rstrip("/")  # http://host:port, without /v1 (the request paths carry it)
+        self._cond = threading.Condition()
+        self._round = 0
+        self._allowed: int | None = 0
+        self._passed = 0
+        gate = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if not gate._take_turn():
+                    self.close_connection = True  # its CLI is gone: drop the request unanswered
+                    return
+                try:
+                    resp = httpx.post(gate.upstream + self.path, content=body, timeout=120,
+                                      headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
+                    self.send_response(resp.status_code)
+                    self.send_header("Content-Type", resp.headers.get("Content-Type", "application/json"))
+                    self.send_header("Content-Length", str(len(resp.content)))
+                    self.end_headers()
+                    self.wfile.write(resp.content)
+                except (httpx.HTTPError, OSError):  # the client went away mid-answer (killed): nothing to tell it
+                    self.close_connection = True
+
+            def log_message(self, *args):
+                pass
+
+        self._http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._http.daemon_threads = True
+        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._http.server_address[1]}/v1"
+
+    def _take_turn(self) -> bool:
+        with self._cond:
+            mine = self._round
+            self._cond.wait_for(lambda: self._round != mine or self._allowed is None or self._passed < self._allowed)
+            if self._round != mine:
+                return False
+            self._passed += 1
+            return True
+
+    def open_round(self, allowed: int | None) -> None:
+        with self._cond:
+            self._round += 1
+            self._passed = 0
+            self._allowed = allowed
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        self.open_round(0)  # held requests are dropped, new ones wait for nothing
+        self._http.shutdown()
+        self._http.server_close()
+
+
 def _cli(url: str, out: Path, *extra: str, started: list | None = None) -> subprocess.Popen:
     """``dsakit niah`` in a child process; appended to ``started`` so the test's cleanup can kill it."""
     args = [sys.executable, "-m", "dsakit.cli", "niah", "--base-url", url, "--model", MODEL,
@@ -282,6 +352,7 @@ def _wait_rows(path: Path, count: int, proc: subprocess.Popen) -> None:
 
 def test_cli_killed_interrupted_and_resumed_loses_and_duplicates_nothing(tmp_path):
     srv = ServerProcess(tmp_path / "srv", "--latency", "0.25").start()
+    gate = GatedProxy(f"http://127.0.0.1:{srv.port}")
     out = tmp_path / "run"
     results = out / "results.jsonl"
     clis: list[subprocess.Popen] = []
@@ -294,27 +365,32 @@ def test_cli_killed_interrupted_and_resumed_loses_and_duplicates_nothing(tmp_pat
         assert (tmp_path / "timeout" / "errors.jsonl").exists()
         assert (tmp_path / "timeout" / "results.jsonl").read_bytes() == b""
 
-        first = _cli(srv.url, out, started=clis)
-        _wait_rows(results, 2, first)
+        # each CLI below runs behind the gate: one cell = one POST, so a round of n lets exactly n cells finish
+        gate.open_round(2)
+        first = _cli(gate.url, out, started=clis)
+        _wait_rows(results, 2, first)  # 2 rows, and the third cell's request is held: the sweep cannot finish
         first.send_signal(signal.SIGKILL)
         first.wait(30)
         with open(results, "ab") as fh:  # as if the kill had landed in the middle of a write
             fh.write(b'{"cell": "L2000-d0.9500-t0", "fou')
         before = results.read_bytes().rsplit(b"\n", 1)[0] + b"\n"
+        assert before.count(b"\n") == 2
 
-        refused = _cli(srv.url, out, started=clis)  # an existing run is never overwritten without --resume
+        refused = _cli(gate.url, out, started=clis)  # an existing run is never overwritten without --resume
         assert refused.wait(120) == 2 and "--resume" in refused.communicate()[1]
 
-        second = _cli(srv.url, out, "--resume", started=clis)
+        gate.open_round(2)  # drops the killed CLI's held request
+        second = _cli(gate.url, out, "--resume", started=clis)
         _wait_rows(results, before.count(b"\n") + 2, second)
-        second.send_signal(signal.SIGINT)  # Ctrl-C
+        second.send_signal(signal.SIGINT)  # Ctrl-C while the next cell's request is held: always mid-sweep
         stdout, stderr = second.communicate(timeout=60)
         assert second.returncode == 130 and "--resume" in stderr
         middle = results.read_bytes()
-        assert middle.startswith(before) and middle.endswith(b"\n")
+        assert middle.startswith(before) and middle.endswith(b"\n") and middle.count(b"\n") == 4
         assert all(json.loads(line) for line in middle.splitlines())
 
-        third = _cli(srv.url, out, "--resume", started=clis)
+        gate.open_round(None)
+        third = _cli(gate.url, out, "--resume", started=clis)
         stdout, stderr = third.communicate(timeout=180)
         assert third.returncode == 0, stderr
     finally:
@@ -322,6 +398,7 @@ def test_cli_killed_interrupted_and_resumed_loses_and_duplicates_nothing(tmp_pat
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate(timeout=30)
+        gate.close()
         srv.stop()
     final = results.read_bytes()
     assert final.startswith(middle)
