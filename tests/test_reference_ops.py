@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from dsakit.cache import PagedCache, read_entries
 from dsakit.formats import AttentionKVFormat, KeyFormat
-from dsakit.ops.attention.reference import sparse_attention, window_topk_indices
+from dsakit.ops.attention.reference import sparse_attention_dense, window_topk_indices
 from dsakit.ops.compress.reference import compress, compress_projected
 from dsakit.ops.scores.reference import index_scores, index_scores_dense
 from dsakit.ops.store.reference import prepare_index_keys, store_attention_kv, store_index_keys
@@ -482,25 +482,25 @@ def test_sparse_attention_vs_naive(with_sink):
     q, kv = torch.randn(t_len, hq, dh), torch.randn(n, dh)
     indices = torch.tensor([[0, 5, 9, -1], [-1, -1, -1, -1], [3, 3, 1, 2], [7, -1, 0, 8]])  # empty row, duplicate
     sink = torch.randn(hq) if with_sink else None
-    out, lse = sparse_attention(q, kv, indices, sink, softmax_scale=0.3)
+    out, lse = sparse_attention_dense(q, kv, indices, sink, softmax_scale=0.3)
     want_out, want_lse = naive_sparse_attention(q, kv, indices, sink, 0.3)
     assert torch.allclose(out.double(), want_out, atol=1e-5)
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
     assert torch.allclose(lse[~torch.isinf(lse)].double(), want_lse[~torch.isinf(want_lse)], atol=1e-5)
     assert bool((out[1] == 0).all()) and bool(torch.isneginf(lse[1]).all())
     # default scale is Dh^-0.5
-    out_default, _ = sparse_attention(q, kv, indices, sink)
+    out_default, _ = sparse_attention_dense(q, kv, indices, sink)
     assert torch.allclose(out_default.double(), naive_sparse_attention(q, kv, indices, sink, dh ** -0.5)[0], atol=1e-5)
 
 
 def test_sparse_attention_rejects_bad_indices():
     q, kv = torch.randn(1, 1, 8), torch.randn(4, 8)
     with pytest.raises(ValueError, match="index 4"):
-        sparse_attention(q, kv, torch.tensor([[0, 4]]))
+        sparse_attention_dense(q, kv, torch.tensor([[0, 4]]))
     with pytest.raises(ValueError, match="index -2"):
-        sparse_attention(q, kv, torch.tensor([[-2, 0]]))
+        sparse_attention_dense(q, kv, torch.tensor([[-2, 0]]))
     with pytest.raises(ValueError, match="sink"):
-        sparse_attention(q, kv, torch.tensor([[0]]), sink=torch.zeros(2))
+        sparse_attention_dense(q, kv, torch.tensor([[0]]), sink=torch.zeros(2))
 
 
 def test_window_topk_indices_vs_naive():
@@ -530,9 +530,9 @@ def test_window_topk_indices_and_sparse_attention_validate_inputs():
         with pytest.raises(ValueError, match=match):
             window_topk_indices(*args)
     with pytest.raises(ValueError, match="q must be a floating"):
-        sparse_attention(torch.ones(1, 2, 4, dtype=torch.long), torch.randn(3, 4), torch.tensor([[0]]))
+        sparse_attention_dense(torch.ones(1, 2, 4, dtype=torch.long), torch.randn(3, 4), torch.tensor([[0]]))
     with pytest.raises(ValueError, match="kv must be"):
-        sparse_attention(torch.randn(1, 2, 4), [[0.0] * 4], torch.tensor([[0]]))
+        sparse_attention_dense(torch.randn(1, 2, 4), [[0.0] * 4], torch.tensor([[0]]))
 
 
 # --------------------------------------------------------------------------------------------------

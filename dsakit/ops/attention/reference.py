@@ -1,31 +1,206 @@
 """Reference (fp32, CPU) of DSA sparse attention with a shared K = V head and per-head attention sinks.
 
-    for query t, head h, over its index set I_t (entries of indices[t] that are >= 0):
-        s_j   = softmax_scale * q[t, h] . kv[j]                 j in I_t
-        lse   = log(sum_j exp(s_j))                             (-inf if I_t is empty)
-        denom = exp(lse) + exp(sink[h])                         (sink term only if sink is given)
-        out[t, h] = sum_j exp(s_j) / denom * kv[j]              (the sink has no value: it only absorbs mass)
+    for query t, head h, over its index set I_t (valid entries of indices[t], then of extra_indices[t]):
+        kv[j] = dequantize(pool bytes of slot j)                  fp32 [D], D = 512
+        s_j   = softmax_scale * q[t, h] . kv[j]                   j in I_t
+        lse   = log(sum_j exp(s_j))                               (-inf if I_t is empty)
+        denom = exp(lse) + exp(sink[h])                           (sink term only if sink is given)
+        out[t, h] = sum_j exp(s_j) / denom * kv[j]                (the sink has no value: it only absorbs mass)
 
-Returns (out fp32 [T, Hq, Dh], lse fp32 [T, Hq]); ``lse`` covers the selected entries only, so partial
-results over disjoint index sets can be merged before the sink is applied. A row with no valid index
-gives out = 0 and lse = -inf. Duplicate indices in a row count twice (the caller dedups).
+Index j = indices[t, i] is valid iff i < topk_length[t] (when given) and 0 <= j < num_slots of its pool
+(P * 64); anything else (-1 padding, an out-of-range slot) is skipped, never read. The Triton kernel applies
+the same rule, so out-of-range slots need no host-side check on the hot path. A row with no valid index gives
+out = 0 and lse = -inf. Duplicate indices in a row count twice (the caller dedups).
 
-V4 CSA layers attend to the last ``window`` raw tokens plus the top-k compressed entries:
-:func:`window_topk_indices` builds that index set over the concatenation [raw kv ; compressed kv].
+Returns (out fp32 [T, Hq, D], lse fp32 [T, Hq]); ``lse`` covers the selected entries only (sink excluded), so
+partial results over disjoint index sets can be merged before the sink is applied.
+
+Two entry points:
+
+* :func:`sparse_attention` takes paged KV pools (uint8 [P, page_bytes] in an :class:`AttentionKVFormat`) and
+  global slots ``page * 64 + offset``, plus an optional second pool with its own index set (V4: the raw
+  sliding window in one pool, the compressed entries in the other). It is the contract the kernel implements.
+* :func:`sparse_attention_dense` takes a dense fp32 kv [N, D] and indices into it (tests, and the conformance
+  check against transformers' eager attention). :func:`window_topk_indices` builds the V4 index set over the
+  concatenation [raw kv ; compressed kv] for it.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+
+from ...cache import check_pool, num_slots
+from ...formats import ATTENTION_HEAD_DIM, AttentionKVFormat
+
+__all__ = ["sparse_attention", "sparse_attention_dense", "window_topk_indices", "check_sparse_attention_inputs",
+           "SparseAttentionInputs"]
 
 
 def _describe(x) -> str:
     return f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor | None = None,
+# --------------------------------------------------------------------------------------------------
+# Validation shared by the reference and the Triton launcher (shapes, dtypes, devices; no device sync)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SparseAttentionInputs:
+    """Checked arguments of :func:`sparse_attention` (formats parsed, scale resolved)."""
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    kv_format: AttentionKVFormat
+    indices: torch.Tensor
+    topk_length: torch.Tensor | None
+    extra_kv_cache: torch.Tensor | None
+    extra_kv_format: AttentionKVFormat | None
+    extra_indices: torch.Tensor | None
+    extra_topk_length: torch.Tensor | None
+    sink: torch.Tensor | None
+    softmax_scale: float
+
+
+def _check_int_tensor(x, what: str, shape: tuple, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{what} must be an int32 tensor, got {type(x).__name__}")
+    if x.dtype != torch.int32:
+        raise ValueError(f"{what} must be int32, got {x.dtype}")
+    if x.dim() != len(shape) or any(w is not None and g != w for g, w in zip(x.shape, shape)):
+        want = ", ".join("*" if s is None else str(s) for s in shape)
+        raise ValueError(f"{what} must have shape [{want}], got {list(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{what} is on {x.device} but q is on {device}: all inputs must share q's device")
+
+
+def _check_pool(pool, fmt, what: str, device: torch.device) -> None:
+    check_pool(pool, fmt, what)
+    if pool.device != device:
+        raise ValueError(f"{what} is on {pool.device} but q is on {device}: all inputs must share q's device")
+
+
+def check_sparse_attention_inputs(q, kv_cache, indices, *, kv_format, topk_length=None, extra_kv_cache=None,
+                                  extra_kv_format=None, extra_indices=None, extra_topk_length=None, sink=None,
+                                  softmax_scale=None) -> SparseAttentionInputs:
+    """Validate the arguments of :func:`sparse_attention` (ValueError naming the bad value); no device sync.
+
+    Index values are not checked: invalid slots are skipped by definition (see the module docstring)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16,
+                                                                          torch.float32):
+        raise ValueError(f"q must be a bf16 / fp16 / fp32 [T, Hq, {ATTENTION_HEAD_DIM}] tensor, got {_describe(q)}")
+    fmt = AttentionKVFormat.parse(kv_format)
+    t, hq, d = q.shape
+    if d != fmt.head_dim:
+        raise ValueError(f"q must have head dim {fmt.head_dim} for kv_format {fmt.name}, got {list(q.shape)}")
+    device = q.device
+    _check_pool(kv_cache, fmt, "kv_cache", device)
+    _check_int_tensor(indices, "indices", (t, None), device)
+    if topk_length is not None:
+        _check_int_tensor(topk_length, "topk_length", (t,), device)
+    has_extra = extra_kv_cache is not None or extra_indices is not None
+    xfmt = None
+    if has_extra:
+        if extra_kv_cache is None or extra_indices is None:
+            raise ValueError("extra_kv_cache and extra_indices must be given together, got "
+                             f"extra_kv_cache={_describe(extra_kv_cache)}, extra_indices={_describe(extra_indices)}")
+        xfmt = fmt if extra_kv_format is None else AttentionKVFormat.parse(extra_kv_format)
+        if xfmt.head_dim != d:
+            raise ValueError(f"extra_kv_format {xfmt.name} has head dim {xfmt.head_dim}, q has {d}")
+        _check_pool(extra_kv_cache, xfmt, "extra_kv_cache", device)
+        _check_int_tensor(extra_indices, "extra_indices", (t, None), device)
+        if extra_topk_length is not None:
+            _check_int_tensor(extra_topk_length, "extra_topk_length", (t,), device)
+    elif extra_kv_format is not None or extra_topk_length is not None:
+        raise ValueError("extra_kv_format / extra_topk_length given without extra_kv_cache and extra_indices")
+    if sink is not None:
+        if not isinstance(sink, torch.Tensor) or sink.shape != (hq,) or not sink.is_floating_point():
+            raise ValueError(f"sink must be a floating [Hq] = [{hq}] tensor, got {_describe(sink)}")
+        if sink.device != device:
+            raise ValueError(f"sink is on {sink.device} but q is on {device}: all inputs must share q's device")
+    if softmax_scale is None:
+        scale = d ** -0.5
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+        scale = float(softmax_scale)
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    return SparseAttentionInputs(q, kv_cache, fmt, indices, topk_length, extra_kv_cache if has_extra else None,
+                                 xfmt, extra_indices if has_extra else None,
+                                 extra_topk_length if has_extra else None, sink, scale)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference math
+# --------------------------------------------------------------------------------------------------
+
+
+def _attend(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor | None,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 q [T, Hq, D], gathered kv [T, I, D], valid bool [T, I], sink [Hq] | None -> (out, lse)."""
+    logits = torch.einsum("thd,tid->thi", q, kv) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [T, Hq], -inf for empty rows
+    total = lse if sink is None else torch.logaddexp(lse, sink.unsqueeze(0))
+    probs = torch.exp(logits - total.unsqueeze(-1))
+    probs = torch.nan_to_num(probs, nan=0.0)  # empty rows without a sink: -inf - -inf
+    out = torch.einsum("thi,tid->thd", probs, kv)
+    return out, lse
+
+
+def gather_entries(pool: torch.Tensor, fmt: AttentionKVFormat, indices: torch.Tensor,
+                   length: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized entries of the index set: (kv fp32 [T, I, D] (0 where invalid), valid bool [T, I]).
+
+    pool uint8 [P, page_bytes], indices int [T, I] (global slots), length int [T] | None (valid prefix)."""
+    idx = indices.detach().cpu().long()
+    t, k = idx.shape
+    valid = (idx >= 0) & (idx < num_slots(pool))
+    if length is not None:
+        valid &= torch.arange(k).unsqueeze(0) < length.detach().cpu().long().unsqueeze(1)
+    slots = idx[valid]
+    value_start, scale_start = fmt.byte_offsets(slots)
+    flat = pool.detach().cpu().reshape(-1)
+    values = flat[value_start.unsqueeze(1) + torch.arange(fmt.value_bytes)]
+    scales = flat[scale_start.unsqueeze(1) + torch.arange(fmt.scale_bytes)]
+    kv = torch.zeros(t, k, fmt.head_dim)
+    kv[valid] = fmt.dequantize(values, scales)
+    return kv, valid
+
+
+def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, *,
+                     kv_format: "AttentionKVFormat | str", topk_length: torch.Tensor | None = None,
+                     extra_kv_cache: torch.Tensor | None = None,
+                     extra_kv_format: "AttentionKVFormat | str | None" = None,
+                     extra_indices: torch.Tensor | None = None, extra_topk_length: torch.Tensor | None = None,
+                     sink: torch.Tensor | None = None,
                      softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, Dh], kv [N, Dh] (shared K = V), indices int [T, I] (-1 ignored), sink [Hq] or None."""
+    """Sparse attention over paged KV pools (the spec; see the module docstring).
+
+    q [T, Hq, 512] float; kv_cache uint8 [P, page_bytes] in ``kv_format``; indices int32 [T, K] global slots
+    (-1 = skip); topk_length int32 [T] | None; extra_kv_cache uint8 [P', page_bytes'] in ``extra_kv_format``
+    (default: kv_format) with extra_indices int32 [T, K'] and extra_topk_length int32 [T] | None; sink [Hq] |
+    None; softmax_scale default 512 ** -0.5. -> (out fp32 [T, Hq, 512] on the CPU, lse fp32 [T, Hq])."""
+    a = check_sparse_attention_inputs(q, kv_cache, indices, kv_format=kv_format, topk_length=topk_length,
+                                      extra_kv_cache=extra_kv_cache, extra_kv_format=extra_kv_format,
+                                      extra_indices=extra_indices, extra_topk_length=extra_topk_length, sink=sink,
+                                      softmax_scale=softmax_scale)
+    kv, valid = gather_entries(a.kv_cache, a.kv_format, a.indices, a.topk_length)
+    if a.extra_kv_cache is not None:
+        xkv, xvalid = gather_entries(a.extra_kv_cache, a.extra_kv_format, a.extra_indices, a.extra_topk_length)
+        kv, valid = torch.cat([kv, xkv], dim=1), torch.cat([valid, xvalid], dim=1)
+    sink_f = None if a.sink is None else a.sink.detach().cpu().float()
+    return _attend(q.detach().cpu().float(), kv, valid, sink_f, a.softmax_scale)
+
+
+def sparse_attention_dense(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor | None = None,
+                           softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense variant: q [T, Hq, Dh], kv [N, Dh] (shared K = V), indices int [T, I] into kv (-1 ignored; any
+    other value outside [0, N) is a ValueError), sink [Hq] or None -> (out fp32 [T, Hq, Dh], lse fp32 [T, Hq])."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_floating_point():
         raise ValueError(f"q must be a floating [T, Hq, Dh] tensor, got {_describe(q)}")
     if not isinstance(kv, torch.Tensor) or not kv.is_floating_point():
@@ -45,18 +220,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     if sink is not None and (not isinstance(sink, torch.Tensor) or sink.shape != (hq,)):
         raise ValueError(f"sink must be [Hq] = [{hq}], got {_describe(sink)}")
     scale = dh ** -0.5 if softmax_scale is None else float(softmax_scale)
-
-    qf, kvf = q.detach().cpu().float(), kv.detach().cpu().float()
+    kvf = kv.detach().cpu().float()
     valid = idx >= 0
     gathered = kvf[idx.clamp(min=0)] if n else torch.zeros(t, idx.shape[1], dh)  # [T, I, Dh]
-    logits = torch.einsum("thd,tid->thi", qf, gathered) * scale
-    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # [T, Hq], -inf for empty rows
-    total = lse if sink is None else torch.logaddexp(lse, sink.detach().cpu().float().unsqueeze(0))
-    probs = torch.exp(logits - total.unsqueeze(-1))
-    probs = torch.nan_to_num(probs, nan=0.0)  # empty rows without a sink: -inf - -inf
-    out = torch.einsum("thi,tid->thd", probs, gathered)
-    return out, lse
+    sink_f = None if sink is None else sink.detach().cpu().float()
+    return _attend(q.detach().cpu().float(), gathered, valid, sink_f, scale)
 
 
 def window_topk_indices(query_positions: torch.Tensor, topk_indices: torch.Tensor, window: int,

@@ -1,0 +1,229 @@
+"""Sparse attention on paged pools: the reference contract, and the Triton kernel under TRITON_INTERPRET=1.
+
+Tolerance (flash-attention rule): against the fp32 reference on the dequantized entries, the kernel's max
+error must be at most twice that of a same-precision PyTorch implementation (bf16 operands, bf16 logits,
+bf16 softmax, bf16 output) plus 1e-5; the same for the LSE; empty rows (out 0, lse -inf) must match exactly.
+Shapes are small (few queries, at most a few tiles of 64 indices) because the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsakit.formats import AttentionKVFormat
+from dsakit.ops.attention import sparse_attention, sparse_attention_dense
+from dsakit.ops.attention import reference as ref
+from dsakit.ops.attention.reference import gather_entries
+
+triton = pytest.importorskip("triton")
+from dsakit.ops._backend import triton_interpreted  # noqa: E402
+
+needs_interpreter = pytest.mark.skipif(not triton_interpreted(), reason="needs TRITON_INTERPRET=1 on the CPU")
+
+FORMATS = {"bf16": AttentionKVFormat.BF16, "fp8": AttentionKVFormat.FP8_ROPE_BF16}
+D = 512
+
+
+def make_pool(fmt: AttentionKVFormat, pages: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [pages, page_bytes] holding random entries (rope dims larger, as after rope in the model)."""
+    x = torch.randn(pages * 64, D, generator=gen)
+    x[:, 448:] *= 2.0
+    return fmt.quantize_pages(x)
+
+
+def bf16_torch_attention(q, kv, valid, sink, scale):
+    """Same-precision PyTorch implementation: every tensor op in bf16 -> (out bf16, lse bf16)."""
+    qb, kvb = q.bfloat16(), kv.bfloat16()
+    logits = torch.einsum("thd,tid->thi", qb, kvb) * torch.tensor(scale, dtype=torch.bfloat16)
+    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    if sink is not None:
+        col = sink.bfloat16().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+        probs = torch.softmax(torch.cat([logits, col], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+    return torch.einsum("thi,tid->thd", probs, kvb), lse
+
+
+def assert_flash_close(out, lse, want_out, want_lse, base_out, base_lse):
+    """Kernel error <= 2 x the bf16 PyTorch error + 1e-5 (out and lse); -inf lse and empty rows exact."""
+    out, lse = out.float().cpu(), lse.float().cpu()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)), "empty-row mask differs"
+    fin = torch.isfinite(want_lse)
+    assert bool(torch.isfinite(lse[fin]).all()) and bool(torch.isfinite(out).all())
+    assert bool((out[~fin] == 0).all()), "rows with no valid index must be exactly 0"
+    err_out = (out - want_out).abs().max().item()
+    base_err_out = (base_out.float() - want_out).abs().max().item()
+    assert err_out <= 2 * base_err_out + 1e-5, (err_out, base_err_out)
+    if bool(fin.any()):
+        err_lse = (lse[fin] - want_lse[fin]).abs().max().item()
+        base_err_lse = (base_lse.float()[fin] - want_lse[fin]).abs().max().item()
+        assert err_lse <= 2 * base_err_lse + 1e-5, (err_lse, base_err_lse)
+
+
+def run_both(q, pool, indices, fmt, *, num_splits=None, **kw):
+    """-> kernel (out, lse), reference (out, lse), bf16 torch (out, lse)."""
+    from dsakit.ops.attention.triton import sparse_attention_triton
+
+    a = ref.check_sparse_attention_inputs(q, pool, indices, kv_format=fmt, **kw)
+    got = sparse_attention_triton(a, num_splits=num_splits)
+    want = ref.sparse_attention(q, pool, indices, kv_format=fmt, **kw)
+    kv, valid = gather_entries(pool, a.kv_format, indices, a.topk_length)
+    if a.extra_kv_cache is not None:
+        xkv, xvalid = gather_entries(a.extra_kv_cache, a.extra_kv_format, a.extra_indices, a.extra_topk_length)
+        kv, valid = torch.cat([kv, xkv], 1), torch.cat([valid, xvalid], 1)
+    base = bf16_torch_attention(q.float(), kv, valid, a.sink, a.softmax_scale)
+    return got, want, base
+
+
+# --------------------------------------------------------------------------------------------------
+# reference contract (no kernel)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_reference_paged_matches_dense(fmt_name):
+    """Paged reference = dense reference on the dequantized pool, with the concatenated index sets."""
+    gen = torch.Generator().manual_seed(0)
+    fmt = FORMATS[fmt_name]
+    pool, xpool = make_pool(fmt, 2, gen), make_pool(fmt, 1, gen)
+    q = torch.randn(3, 4, D, generator=gen)
+    idx = torch.tensor([[5, 127, -1, 64], [-1, -1, -1, -1], [3, 200, 0, 9]], dtype=torch.int32)  # 200: out of pool
+    xidx = torch.tensor([[1, 2], [63, -1], [0, 70]], dtype=torch.int32)  # 70: out of the extra pool
+    length = torch.tensor([4, 4, 3], dtype=torch.int32)  # row 2 drops its 4th index
+    sink = torch.randn(4, generator=gen)
+    out, lse = ref.sparse_attention(q, pool, idx, kv_format=fmt, topk_length=length, extra_kv_cache=xpool,
+                                    extra_indices=xidx, sink=sink, softmax_scale=0.05)
+    dense = torch.cat([fmt.dequantize_pages(pool), fmt.dequantize_pages(xpool)])
+    didx = torch.tensor([[5, 127, -1, 64, 129, 130], [-1, -1, -1, -1, 191, -1], [3, -1, 0, -1, 128, -1]])
+    want_out, want_lse = sparse_attention_dense(q, dense, didx, sink, softmax_scale=0.05)
+    assert torch.allclose(out, want_out, atol=1e-5) and torch.allclose(lse, want_lse, atol=1e-5)
+    # public dispatcher on CPU data = the reference, in q's dtype
+    out2, lse2 = sparse_attention(q.bfloat16(), pool, idx, kv_format=fmt.name, topk_length=length,
+                                  extra_kv_cache=xpool, extra_indices=xidx, sink=sink, softmax_scale=0.05)
+    assert out2.dtype == torch.bfloat16 and lse2.dtype == torch.float32
+
+
+def test_reference_empty_rows_and_sink():
+    gen = torch.Generator().manual_seed(1)
+    fmt = AttentionKVFormat.BF16
+    pool = make_pool(fmt, 1, gen)
+    q = torch.randn(2, 2, D, generator=gen)
+    idx = torch.tensor([[-1, -1], [7, 7]], dtype=torch.int32)
+    length = torch.tensor([2, 0], dtype=torch.int32)  # row 1 has indices but a length of 0
+    out, lse = ref.sparse_attention(q, pool, idx, kv_format=fmt, topk_length=length, sink=torch.zeros(2))
+    assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+    # one entry twice, sink 0: weight of the entry = 2 e^s / (2 e^s + 1)
+    out, lse = ref.sparse_attention(q[1:], pool, idx[1:], kv_format=fmt, sink=torch.zeros(2))
+    kv = fmt.dequantize_pages(pool)[7]
+    s = (q[1] @ kv) * D ** -0.5
+    assert torch.allclose(lse[0], s + math.log(2), atol=1e-5)
+    w = 2 * torch.exp(s) / (2 * torch.exp(s) + 1)
+    assert torch.allclose(out[0], w[:, None] * kv, atol=1e-5)
+
+
+def test_validation_names_the_bad_value():
+    fmt = AttentionKVFormat.FP8_ROPE_BF16
+    pool = torch.zeros(1, fmt.page_bytes, dtype=torch.uint8)
+    q = torch.zeros(2, 4, D)
+    idx = torch.zeros(2, 3, dtype=torch.int32)
+    cases = [
+        (dict(q=torch.zeros(2, 4, 256)), "head dim"),
+        (dict(q=torch.zeros(2, 4, D, dtype=torch.int32)), "q must be"),
+        (dict(kv_cache=torch.zeros(1, 1024, dtype=torch.uint8)), "kv_cache must be uint8"),
+        (dict(indices=idx.long()), "indices must be int32"),
+        (dict(indices=torch.zeros(3, 3, dtype=torch.int32)), "indices must have shape"),
+        (dict(topk_length=torch.zeros(3, dtype=torch.int32)), "topk_length"),
+        (dict(sink=torch.zeros(3)), "sink"),
+        (dict(softmax_scale=float("nan")), "softmax_scale"),
+        (dict(softmax_scale=float("inf")), "softmax_scale"),
+        (dict(softmax_scale=0.0), "softmax_scale"),
+        (dict(softmax_scale=-1.0), "softmax_scale"),
+        (dict(softmax_scale=True), "softmax_scale"),
+        (dict(kv_format="fp9"), "attention KV format"),
+        (dict(extra_indices=idx), "together"),
+        (dict(extra_topk_length=torch.zeros(2, dtype=torch.int32)), "without extra"),
+        (dict(extra_kv_cache=pool, extra_indices=idx[:, :1].repeat(1, 2)[:1]), "extra_indices"),
+        (dict(backend="cuda"), "backend"),
+    ]
+    base = dict(q=q, kv_cache=pool, indices=idx, kv_format=fmt)
+    for change, match in cases:
+        kw = {**base, **change}
+        with pytest.raises(ValueError, match=match):
+            sparse_attention(kw.pop("q"), kw.pop("kv_cache"), kw.pop("indices"), **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernel (interpreter)
+# --------------------------------------------------------------------------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+@pytest.mark.parametrize("hq", [64, 128])
+def test_kernel_prefill_cases(fmt_name, hq):
+    """One split: a full row over two tiles, a window shorter than 128 (-1 padded), K larger than the
+    entries available (mostly -1), an all -1 row, an out-of-pool slot (skipped), a per-head sink."""
+    gen = torch.Generator().manual_seed(2 + hq)
+    fmt = FORMATS[fmt_name]
+    pool = make_pool(fmt, 3, gen)  # 192 slots
+    k = 80
+    idx = torch.full((4, k), -1, dtype=torch.int32)
+    idx[0] = torch.randperm(192, generator=gen)[:k].to(torch.int32)
+    idx[1, :37] = torch.arange(100, 137, dtype=torch.int32)  # a window of 37 tokens
+    idx[2, 70:73] = torch.tensor([5, 191, 9000], dtype=torch.int32)  # 3 of 80 set, 9000 outside the pool
+    q = (torch.randn(4, hq, D, generator=gen) * 2).bfloat16()
+    sink = torch.randn(hq, generator=gen)
+    (out, lse), want, base = run_both(q, pool, idx, fmt, sink=sink)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and out.shape == (4, hq, D)
+    assert_flash_close(out, lse, *want, *base)
+    assert bool(torch.isneginf(lse[3]).all()) and bool((out[3] == 0).all())
+    if hq == 64 and fmt_name == "bf16":  # determinism: a rerun is bitwise equal
+        from dsakit.ops.attention.triton import sparse_attention_triton
+
+        out2, lse2 = sparse_attention_triton(ref.check_sparse_attention_inputs(q, pool, idx, kv_format=fmt,
+                                                                               sink=sink))
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_kernel_decode_splits_extra_pool_topk_length(fmt_name):
+    """Three splits merged by the combine kernel; main window + extra (compressed) pool in the other
+    format, both with a per-row valid length; fp32 q gives an fp32 output."""
+    gen = torch.Generator().manual_seed(3)
+    fmt = FORMATS[fmt_name]
+    xfmt = FORMATS["fp8" if fmt_name == "bf16" else "bf16"]
+    pool, xpool = make_pool(fmt, 2, gen), make_pool(xfmt, 2, gen)
+    t, hq, k, xk = 3, 64, 70, 100
+    idx = torch.randint(0, 128, (t, k), generator=gen, dtype=torch.int32)
+    xidx = torch.randperm(128, generator=gen)[:xk].to(torch.int32).repeat(t, 1)
+    xidx[1, 50:] = -1
+    length = torch.tensor([70, 10, 0], dtype=torch.int32)
+    xlength = torch.tensor([100, 90, 0], dtype=torch.int32)  # row 2: nothing at all
+    q = torch.randn(t, hq, D, generator=gen) * 2
+    sink = torch.randn(hq, generator=gen)
+    kw = dict(topk_length=length, extra_kv_cache=xpool, extra_kv_format=xfmt, extra_indices=xidx,
+              extra_topk_length=xlength, sink=sink, softmax_scale=0.06)
+    (out, lse), want, base = run_both(q, pool, idx, fmt, num_splits=3, **kw)
+    assert out.dtype == torch.float32
+    assert_flash_close(out, lse, *want, *base)
+    assert bool(torch.isneginf(lse[2]).all()) and bool((out[2] == 0).all())
+
+
+@needs_interpreter
+def test_kernel_no_sink_and_public_dispatch():
+    gen = torch.Generator().manual_seed(4)
+    fmt = AttentionKVFormat.BF16
+    pool = make_pool(fmt, 1, gen)
+    idx = torch.tensor([[0, 1, 2, 63], [-1, -1, -1, -1]], dtype=torch.int32)
+    q = torch.randn(2, 64, D, generator=gen).bfloat16()
+    out, lse = sparse_attention(q, pool, idx, kv_format="bf16", backend="triton")
+    want_out, want_lse = ref.sparse_attention(q, pool, idx, kv_format="bf16")
+    kv, valid = gather_entries(pool, fmt, idx, None)
+    assert_flash_close(out, lse, want_out, want_lse, *bf16_torch_attention(q.float(), kv, valid, None, D ** -0.5))
+    with pytest.raises(ValueError, match="Hq in"):
+        sparse_attention(q[:, :32], pool, idx, kv_format="bf16", backend="triton")
