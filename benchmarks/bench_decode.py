@@ -9,7 +9,7 @@ K 512 and 2048. Per case (do_bench medians; do_bench clears L2 before every call
   plan eager  ``index_topk_decode`` with a prebuilt plan, launched from Python
   graph       the same call captured in a torch.cuda.CUDAGraph, replays alternating over two input sets
   parts       scores kernel alone and select kernel alone (each captured in a graph), torch.topk on the
-              same [B, N] scores, DeepGEMM logits + torch.topk anchor (PERF.md)
+              same [B, N] scores, DeepGEMM logits + torch.topk anchor (docs/performance.md §2)
 
 Checks at full size (recorded per case): the plan call raises no device->host sync
 (``torch.cuda.set_sync_debug_mode("error")``) and allocates nothing; graph replays equal the eager result
@@ -37,8 +37,8 @@ from dsakit.ops.scores.triton import index_scores_triton
 from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
 from dsakit.ops.topk.triton import _launch_select, index_topk_triton
 
-HBM_TB_PER_S = 4.27  # PERF.md device-to-device copy ceiling
-# PERF.md, DeepGEMM 2.6.1 paged decode on the same H200, batch 64: logits ms, torch.topk ms for K 512 / 2048
+HBM_TB_PER_S = 4.27  # device-to-device copy ceiling (docs/performance.md §1)
+# DeepGEMM 2.6.1 paged decode on the same H200, batch 64 (docs/performance.md §2): logits ms, torch.topk ms, K 512 / 2048
 DEEPGEMM_DECODE = {65536: (0.150, 0.136, 0.139), 131072: (0.288, 0.186, 0.189)}
 TIME_GUARD_S = 95  # stop starting new cases after this many seconds (the GPU call must stay < 150 s)
 

@@ -1,4 +1,4 @@
-"""Issue 6 benchmark matrix of the fused indexer (Triton scores + exact radix top-k), with full-size checks.
+"""Benchmark matrix of the fused indexer (Triton scores + exact radix top-k), with full-size checks.
 
 One run does, in this order (everything on one GPU, results in DIR/indexer_h200.json, a table printed last):
   1. select checks at full size: the radix select on 8192 x 65536 random fp32 scores vs torch.topk (exact:
@@ -11,7 +11,7 @@ One run does, in this order (everything on one GPU, results in DIR/indexer_h200.
      fp4 keys with bf16 q), K 512 and 2048: end-to-end ``index_topk_triton`` (time, TFLOP/s = 2*H*D per
      visible pair, peak extra memory), its parts (scores into a materialized [T, N], select alone), torch.topk
      on the same scores, the naive torch path (einsum + relu + weighted head sum on bf16 keys, materialized,
-     + torch.topk) where it fits in memory (N <= 32K), and the DeepGEMM anchors of PERF.md;
+     + torch.topk) where it fits in memory (N <= 32K), and the DeepGEMM anchors of docs/performance.md;
      each end-to-end result is checked against torch.topk of the materialized scores (same values selected);
   4. decode matrix: B = 64 sequences x N = 64K / 128K entries, next_n 1, same columns;
   5. N = 262144 entries (1M tokens at ratio 4), T = 8192, K = 2048, per format: completes with the default
@@ -37,7 +37,7 @@ from dsakit.ops.topk.reference import select_topk as reference_select
 from dsakit.ops.topk.triton import DEFAULT_WORKSPACE_BYTES, index_topk_triton, rows_per_chunk, select_topk_triton
 
 HEADS = 64
-# PERF.md, DeepGEMM 2.6.1 on the same H200 (fp8 q and keys): logits ms, torch.topk ms for k = 512 / 2048.
+# DeepGEMM 2.6.1 on the same H200, fp8 q and keys (docs/performance.md §2): logits ms, torch.topk ms for k = 512 / 2048.
 DEEPGEMM_PREFILL = {8192: (1.08, 1.32, 1.54), 16384: (2.18, 2.23, 2.46), 32768: (4.40, 4.06, 4.33),
                     65536: (8.69, 7.67, 7.98)}
 DEEPGEMM_DECODE = {65536: (0.150, 0.136, 0.139), 131072: (0.288, 0.186, 0.189)}
@@ -153,7 +153,7 @@ def topk_columns(run_e2e, run_scores, scores: torch.Tensor, k: int, sel: dict, d
 
 
 def deepgemm_columns(anchor: tuple | None, k: int, ms: float) -> dict:
-    """DeepGEMM logits + torch.topk anchor of PERF.md (None where there is none) and our speedup over it."""
+    """DeepGEMM logits + torch.topk anchor of docs/performance.md (None where there is none) and our speedup over it."""
     total = None if anchor is None else anchor[0] + anchor[1 if k == 512 else 2]
     return {"deepgemm_plus_topk_ms": total, "vs_deepgemm": None if total is None else total / ms}
 

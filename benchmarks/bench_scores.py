@@ -30,8 +30,8 @@ from dsakit.ops.scores.deepgemm_compat import fp8_mqa_logits, fp8_paged_mqa_logi
 from dsakit.ops.scores.triton import index_scores_decode, index_scores_triton, plan_decode_tiles, plan_query_tiles
 
 HEADS = 64
-DEEPGEMM_LOGITS_MS = {8192: 1.08, 16384: 2.18, 32768: 4.40, 65536: 8.69}  # PERF.md, 8192 q, fp8
-DEEPGEMM_DECODE_MS = {65536: 0.150, 131072: 0.288}  # PERF.md, B = 64
+DEEPGEMM_LOGITS_MS = {8192: 1.08, 16384: 2.18, 32768: 4.40, 65536: 8.69}  # docs/performance.md §2, 8192 q, fp8
+DEEPGEMM_DECODE_MS = {65536: 0.150, 131072: 0.288}  # docs/performance.md §2, B = 64
 
 
 def build_pool(fmt: KeyFormat, lengths: list[int], device: str,

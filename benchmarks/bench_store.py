@@ -10,7 +10,7 @@ One run does everything and writes DIR/store_bench.json:
    be one code apart, fp32 scales are reported in ulps);
 2. bandwidth of the fused kernel for N = 1, 64, 4096, 65536, 1M entries per format (do_bench median, and
    CUDA-graph replay for the launch-bound sizes), bytes = keys read + cache bytes written + positions and
-   slots + rope-table rows read, against the 4.27 TB/s copy ceiling (PERF.md), plus a copy measured here;
+   slots + rope-table rows read, against the 4.27 TB/s copy ceiling (docs/performance.md §1), plus a copy measured here;
 3. peak memory of storing a 22K-token and a 128K-token prefill: index keys (tokens / 4 entries, V4) and
    attention KV (tokens entries), fused versus the unfused torch-op sequence on the GPU (norm, rope,
    Hadamard matmul, quantize, scatter), above a baseline of cache + inputs.
@@ -36,7 +36,7 @@ from dsakit.ops.store.triton import launch_store_attention_kv, launch_store_inde
 from dsakit.presets import KeyTransform
 from dsakit.transforms import ROPE_V4, ROPE_V32, RopeConfig, apply_norm, apply_rope, hadamard_transform
 
-COPY_CEILING_TBS = 4.27  # PERF.md, device-to-device copy, bytes read + written
+COPY_CEILING_TBS = 4.27  # docs/performance.md §1, device-to-device copy, bytes read + written
 L2_BYTES = 60 * 2**20
 V4_TRANSFORM = KeyTransform("rmsnorm", ROPE_V4, 64, True, 1e-6)
 V32_TRANSFORM = KeyTransform("layernorm", ROPE_V32, 64, True, 1e-6)

@@ -9,7 +9,7 @@ entries come first, then the scale bytes of all 64 entries (then padding, for th
                        scales at p * page_bytes + 64 * value_bytes + e * scale_bytes
     global slot s: page s // 64, entry s % 64
 
-Index-key formats (one entry = one 128-dim key; SPEC.md section 4):
+Index-key formats (one entry = one 128-dim key; docs/spec.md §4):
 
     ===========  =====================================  ===========  ==========  ==========
     format       values                                 scales       bytes/entry page bytes
@@ -47,7 +47,7 @@ Quantization rules (the reference defines them; kernels must match byte for byte
   of the 1e-4 floor. So finite input never produces a NaN byte, and non-finite input never does either.
   bf16 is a plain round-to-nearest-even cast: NaN and Inf are kept as they are.
 
-Attention-KV formats (one entry = one token's 512-dim shared K = V of V4 main attention; SPEC.md 4.3):
+Attention-KV formats (one entry = one token's 512-dim shared K = V of V4 main attention; docs/spec.md §4.4):
 
 * ``fp8-rope-bf16`` (584 B/token): 448 e4m3fn no-rope values with 7 ue8m0 scales (one per 64 values,
   same rounding as ``fp8-ue8m0``), then the 64 rope dims as bf16 (128 B): 576 data bytes; scale part is the

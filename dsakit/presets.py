@@ -1,4 +1,4 @@
-"""Model geometry presets (SPEC.md section 1) as frozen config objects.
+"""Model geometry presets (docs/spec.md §1) as frozen config objects.
 
 >>> from dsakit.presets import get_preset
 >>> p = get_preset("deepseek-v4-flash"); p.index_topk, p.compress_ratio, p.rope_layout.name

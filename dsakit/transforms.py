@@ -2,7 +2,7 @@
 
 All functions are pure PyTorch and compute in fp32; they are the reference for the fused kernels.
 
-Rope layouts (SPEC.md 2.1 / 2.2 / 2.3.1). A layout is a pairing and a placement of the ``rope_dim`` rotated
+Rope layouts (docs/spec.md §2.1, §2.2, §5.1). A layout is a pairing and a placement of the ``rope_dim`` rotated
 dims inside the head:
 
 * pairing ``interleaved``: pair i is dims (2i, 2i+1) of the rope segment (DeepSeek-V4);

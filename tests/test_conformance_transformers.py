@@ -260,7 +260,7 @@ def test_hadamard_changes_quantized_scores_only(layer):
     diff = (quantized[True] - quantized[False])[finite].abs().max()
     assert float(diff) > 1e-3 * float(scale), "fp4 scores should depend on the rotation"
 
-    # rotating only one side scrambles the scores (SPEC 2.3.2): far from the exact ones
+    # rotating only one side scrambles the scores (docs/spec.md §5.2): far from the exact ones
     q_rot = ix.queries(q_res, positions, hadamard=True)
     k_plain = ix.keys(hidden, hadamard=False)
     one_sided = index_scores_dense(q_rot, w, k_plain, positions, 4)
@@ -268,7 +268,7 @@ def test_hadamard_changes_quantized_scores_only(layer):
 
 
 def test_wrong_rope_layout_is_detected(layer):
-    """SPEC 2.3.1: the V3.2 half-split layout on a V4 model silently changes the selection; the conformance
+    """docs/spec.md §5.1: the V3.2 half-split layout on a V4 model silently changes the selection; the conformance
     comparison must see it (it changes the sets of most queries of this layer, far beyond the tie epsilon)."""
     import dataclasses
 

@@ -1,6 +1,6 @@
 """Reference ops (dsakit.ops.*.reference) against INDEPENDENT naive formulations.
 
-Every naive function below is written from SPEC.md with plain python loops and floats (or a different torch
+Every naive function below is written from docs/spec.md with plain python loops and floats (or a different torch
 formulation); none calls the code under test. The format codecs (quantize / dequantize) are tested on their
 own in test_formats.py and are used here only to encode the naive pipeline's result.
 """

@@ -1,6 +1,6 @@
-"""DeepSeek-V4 lightning indexer of one CSA layer, wired from dsakit's ops (SPEC.md 2.1 and 3).
+"""DeepSeek-V4 lightning indexer of one CSA layer, wired from dsakit's ops (docs/spec.md §2.1 and §3).
 
-Shapes use SPEC.md's letters: S context tokens, T query tokens, H index heads, D = 128 index head dim,
+Shapes use the letters of docs/spec.md §1: S context tokens, T query tokens, H index heads, D = 128 index head dim,
 N = S // ratio compressed entries, K top-k. Pipeline (pure PyTorch, fp32)::
 
     q[t]    = rope_V4(reshape(q_latent[t] @ wq_b.T, [H, D]), position[t]) @ H128 / sqrt(128)   [T, H, D]
@@ -84,7 +84,7 @@ class DSAIndexer(torch.nn.Module):
         wq_b: [H * D, q_lora_rank], head-major rows (row h * D + d).
         weights_proj: [H, hidden].
         wkv, wgate: [2 * D, hidden] compressor projections (first D features: the entry's contribution to
-            the next overlapping window, last D: to its own window; SPEC.md 3).
+            the next overlapping window, last D: to its own window; docs/spec.md §3).
         ape: [ratio, 2 * D] learned position bias of the gate.
         norm_weight: [D] RMSNorm weight of the compressed keys.
         preset: a V4 preset (ratio 4 with overlap); its rope, key transform and index_topk are used.

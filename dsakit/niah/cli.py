@@ -187,7 +187,8 @@ def serve_reference(
     topk: int = typer.Option(128, "--topk", help="entries the indexer selects"),
     ratio: int = typer.Option(4, "--ratio", help="tokens per index entry (mean pooling)"),
     common_scale: float = typer.Option(120.0, "--common-scale",
-                                       help="norm of the shared key component over a token's own part (SPEC 6)"),
+                                       help="norm of the shared key component over a token's own part "
+                                            "(docs/spec.md §6)"),
     max_context: int = typer.Option(131072, "--max-context", help="longest prompt accepted, in tokens"),
     reasoning: str = typer.Option("none", "--reasoning",
                                   help="none | field (reasoning_content) | tags (<think> in the content)"),

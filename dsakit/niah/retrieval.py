@@ -8,7 +8,7 @@ model's do. The procedure, for one prompt of S tokens:
 2. Embed token t as  e(t) = mu + g(t) + rho  in 128 dims (V4 layout: content in the 64 no-rope dims
    0..63, rope dims 64..127 trailing):
      mu   fixed shared direction of norm ``common_scale * E|g|`` in dims 0..63: every token carries it, like
-          the large common component of real pooled keys (SPEC.md section 6);
+          the large common component of real pooled keys (docs/spec.md §6);
      g(t) the token's own Gaussian vector in dims 0..63, seeded by a hash of the lower-cased token;
      rho  small constant in the rope dims (norm ``rope_scale * E|g|``) so stored keys go through the real
           rope; the query leaves the rope dims empty, so scores do not depend on distance.
@@ -31,7 +31,7 @@ Why the format matters: after RMSNorm every key is dominated by mu, so the per-e
 set by mu, and the quantization error of each score is proportional to |mu| while the needle's margin over
 the filler is only the individual part. fp8/fp4 storage adds noise comparable to that margin to every
 distractor: the needle's rank grows with the number of entries and it drops out of the top-k at long
-context, while bf16 (error ~0.2%) keeps it. ``common_scale`` is the knob (SPEC.md section 6).
+context, while bf16 (error ~0.2%) keeps it. ``common_scale`` is the knob (docs/spec.md §6).
 """
 
 from __future__ import annotations

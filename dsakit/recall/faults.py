@@ -1,4 +1,4 @@
-"""Fault injection: the known recall failure classes of SPEC.md section 2.3, one convention changed at a time.
+"""Fault injection: the known recall failure classes of docs/spec.md §5, one convention changed at a time.
 
 A :class:`Fault` says which single convention differs from the model's truth on one side of the indexer.
 The exact (fp32) reference always uses the correct conventions, so a fault shows as the difference between

@@ -139,7 +139,7 @@ def fault_table(records: Sequence[dict]) -> Table:
     for r in records:
         if r["kind"] == "fault":
             groups[(r["fault"], r["format"])].append(r)
-    table = Table(title="fault injection (SPEC.md 2.3): one convention changed, exact path always correct")
+    table = Table(title="fault injection (docs/spec.md §5): one convention changed, exact path always correct")
     for name, justify in (("fault", "left"), ("format", "left"), ("found", "right"), ("needle ranks", "right"),
                           ("exact ranks", "right"), ("set recall", "right"), ("margin", "right"),
                           ("needle score x", "right"), ("NaN", "right"), ("leaked", "right")):

@@ -1,4 +1,4 @@
-"""Synthetic needle-in-a-haystack data for the recall lab (the model of SPEC.md section 6).
+"""Synthetic needle-in-a-haystack data for the recall lab (the model of docs/spec.md §6).
 
 What is generated, for one *haystack* of N cached entries (context L = N * ratio tokens):
 
@@ -19,7 +19,7 @@ What is generated, for one *haystack* of N cached entries (context L = N * ratio
    * ``shared_ratio`` = |mu| / |zp| (both over D dims): how far the keys sit from the origin compared to
      how much they differ from each other. Per-entry scaling sets each entry's quantization step from its
      largest element, which grows with |mu|, while the needle is separated from the other entries only
-     by the individual part: a large ratio is what costs fp8 and fp4 their reach (SPEC.md 2.3.4, 6).
+     by the individual part: a large ratio is what costs fp8 and fp4 their reach (docs/spec.md §5.4, §6).
    * ``needle_strength`` = how many standard deviations (of the distractors' spread along the query
      direction) the needle entry stands out. The needle is written into the 4 tokens of one block as an
      extra direction ``u`` orthogonal to mu, so after pooling it lands in entry p (own-block half) and,
@@ -315,7 +315,7 @@ def prepare_queries(q: torch.Tensor, positions: torch.Tensor, rope_cos_sin: torc
                     layout: "RopeLayout | str", rope_dim: int, hadamard: bool) -> torch.Tensor:
     """Pre-rope queries [T, H, D] -> fp32 [T, H, D] after rope at their positions [T] and the rotation.
 
-    The query side of the indexer transform (SPEC.md 2.1): no norm, rope on the rope dims with ``layout``,
+    The query side of the indexer transform (docs/spec.md §2.1): no norm, rope on the rope dims with ``layout``,
     then the Hadamard rotation when ``hadamard``.
     """
     if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.numel() == 0:

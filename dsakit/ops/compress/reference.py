@@ -1,4 +1,4 @@
-"""Reference (fp32, CPU) of the DeepSeek-V4 compressor (SPEC.md section 3): pooled, pre-norm entries.
+"""Reference (fp32, CPU) of the DeepSeek-V4 compressor (docs/spec.md §3): pooled, pre-norm entries.
 
 With c = 2 when ``ratio == 4`` (overlapping windows) and c = 1 otherwise, and d the entry dim::
 

@@ -12,7 +12,7 @@ kernels. The decode path moves all of it into a plan built once per batch shape:
         index_topk_decode(q, weights, pool, "fp8", block_table, entry_counts, K, plan=plan)
     graph.replay()  # after writing the next step's q / weights / counts / positions into the same tensors
 
-Shapes (glossary of SPEC.md): q [B, next_n, H, 128] (bf16, fp8 e4m3fn with optional q_scale, or fp32 / fp16
+Shapes (glossary in docs/spec.md §1): q [B, next_n, H, 128] (bf16, fp8 e4m3fn with optional q_scale, or fp32 / fp16
 which costs one bf16 conversion per call), weights [B * next_n, H] or [B, next_n, H], pool uint8
 [P, page_bytes], block_table int [B, max_pages], entry_counts int [B], query_positions int [B, next_n] or
 [B * next_n] or None. Row r = b * next_n + i is query i of sequence b.

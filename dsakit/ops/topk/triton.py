@@ -51,7 +51,7 @@ from ...formats import KeyFormat
 from ..scores.reference import check_batch, check_queries, visible_counts
 
 # Default fp32 score workspace of index_topk_triton (bytes). 512 MiB keeps the peak extra memory at
-# T = 8192, N = 262144, K = 2048 under 1 GiB (issue 6) while chunks stay large enough (>= 512 rows at
+# T = 8192, N = 262144, K = 2048 under 1 GiB while chunks stay large enough (>= 512 rows at
 # N <= 256K) to fill the GPU.
 DEFAULT_WORKSPACE_BYTES = 512 << 20
 
