@@ -29,6 +29,27 @@ ENDPOINTS = ("chat", "completions")
 RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 
 
+class MalformedResponse(ValueError):
+    """A 200 response that is not a usable completion (retried like a dropped connection)."""
+
+
+def usage_count(usage, name: str) -> int | None:
+    """``usage[name]`` as a token count: None when absent, else a non-negative int (prompt_tokens >= 1).
+
+    A server that reports 0, a negative, a bool, a float (NaN included) or a string is broken: its counts
+    would steer the length calibration anywhere, so the response counts as malformed.
+    """
+    if not isinstance(usage, dict):
+        raise MalformedResponse(f"'usage' must be an object, got {usage!r:.80}")
+    value = usage.get(name)
+    if value is None:
+        return None
+    low = 1 if name == "prompt_tokens" else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise MalformedResponse(f"usage.{name} must be an int >= {low}, got {value!r:.80}")
+    return value
+
+
 class EndpointError(Exception):
     """A request that failed for good (non-retryable status, or retries exhausted)."""
 
@@ -59,6 +80,10 @@ class EndpointConfig:
         parts = urlsplit(self.base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError(f"base_url must look like http://host:port/v1, got {self.base_url!r}")
+        try:
+            parts.port  # noqa: B018 - urlsplit checks the port range only when it is read
+        except ValueError as exc:  # "Port out of range 0-65535": httpx would raise OverflowError much later
+            raise ValueError(f"base_url {self.base_url!r}: {exc}") from None
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
         if not self.model:
@@ -197,8 +222,8 @@ class OpenAIClient:
             except asyncio.TimeoutError:
                 last_error = f"Timeout: no complete response within {cfg.timeout_s} s"
             except (httpx.TransportError, httpx.StreamError, httpx.DecodingError, json.JSONDecodeError, KeyError,
-                    IndexError, TypeError, AttributeError) as exc:
-                # AttributeError/TypeError/KeyError: a 200 whose JSON is not shaped like a completion
+                    IndexError, TypeError, AttributeError, MalformedResponse) as exc:
+                # AttributeError/TypeError/KeyError/MalformedResponse: a 200 whose JSON is not a completion
                 last_error = f"{type(exc).__name__}: {exc}"
             if attempt > cfg.max_retries:
                 break
@@ -228,9 +253,10 @@ class OpenAIClient:
         else:
             content, reasoning = choice.get("text") or "", ""
         text, reasoning = split_reasoning(content, reasoning)
-        usage = data.get("usage") or {}
-        return Completion(text, reasoning, choice.get("finish_reason"), usage.get("prompt_tokens"),
-                          usage.get("completion_tokens"), 1, 0.0)
+        usage = data.get("usage")
+        usage = {} if usage is None else usage
+        return Completion(text, reasoning, choice.get("finish_reason"), usage_count(usage, "prompt_tokens"),
+                          usage_count(usage, "completion_tokens"), 1, 0.0)
 
     async def _send_stream(self, body: dict) -> "Completion | tuple[int, str, str | None]":
         content, reasoning = [], []
@@ -262,4 +288,5 @@ class OpenAIClient:
                 # the server went away mid-stream: treat like a dropped connection (retried)
                 raise httpx.RemoteProtocolError("stream ended before [DONE] and without a finish_reason")
         text, thought = split_reasoning("".join(content), "".join(reasoning))
-        return Completion(text, thought, finish, usage.get("prompt_tokens"), usage.get("completion_tokens"), 1, 0.0)
+        return Completion(text, thought, finish, usage_count(usage, "prompt_tokens"),
+                          usage_count(usage, "completion_tokens"), 1, 0.0)

@@ -220,7 +220,7 @@ class RetrievalModel:
         cfg = self.config
         fmt = KeyFormat.parse(key_format or cfg.key_format)
         k = cfg.topk if topk is None else topk
-        if not isinstance(k, int) or k < 1:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"topk must be a positive int, got {k!r}")
         tokens, spans = self.tokenizer.tokenize(prompt)
         s = len(tokens)
@@ -239,6 +239,7 @@ class RetrievalModel:
             if n == 0:
                 return Retrieval("I don't know", s, 0, [], [])
             r = cfg.compress_ratio
+            k = min(k, n)  # a larger k only pads with -1: same answer, without a [1, k] buffer of any size
             cache = PagedCache(fmt, num_pages=(n + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE)
             seq = cache.add_sequence()
             slots = cache.append(seq, n)

@@ -103,7 +103,10 @@ def render_chat(messages: list) -> tuple[str, tuple[int, int]]:
         role = str(message["role"])
         content = message.get("content") or ""
         if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if not all(isinstance(t, str) for t in texts):
+                raise RequestError(400, f"messages[{i}].content: the 'text' of a text part must be a string")
+            content = "".join(texts)
         if not isinstance(content, str):
             raise RequestError(400, f"messages[{i}].content must be a string or a list of text parts")
         header = f"<|{role}|>\n"
@@ -153,6 +156,9 @@ class ReferenceService:
             raise RequestError(400, str(exc)) from None
         if topk is not None and (not isinstance(topk, int) or isinstance(topk, bool) or topk < 1):
             raise RequestError(400, f"dsakit.topk must be a positive int, got {topk!r}")
+        limit = self.model.config.max_context  # no prompt has more entries than tokens
+        if topk is not None and topk > limit:
+            raise RequestError(400, f"dsakit.topk {topk} exceeds the max context of {limit} tokens")
         return fmt, topk, reasoning
 
     def _max_tokens(self, body: dict, default: int | None) -> int | None:
@@ -307,8 +313,10 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(size)
         try:
             return json.loads(raw or b"{}")
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # bytes json.loads cannot decode as UTF-8
             raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+        except RecursionError:  # arrays or objects nested deeper than the parser's recursion limit
+            raise RequestError(400, "request body is nested too deeply") from None
 
     def _drop(self) -> None:
         """Close the socket without a response (what a crashing server looks like to a client)."""
@@ -380,6 +388,9 @@ class _Handler(BaseHTTPRequestHandler):
 class ReferenceHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # listen backlog: the default of 5 makes the kernel reset connections when a harness opens dozens at once
+    # (every accepted connection gets its own thread, so the backlog only has to cover bursts)
+    request_queue_size = 256
 
     def __init__(self, address: tuple[str, int], service: ReferenceService, faults: FaultConfig = FaultConfig(),
                  verbose: bool = False, request_timeout: float = 120.0):

@@ -44,6 +44,15 @@ ERRORS_FILE = "errors.jsonl"
 RUN_FILE = "run.json"
 CALIBRATION_FILE = "calibration.json"
 DEFAULT_WORDS_PER_TOKEN = 0.75
+# Calibration refuses word budgets above MAX_WORDS_PER_TOKEN * target + MAX_EXTRA_WORDS. Real tokenizers give
+# about 1.3 tokens per English filler word (at least ~0.5 for tokenizers that merge across spaces); a server
+# whose usage.prompt_tokens stays constant or far too small would otherwise make the fitted budget grow by the
+# ratio target / reported on every probe (a prompt of billions of words).
+MAX_WORDS_PER_TOKEN = 4
+MAX_EXTRA_WORDS = 64
+#: Longest context a sweep may ask for (tokens): 16 Mi, far beyond any served model, still a prompt that fits in
+#: memory (about 100 MB of text).
+MAX_LENGTH = 1 << 24
 
 
 def _not_int(value) -> bool:
@@ -82,6 +91,9 @@ class SweepConfig:
         object.__setattr__(self, "depths", tuple(self.depths))
         if not self.lengths or any(_not_int(n) or n < 1 for n in self.lengths):
             raise ValueError(f"lengths must be positive token counts, got {self.lengths!r}")
+        too_long = [n for n in self.lengths if n > MAX_LENGTH]
+        if too_long:
+            raise ValueError(f"lengths {too_long} exceed the longest supported context of {MAX_LENGTH} tokens")
         if not self.depths or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d <= 1.0
                                   for d in self.depths):
             raise ValueError(f"depths must lie in [0, 1], got {self.depths!r}")
@@ -211,6 +223,30 @@ class Calibration:
         return Calibration({int(k): int(v) for k, v in data.get("words", {}).items()}, list(data.get("probes", [])),
                            {int(k): float(v) for k, v in data.get("chars_per_token", {}).items()})
 
+    @staticmethod
+    def load(path: Path) -> "Calibration":
+        """Read ``calibration.json``; ValueError naming the file when it is not one this module wrote."""
+        data = _read_json_object(path)
+        try:
+            calibration = Calibration.from_json(data)
+            for p in calibration.probes:
+                if not isinstance(p, dict) or _not_int(p.get("words")) or _not_int(p.get("prompt_tokens")):
+                    raise ValueError(f"probe {p!r:.80} needs int 'words' and 'prompt_tokens'")
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{path} is not a calibration file ({exc}); delete it to calibrate again") from None
+        return calibration
+
+
+def _read_json_object(path: Path) -> dict:
+    """A JSON object from ``path``; ValueError naming the file when it is unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
 
 async def calibrate_length(cell: Cell, builder: PromptBuilder, client: OpenAIClient, calibration: Calibration,
                            config: SweepConfig) -> int:
@@ -226,6 +262,13 @@ async def calibrate_length(cell: Cell, builder: PromptBuilder, client: OpenAICli
             words = max(0, words)
             if words in tried:
                 break
+        cap = MAX_WORDS_PER_TOKEN * target + MAX_EXTRA_WORDS
+        if words > cap:
+            seen = [p["prompt_tokens"] for p in calibration.probes if p["length"] == target][-4:]
+            raise ValueError(f"calibrating {target} tokens would need {words} filler words, more than {cap} "
+                             f"({MAX_WORDS_PER_TOKEN} per token): the server's usage.prompt_tokens "
+                             f"{seen or [p['prompt_tokens'] for p in calibration.probes[-4:]]} do not grow with the "
+                             f"prompt as token counts do; check the server or pass --tokenizer")
         tried.add(words)
         prompt = builder.build(cell, words)
         completion = await client.complete(prompt.text, max_tokens=1)
@@ -319,7 +362,9 @@ def check_run_file(out_dir: Path, fingerprint: dict, resume: bool) -> None:
         raise ValueError(f"{results} already holds results: pass --resume to continue that run, or choose "
                          f"another --out")
     if run_path.exists() and resume:
-        previous = json.loads(run_path.read_text()).get("fingerprint", {})
+        previous = _read_json_object(run_path).get("fingerprint", {})
+        if not isinstance(previous, dict):
+            raise ValueError(f"{run_path}: 'fingerprint' must be a JSON object, got {previous!r:.80}")
         changed = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))
         if changed:
             raise ValueError(f"--resume: settings differ from the run in {out_dir} ({', '.join(changed)}); "
@@ -339,7 +384,14 @@ async def run_sweep(config: SweepConfig, endpoint: EndpointConfig, out_dir: "str
     """
     listener = listener or SweepListener()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output directory {out} is a file: choose a directory for --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create output directory {out}: {exc.strerror or exc}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"output directory {out} is not writable")
     config.templates.check_filler_is_distinct()
     fingerprint = config.fingerprint(endpoint, tokenizer_spec or (counter.name if counter is not None else None))
     check_run_file(out, fingerprint, resume)
@@ -364,8 +416,7 @@ async def run_sweep(config: SweepConfig, endpoint: EndpointConfig, out_dir: "str
         async with client_factory(endpoint, config.concurrency) as client:
             if counter is None and pending:
                 cal_path = out / CALIBRATION_FILE
-                calibration = (Calibration.from_json(json.loads(cal_path.read_text()))
-                               if resume and cal_path.exists() else Calibration())
+                calibration = Calibration.load(cal_path) if resume and cal_path.exists() else Calibration()
                 for length in sorted({c.length for c in pending}):
                     if length in calibration.words:
                         continue

@@ -21,7 +21,7 @@ forward hooks; :func:`save_captured` writes the file; :func:`run_captured` runs 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +68,11 @@ class CapturedTensors:
             if not x.is_floating_point():
                 raise ValueError(f"{name} must be a floating tensor, got {x.dtype}")
             setattr(self, name, x.detach().cpu().float())
+        for name in ("needle_entries", "query_positions"):
+            x = getattr(self, name)
+            if x is not None and not _holds_ints(x):
+                # .long() would truncate 3.7 to entry 3 and True to entry 1 without a word
+                raise ValueError(f"{name} must hold integers, got {getattr(x, 'dtype', x)!r:.80}")
         if self.needle_entries is not None:
             e = torch.as_tensor(self.needle_entries).detach().cpu().long().flatten()
             if e.numel() == 0 or bool((e < 0).any()) or bool((e >= k.shape[0]).any()):
@@ -78,8 +83,23 @@ class CapturedTensors:
             if p.shape != (t,) or bool((p < 0).any()):
                 raise ValueError(f"query_positions must be [T] = [{t}] non-negative ints, got {p.tolist()[:8]}")
             self.query_positions = p
-        if not isinstance(self.ratio, int) or self.ratio < 1:
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, int) or self.ratio < 1:
             raise ValueError(f"ratio must be a positive int, got {self.ratio!r}")
+
+
+def _holds_ints(x) -> bool:
+    """An integer tensor or array, or a (nested) list of Python ints; floats and bools are not entry indices."""
+    if isinstance(x, (list, tuple)):
+        return all(_holds_ints(v) for v in x)
+    if isinstance(x, (bool, float, complex)):
+        return False
+    if isinstance(x, int):
+        return True
+    try:
+        t = torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 def save_captured(path: "str | Path", captured: CapturedTensors) -> Path:
@@ -99,18 +119,24 @@ def save_captured(path: "str | Path", captured: CapturedTensors) -> Path:
 
 def load_captured(path: "str | Path") -> CapturedTensors:
     """Read a captured-tensor file; raises ValueError naming what is missing or malformed."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"captured tensor file {str(path)!r} is a directory; pass the .safetensors file in it")
     if not path.is_file():
         raise ValueError(f"captured tensor file {str(path)!r} does not exist")
-    with safe_open(str(path), framework="pt") as fh:
-        names = set(fh.keys())
-        missing = {"q", "k", "weights"} - names
-        if missing:
-            raise ValueError(f"{path} lacks tensor(s) {sorted(missing)}; it needs q [T,H,D], k [N,D], weights [T,H]")
-        meta = fh.metadata() or {}
-        get = {name: fh.get_tensor(name) for name in names}
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            names = set(fh.keys())
+            missing = {"q", "k", "weights"} - names
+            if missing:
+                raise ValueError(f"{path} lacks tensor(s) {sorted(missing)}; it needs q [T,H,D], k [N,D], "
+                                 f"weights [T,H]")
+            meta = fh.metadata() or {}
+            get = {name: fh.get_tensor(name) for name in names}
+    except (SafetensorError, OSError) as exc:  # empty, truncated or not a safetensors file at all
+        raise ValueError(f"{path} is not a readable safetensors file ({exc})") from None
     rotated = meta.get("rotated", "true").lower()
     if rotated not in ("true", "false"):
         raise ValueError(f"metadata 'rotated' must be 'true' or 'false', got {rotated!r}")
@@ -123,11 +149,14 @@ def load_captured(path: "str | Path") -> CapturedTensors:
 
 
 def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Sequence[int],
-                 backend: str = "reference", source: str = "captured") -> list[dict]:
+                 backend: str = "reference", source: str = "captured",
+                 on_run: "Callable[[dict], None] | None" = None) -> list[dict]:
     """Quantize the captured keys into a paged cache per format and compare the ops' top-k with exact scoring.
 
-    One record per (format, k). Needle metrics use, per query row, the best needle entry; ``needle_rank`` and
-    ``found`` report the worst row among the rows that can see a needle entry (every such row must find it).
+    One record per (format, k), also handed to ``on_run`` as it is made. Needle metrics use, per query row,
+    the best needle entry; ``needle_rank`` and ``found`` report the worst row among the rows that can see a
+    needle entry (every such row must find it). A k above the number of entries N selects what k = N does
+    (the rest is -1 padding, which no metric counts), so it runs as N: a huge k costs nothing.
     """
     from .haystack import _finite_or_none, _pages_for
     from .settings import _is_int, lab_device
@@ -140,6 +169,8 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
     formats = [KeyFormat.parse(name).name for name in formats]  # every name checked before any work
     if any(not _is_int(k) or k < 1 for k in topks):
         raise ValueError(f"topks must be positive ints, got {list(topks)!r}")
+    if on_run is not None and not callable(on_run):
+        raise ValueError(f"on_run must be callable, got {on_run!r}")
     device = lab_device(backend)
     q, k = captured.q, captured.k
     if not captured.rotated:
@@ -161,11 +192,12 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
                       query_positions=None if pos is None else pos.to(device), ratio=captured.ratio)
         scores = scores_ops.index_scores(**common, backend=backend).float().cpu()
         for kk in topks:
-            exact_topk = topk_ops.select_topk(exact_scores, kk)
+            k_run = min(kk, n)
+            exact_topk = topk_ops.select_topk(exact_scores, k_run)
             if resolve_backend(backend, cache.pool) == "reference":
-                topk = topk_ops.select_topk(scores, kk)
+                topk = topk_ops.select_topk(scores, k_run)
             else:
-                topk = topk_ops.index_topk(**common, k=kk, backend=backend).cpu()
+                topk = topk_ops.index_topk(**common, k=k_run, backend=backend).cpu()
             rec = {"kind": "run", "source": source, "fault": "none", "format": fmt.name, "index_topk": kk,
                    "context_tokens": n * captured.ratio, "entries": n, "query_tokens": t, "depth": None,
                    "set_recall": metrics.set_recall(topk, exact_topk),
@@ -192,6 +224,8 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
                 rec.update({"needle_rank": None, "exact_rank": None, "found": None, "exact_found": None,
                             "margin": None, "exact_margin": None})
             records.append(rec)
+            if on_run is not None:
+                on_run(rec)
     return records
 
 

@@ -1,5 +1,6 @@
 """``dsakit recall``: the needle-in-a-haystack recall lab on the command line (a thin layer over dsakit.recall)."""
 
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,6 +27,29 @@ def _numbers(text: str, what: str, kind: type = int) -> tuple:
     if not values:
         raise typer.BadParameter(f"{what} is empty")
     return values
+
+
+# Peak memory of a synthetic haystack per context token: the compressor's token states (two [S, 2 D] fp32
+# draws) and the pooling's intermediates, measured at 64 Ki tokens with D = 128 (about 8 KiB).
+HAYSTACK_BYTES_PER_TOKEN = 8 << 10
+
+
+def physical_memory_bytes() -> int | None:
+    """Installed memory of this machine (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_haystack_fits(option: str, context_tokens: int, memory: int | None = None) -> None:
+    """ValueError naming ``option`` and the size when a haystack of ``context_tokens`` cannot fit in memory
+    (checked before the sweep: the allocator would otherwise fail mid-run with a traceback)."""
+    memory = physical_memory_bytes() if memory is None else memory
+    need = context_tokens * HAYSTACK_BYTES_PER_TOKEN
+    if memory is not None and need > memory:
+        raise ValueError(f"{option} {context_tokens} tokens needs about {need / 2**30:.0f} GiB for the synthetic "
+                         f"haystack, more than this machine's {memory / 2**30:.0f} GiB of memory")
 
 
 def _formats(text: str) -> tuple:
@@ -112,11 +136,29 @@ def recall(
             horizon_min=horizon_min, horizon_max=horizon_max,
             faults=tuple(f.name for f in parse_faults(faults)), fault_format=fault_format,
             fault_contexts=_numbers(fault_contexts, "--fault-contexts"), seed=seed, backend=backend)
+        check_haystack_fits("--contexts", max(settings.contexts))
+        if settings.faults:
+            check_haystack_fits("--fault-contexts", max(settings.fault_contexts))
+        if settings.horizon:
+            check_haystack_fits("--horizon-max", settings.horizon_max)
+        common = {"seed": seed, "versions": report.versions(), "commit": report.git_commit(),
+                  "settings": settings.as_dict(), "ops_backend": op_backends(backend)}
+        # opened before the sweep (a bad --out fails now, not after it); records are written as they finish
+        writer = report.RunWriter(out / report.JSONL_NAME, common)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
+    with writer:
+        _run_synthetic(console, settings, topks, writer, quiet, plot, out, preset, shared_ratio, needle_strength,
+                       backend, seed)
+    console.print(f"done in {time.time() - started:.0f} s. Synthetic keys model one mechanism (a shared key "
+                  f"component under per-entry scaling), not a trained model: see docs/recall.md.")
 
-    common = {"seed": seed, "versions": report.versions(), "commit": report.git_commit(),
-              "settings": settings.as_dict(), "ops_backend": op_backends(backend)}
+
+def _run_synthetic(console: Console, settings: RecallSettings, topks: tuple, writer, quiet: bool, plot: bool,
+                   out: Path, preset: str, shared_ratio: float, needle_strength: float, backend: str,
+                   seed: int) -> None:
+    from . import report
+
     console.print(f"[bold]dsakit recall[/]: preset {preset}, formats {', '.join(settings.formats)}, top-k "
                   f"{', '.join(map(str, topks))}, contexts {settings.contexts[0]}..{settings.contexts[-1]} tokens, "
                   f"shared_ratio {shared_ratio:g}, needle_strength {needle_strength:g}, backend {backend}, seed {seed}",
@@ -130,6 +172,7 @@ def recall(
         task = progress.add_task("needle sweep", total=n_sweep)
 
         def on_run(rec: dict) -> None:
+            writer.write(rec)
             if not quiet:
                 progress.console.print(report.format_run_line(rec), highlight=False, soft_wrap=True)
             progress.advance(task)
@@ -143,6 +186,8 @@ def recall(
             task = progress.add_task("horizon bisection (probes)", total=None)
             horizon_rows, point_rows = recall_horizon(settings, on_point=lambda _: progress.advance(task))
             records += horizon_rows + point_rows
+            for rec in horizon_rows + point_rows:
+                writer.write(rec)
 
     for k in topks:
         console.print(report.summary_table(records, k))
@@ -152,12 +197,9 @@ def recall(
         console.print(report.fault_table(records))
         for line in report.fault_signatures(records):
             console.print(f"  {line}", highlight=False, soft_wrap=True)
-    path = report.write_jsonl(out / report.JSONL_NAME, records, common)
-    console.print(f"runs: {path}")
+    console.print(f"runs: {writer.path}")
     if plot:
         console.print(f"heatmap: {report.plot_heatmap(records, out / report.HEATMAP_NAME)}")
-    console.print(f"done in {time.time() - started:.0f} s. Synthetic keys model one mechanism (a shared key "
-                  f"component under per-entry scaling), not a trained model: see docs/recall.md.")
 
 
 def _run_captured_cli(console: Console, path: Path, formats: tuple, topks: tuple, backend: str, seed: int,
@@ -168,7 +210,11 @@ def _run_captured_cli(console: Console, path: Path, formats: tuple, topks: tuple
     from .captured import load_captured, run_captured
 
     captured = load_captured(path)
-    records = run_captured(captured, formats, topks, backend=backend, source=str(path))
+    common = {"seed": seed, "versions": report.versions(), "commit": report.git_commit(),
+              "settings": {"captured": str(path), "formats": list(formats), "topks": list(topks), "backend": backend,
+                           "ratio": captured.ratio, "rotated": captured.rotated}}
+    with report.RunWriter(out / report.JSONL_NAME, common) as writer:  # a bad --out fails before the work
+        records = run_captured(captured, formats, topks, backend=backend, source=str(path), on_run=writer.write)
     table = Table(title=f"captured tensors {path} (T={captured.q.shape[0]}, N={captured.k.shape[0]}, "
                         f"rotated={captured.rotated})")
     for name in ("format", "top-k", "needle rank", "exact rank", "found", "set recall", "margin", "NaN", "leaked"):
@@ -178,7 +224,4 @@ def _run_captured_cli(console: Console, path: Path, formats: tuple, topks: tuple
                       f"{r['set_recall']:.3f}", "-" if r["margin"] is None else f"{r['margin']:+.2f}",
                       f"{r['nan_fraction']:.2%}", str(r["leaked"]))
     console.print(table)
-    common = {"seed": seed, "versions": report.versions(), "commit": report.git_commit(),
-              "settings": {"captured": str(path), "formats": list(formats), "topks": list(topks), "backend": backend,
-                           "ratio": captured.ratio, "rotated": captured.rotated}}
-    console.print(f"runs: {report.write_jsonl(out / report.JSONL_NAME, records, common)}")
+    console.print(f"runs: {writer.path}")

@@ -184,14 +184,49 @@ def _clean(value):
     return value
 
 
+class RunWriter:
+    """Writes records to a JSONL file as they finish (one line each, flushed), so a run that fails later
+    keeps every finished record. Opening it creates the folder and truncates the file: a bad output
+    location fails before any work, with a ValueError naming the path.
+
+    >>> with RunWriter(out / JSONL_NAME, common) as writer:
+    ...     writer.write(record)
+    """
+
+    def __init__(self, path: "str | Path", common: dict):
+        self.path = Path(path)
+        self.common = common
+        folder = self.path.parent
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"output folder {str(folder)!r} is a file: choose a folder for --out")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self._fh = self.path.open("w", encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"cannot write {str(self.path)!r}: {exc.strerror or exc}") from None
+        self.count = 0
+
+    def write(self, record: dict) -> None:
+        self._fh.write(json.dumps(_clean({**record, **self.common}), sort_keys=True) + "\n")
+        self._fh.flush()
+        self.count += 1
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> "RunWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def write_jsonl(path: "str | Path", records: Iterable[dict], common: dict) -> Path:
     """One JSON object per line: every record merged with ``common`` (seed, versions, commit, settings)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as fh:
+    with RunWriter(path, common) as writer:
         for rec in records:
-            fh.write(json.dumps(_clean({**rec, **common}), sort_keys=True) + "\n")
-    return path
+            writer.write(rec)
+    return writer.path
 
 
 def read_jsonl(path: "str | Path") -> list[dict]:
