@@ -137,6 +137,12 @@ def test_validation_names_the_bad_value():
         context_parallel_index_topk(q, w, batch, 4, ContextParallelPlan.zigzag(torch.zeros(6, dtype=torch.int32), 2, 0))
     with pytest.raises(ValueError, match="not initialized"):
         all_gather_pages(cache.pool, cache.fmt, torch.tensor([0]))
+    with pytest.raises(ValueError, match="local_rows"):
+        context_parallel_index_topk(q, w, batch, 4, plan, local_rows=[0, 1])
+    with pytest.raises(ValueError, match="local_rows=None"):
+        context_parallel_index_topk(q, w, batch, 4, plan, local_rows=slice(0, 2), gather=True)
+    with pytest.raises(ValueError, match="1 query rows"):
+        context_parallel_index_topk(q, w, batch, 4, plan, local_rows=slice(1, None))
     # no collective needed: the local result is the ordinary top-k of the local rows
     local = context_parallel_index_topk(q, w, batch, 4, plan, backend="reference")
     assert local.shape == (2, 4)
@@ -232,6 +238,10 @@ def _case(fmt: KeyFormat, ratio: int, world: int, rank: int, group) -> None:
     batch = batch_of(mine)
     local = context_parallel_index_topk(plan.take(q), plan.take(w), batch, k, plan, backend="reference")
     assert torch.equal(local, want_idx[plan.rows])
+    half = plan.num_local // 2  # the local rows in two calls
+    parts = [context_parallel_index_topk(plan.take(q)[part], plan.take(w)[part], batch, k, plan, backend="reference",
+                                         local_rows=part) for part in (slice(0, half), slice(half, None))]
+    assert torch.equal(torch.cat(parts), local)
     got_idx, got_slots = context_parallel_index_topk(plan.take(q), plan.take(w), batch, k, plan, group=group,
                                                      gather=True, backend="reference", return_slots=True)
     assert torch.equal(got_idx, want_idx) and torch.equal(got_slots, want_slots), (fmt.name, ratio, world, rank)

@@ -11,7 +11,7 @@ from .split import ContextParallelPlan
 
 def context_parallel_index_topk(q: torch.Tensor, weights: torch.Tensor, batch, k: int, plan: ContextParallelPlan,
                                 *, group=None, gather: bool = False, backend: str = "auto",
-                                return_slots: bool = False):
+                                return_slots: bool = False, local_rows: slice | None = None):
     """Top-k of this rank's query rows of a ragged batch; optionally gathered back to the full [T, k].
 
     q [T_r, H, 128] and weights [T_r, H]: this rank's rows (``plan.take(q_full)``, T_r = plan.num_local).
@@ -24,6 +24,10 @@ def context_parallel_index_topk(q: torch.Tensor, weights: torch.Tensor, batch, k
     order, or with ``gather=True`` the full int32 [T, k] in the batch's order on every rank (one
     all-gather). ``return_slots=True`` returns ``(indices, slots)`` (slots via the block table, -1 kept).
     Not collective unless ``gather=True``.
+
+    ``local_rows``: a slice of this rank's rows (``plan.rows[local_rows]``) to run in this call, with q /
+    weights holding just those rows: a long prefill's local rows in calls of a few thousand queries, each
+    output consumed before the next (bounded memory). Not with ``gather=True``.
     """
     if not isinstance(plan, ContextParallelPlan):
         raise ValueError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
@@ -33,11 +37,19 @@ def context_parallel_index_topk(q: torch.Tensor, weights: torch.Tensor, batch, k
         raise ValueError(f"gather must be a bool, got {gather!r}")
     if batch.num_queries != plan.num_queries:
         raise ValueError(f"plan covers {plan.num_queries} queries, the batch has {batch.num_queries}")
+    rows = plan.rows
+    if local_rows is not None:
+        if not isinstance(local_rows, slice) or local_rows.step not in (None, 1):
+            raise ValueError(f"local_rows must be a slice with step 1 or None, got {local_rows!r}")
+        if gather:
+            raise ValueError("gather=True needs every local row in one call (local_rows=None)")
+        rows = rows[local_rows]
     for what, x in (("q", q), ("weights", weights)):
-        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != plan.num_local:
-            raise ValueError(f"{what} must hold this rank's {plan.num_local} query rows (plan.take of the full "
-                             f"tensor), got {list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    local = _batch.select_queries(batch, plan.rows)
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != rows.numel():
+            raise ValueError(f"{what} must hold this rank's {rows.numel()} query rows (plan.take of the full "
+                             f"tensor, sliced by local_rows), got "
+                             f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    local = _batch.select_queries(batch, rows)
     out = _batch.index_topk(q, weights, local, k, backend=backend, return_slots=return_slots)
     if not gather:
         return out
