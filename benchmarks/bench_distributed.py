@@ -331,7 +331,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, default=2, help="processes / GPUs of the context-parallel group")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--smoke", action="store_true", help="toy sizes (with --device cpu: gloo, reference backend)")
-    p.add_argument("--contexts", default=None, help="comma list of context tokens (default 262144,1048576)")
+    p.add_argument("--contexts", default=None, help="comma list of context tokens (default 1048576,262144: the targets first)")
     p.add_argument("--formats", default="fp8,bf16")
     p.add_argument("--ks", default=None, help="comma list of top-K (default 512,2048)")
     p.add_argument("--rows-per-call", type=int, default=None, help="query rows per top-k call (default 8192)")
@@ -341,7 +341,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--commit", default=None)
     args = p.parse_args(argv)
     smoke = args.smoke
-    args.contexts = [int(x) for x in (args.contexts or ("2048,4096" if smoke else "262144,1048576")).split(",")]
+    args.contexts = [int(x) for x in (args.contexts or ("2048,4096" if smoke else "1048576,262144")).split(",")]
     args.formats = args.formats.split(",")
     args.ks = [int(x) for x in (args.ks or ("8,32" if smoke else "512,2048")).split(",")]
     args.rows_per_call = args.rows_per_call or (256 if smoke else 8192)
