@@ -324,3 +324,76 @@ def test_triton_refuses_centred_pages_until_supported():
     with pytest.raises(ValueError, match="fp8-centred"):
         index_scores_triton(torch.zeros(1, 1, 128), torch.ones(1, 1), pool, fmt, torch.zeros(1, 1, dtype=torch.int32),
                             torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------------------------------
+# Recall lab: the needle of a centred format is stored with its whole page(s)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_lab_needle_rows_cover_whole_pages():
+    from dsakit.recall.haystack import needle_rows, with_needle
+
+    entries = torch.tensor([63, 64])
+    assert torch.equal(needle_rows(KeyFormat.FP8, entries, 100), entries)
+    rows = needle_rows(KeyFormat.FP8_CENTRED, entries, 100)
+    assert torch.equal(rows, torch.arange(100))  # page 0 whole, page 1 up to the last entry
+    keys = torch.zeros(100, 128)
+    out = with_needle(keys, rows, entries, torch.ones(2, 128))
+    assert out[63:65].eq(1).all() and out[:63].eq(0).all() and out[65:].eq(0).all()
+
+
+def test_lab_horizon_patch_equals_storing_the_haystack_with_the_needle():
+    """The horizon patches each trial's needle pages from a store of their own; the scores must equal those
+    of the whole haystack stored with the needle in place (a needle at entry 0 of a page moves its centre)."""
+    from dsakit.recall import horizon, settings as lab_settings
+    from dsakit.recall.synthetic import (SyntheticConfig, make_haystack, make_queries, model_weights,
+                                         place_needles, prepare_queries, query_positions)
+
+    config = SyntheticConfig(query_tokens=1)
+    gen = torch.Generator().manual_seed(0)
+    norm_weight, ape = model_weights(config, gen)
+    hay = make_haystack(config, 200, gen, norm_weight, ape)
+    table = config.geometry.rope.cos_sin_table(801)
+    probe = horizon.HorizonHaystack(hay, table, "reference", torch.device("cpu"), seed=0)
+    n = 150
+    sub = horizon.haystack_prefix(hay, n)
+    directions = torch.randn(3, 128, generator=gen)
+    directions[:, :64] = 0  # orthogonal to mu is not needed here: any needle moves the page centre
+    directions /= directions.norm(dim=1, keepdim=True)
+    needles = place_needles(sub, [64, 10, 127], directions)  # entry 0 of page 1; inside page 0; across pages
+    qpos = query_positions(config, n * 4, 1)
+    tr = config.geometry.key_transform
+    q_pre, w = zip(*(make_queries(sub, nd, qpos, gen) for nd in needles))
+    q = prepare_queries(torch.cat(q_pre), qpos.expand(3), table, tr.rope_layout, tr.rope_dim, tr.hadamard)
+    w = torch.cat(w)
+    fmt = KeyFormat.FP8_CENTRED
+    scores = scores_ops.index_scores_dense(q, w, probe.keys(fmt)[:n])
+    probe._patch_pages(fmt, scores, q, w, needles, n)
+    for i, nd in enumerate(needles):
+        keys = sub.keys.clone()
+        keys[nd.entries] = nd.keys
+        truth = scores_ops.index_scores_dense(q[i:i + 1], w[i:i + 1], probe._stored(fmt, keys, torch.arange(n) * 4))
+        torch.testing.assert_close(scores[i:i + 1], truth, rtol=1e-5, atol=1e-5)
+    assert lab_settings.ALL_FORMATS[-2:] == ("fp8-centred", "fp4-centred")
+
+
+def test_lab_missing_centre_fault_row():
+    from dsakit.recall import RecallSettings, run_faults
+    from dsakit.recall.faults import FAULTS
+    from dsakit.recall.sweep import fault_carriers
+    from dsakit.recall.synthetic import SyntheticConfig
+
+    settings = RecallSettings(config=SyntheticConfig(query_tokens=2), formats=("bf16",), topks=(64,),
+                              contexts=(1024,), depths=(0.5,), horizon=False,
+                              faults=("missing-centre", "missing-key-scale"), fault_contexts=(1024,),
+                              fault_depths=(0.5,), seed=1)
+    pairs = {(f.name, fmt.name) for f, fmt in fault_carriers(settings)}
+    assert pairs == {("none", "fp8-centred"), ("missing-centre", "fp8-centred"), ("none", "fp8"),
+                     ("missing-key-scale", "fp8")}
+    assert not FAULTS["missing-centre"].applies_to(KeyFormat.FP8)
+    assert FAULTS["missing-centre"].applies_to(KeyFormat.FP4_CENTRED)
+    rows = {(r["fault"], r["format"]): r for r in run_faults(settings)}
+    base, fault = rows[("none", "fp8-centred")], rows[("missing-centre", "fp8-centred")]
+    assert base["needle_score_ratio"] == pytest.approx(1.0, abs=0.05)
+    assert abs(fault["needle_score_ratio"] - 1.0) > 0.3  # the q . c term is most of every score

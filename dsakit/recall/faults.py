@@ -15,6 +15,7 @@ fp8-read-as-fnuz           fp8 key bytes decoded as e4m3fnuz (exponent bias 8, 0
 causal-early               entry visible one entry early: j < (t + 1) // ratio + 1                scores (mask)
 causal-late                entry visible one entry late: j < (t + 1) // ratio - 1                 scores (mask)
 missing-key-scale          fp8 keys dequantized without their per-entry scale                     keys (read)
+missing-centre             page-centred keys read without their page's centre (q . c dropped)     keys (read)
 =========================  ====================================================================  ==============
 
 The causal faults are injected by handing the scores op query positions shifted by one entry (ratio tokens);
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import KeyFormat, decode_e4m3
+from ..formats import KeyFormat, decode_e4m3, is_centred
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,16 @@ class Fault:
     key_scale: bool = True  # False: fp8 keys dequantized without their scale
     visibility_shift: int = 0  # entries added to the causal visible count
     fp8_only: bool = False  # only meaningful for fp8 formats
+    centre: bool = True  # False: page-centred keys read as their residuals alone
+    centred_only: bool = False  # only meaningful for the page-centred formats
 
     @property
     def custom_reader(self) -> bool:
         """True when the keys must be decoded by the fault's own reader instead of the scores op."""
-        return self.fp8_read != "e4m3fn" or not self.key_scale
+        return self.fp8_read != "e4m3fn" or not self.key_scale or not self.centre
 
     def applies_to(self, fmt: KeyFormat) -> bool:
-        return not self.fp8_only or fmt.kind == "fp8"
+        return (not self.fp8_only or fmt.kind == "fp8") and (not self.centred_only or is_centred(fmt))
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -75,6 +78,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "needle score ratio ~100x the baseline's (448 / amax); entries are reweighted by 1 / scale, so ranks "
           "change only where the entries' largest elements differ",
           key_scale=False, fp8_only=True),
+    Fault("missing-centre", "page-centred keys read without their page's centre (the q . c term dropped)",
+          "needle score ratio far from 1 and ranks scrambled across pages: each page's scores lose a different "
+          "offset q . c, so the needle survives only against entries of its own page",
+          centre=False, centred_only=True),
 )}
 
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from ..cache import PagedCache, read_entries
-from ..formats import ENTRIES_PER_PAGE, KeyFormat
+from ..formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
 from ..ops import scores as scores_ops
 from ..ops import store as store_ops
 from ..ops import topk as topk_ops
@@ -52,6 +52,25 @@ def key_transform_for(config: SyntheticConfig, fault: Fault) -> KeyTransform:
 
 def _pages_for(entries: int) -> int:
     return max(1, (entries + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE)
+
+
+def needle_rows(fmt: KeyFormat, entries: torch.Tensor, num_entries: int) -> torch.Tensor:
+    """Entries (int64 [R]) to store again when ``entries`` change: themselves, or for a page-centred format
+    every entry (< num_entries) of their pages, since a new entry 0 changes its page's centre."""
+    entries = entries.long()
+    if not is_centred(fmt):
+        return entries
+    pages = torch.unique(entries // ENTRIES_PER_PAGE)
+    rows = (pages[:, None] * ENTRIES_PER_PAGE + torch.arange(ENTRIES_PER_PAGE)).reshape(-1)
+    return rows[rows < num_entries]
+
+
+def with_needle(keys: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor, needle_keys: torch.Tensor) -> torch.Tensor:
+    """keys[rows] with the needle's keys in place at its ``entries`` (a subset of rows)."""
+    out = keys[rows].clone()
+    position = {int(r): i for i, r in enumerate(rows.tolist())}
+    out[torch.tensor([position[int(e)] for e in entries.tolist()], dtype=torch.long)] = needle_keys
+    return out
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -109,7 +128,12 @@ class StoredHaystack:
         cache, seq, slots = self.caches[fmt_name]
         if self.fault.custom_reader:
             values, scales = read_entries(cache.pool, cache.fmt, slots)
-            keys = decode_fp8_entries(values, scales, self.fault)
+            if cache.fmt.kind == "fp8":
+                keys = decode_fp8_entries(values, scales, self.fault)
+            else:  # the read faults of fp4 residuals: only a missing centre
+                keys = KeyFormat.parse(cache.fmt.kind).dequantize(values, scales)
+            if is_centred(cache.fmt) and self.fault.centre:
+                keys = keys + cache.fmt.read_centres(cache.pool, slots)  # the fault is in the residual's decoding
             scores = scores_ops.index_scores_dense(q, weights, keys, op_positions, self.config.ratio)
             return scores, {k: topk_ops.select_topk(scores, k) for k in ks}
         common = self.op_kwargs(fmt_name, q, weights, op_positions)
@@ -147,12 +171,16 @@ class StoredHaystack:
         op_positions = qpos + self.fault.visibility_shift * ratio
         records = []
         for fmt_name, (cache, seq, slots) in self.caches.items():
-            needle_slots = slots[needle.entries.to(slots.device)]
-            self._store(fmt_name, needle.keys, needle.entries * ratio, needle_slots)
+            # page-centred formats: the needle's pages are stored again whole, as a cache filling in order would
+            # hold them (a needle at entry 0 of a page is that page's centre)
+            rows = needle_rows(cache.fmt, needle.entries, hay.num_entries)
+            row_keys = with_needle(hay.keys, rows, needle.entries, needle.keys)
+            row_slots = slots[rows.to(slots.device)]
+            self._store(fmt_name, row_keys, rows * ratio, row_slots)
             try:
                 scores, topk = self._scores_and_topk(fmt_name, q_fmt, weights, op_positions, ks)
             finally:  # put the haystack's own entries back: the next depth starts from a clean cache
-                self._store(fmt_name, hay.keys[needle.entries], needle.entries * ratio, needle_slots)
+                self._store(fmt_name, hay.keys[rows], rows * ratio, row_slots)
             rank = metrics.needle_rank(scores[-1], needle.entries)
             for k in ks:
                 records.append({

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import PagedCache
-from ..formats import KeyFormat
+from ..formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
 from ..ops import scores as scores_ops
 from ..ops import store as store_ops
 from . import metrics
-from .haystack import _pages_for
+from .haystack import _pages_for, needle_rows, with_needle
 from .settings import ProgressFn, RecallSettings, generator_for, lab_device, rope_table
 from .synthetic import (Haystack, make_haystack, make_queries, model_weights, needle_direction, needle_entry_for_depth,
                         place_needles, prepare_queries, query_positions)
@@ -85,6 +85,38 @@ class HorizonHaystack:
                                    transform=self.haystack.config.geometry.key_transform, backend=self.backend)
         return cache.gather(seq)
 
+    def _patch_pages(self, fmt: KeyFormat, scores: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
+                     needles: Sequence, n: int) -> None:
+        """Page-centred formats: a needle can be its page's entry 0, hence its centre, so each trial's needle
+        pages (entries < n) are stored again whole, each page from its entry 0, and all their scores patched."""
+        ratio = self.haystack.config.ratio
+        blocks = []  # per trial: (rows of its pages, their keys with the needle in place)
+        for nd in needles:
+            rows = needle_rows(fmt, nd.entries, n)
+            blocks.append((rows, with_needle(self.haystack.keys, rows, nd.entries, nd.keys)))
+        # one store for all trials: each trial's pages get fresh pages of their own, entries at the same offsets
+        slots, start = [], 0
+        for rows, _ in blocks:
+            pages = torch.unique(rows // ENTRIES_PER_PAGE)
+            local = {int(p): start + i for i, p in enumerate(pages.tolist())}
+            slots.append(torch.tensor([local[int(r) // ENTRIES_PER_PAGE] * ENTRIES_PER_PAGE + int(r) % ENTRIES_PER_PAGE
+                                       for r in rows.tolist()], dtype=torch.long))
+            start += pages.numel()
+        slots_all = torch.cat(slots)
+        cache = PagedCache(fmt, start, device=self.device)
+        store_ops.store_index_keys(keys=torch.cat([k for _, k in blocks]).to(self.device),
+                                   positions=(torch.cat([r for r, _ in blocks]) * ratio).to(self.device),
+                                   slots=slots_all.to(self.device), pool=cache.pool, fmt=fmt,
+                                   rope_cos_sin=self.table.to(self.device),
+                                   norm_weight=self.haystack.norm_weight.to(self.device),
+                                   transform=self.haystack.config.geometry.key_transform, backend=self.backend)
+        stored = cache.read(slots_all.to(self.device))
+        patch = scores_ops.index_scores_dense(q, w, stored)  # [trials, all rows]
+        first = 0
+        for i, (rows, _) in enumerate(blocks):
+            scores[i, rows] = patch[i, first: first + rows.numel()]
+            first += rows.numel()
+
     def keys(self, fmt: KeyFormat) -> torch.Tensor:
         if fmt.name not in self._keys:
             hay = self.haystack
@@ -114,15 +146,16 @@ class HorizonHaystack:
         out: dict[str, list[int | None]] = {}
         for name in formats:
             fmt = KeyFormat.parse(name)
-            needle_rows = self._stored(fmt, needle_keys, needle_positions)
             scores = scores_ops.index_scores_dense(q, w, self.keys(fmt)[:n])  # [trials, n]
-            # every trial against every trial's needle rows [trials, rows]; each keeps its own
-            needle_scores = scores_ops.index_scores_dense(q, w, needle_rows)
-            ranks = []
-            for i, nd in enumerate(needles):
-                scores[i, nd.entries] = needle_scores[i, bounds[i]:bounds[i + 1]]
-                ranks.append(metrics.needle_rank(scores[i], nd.entries))
-            out[fmt.name] = ranks
+            if is_centred(fmt):
+                self._patch_pages(fmt, scores, q, w, needles, n)
+            else:
+                stored_rows = self._stored(fmt, needle_keys, needle_positions)
+                # every trial against every trial's needle rows [trials, rows]; each keeps its own
+                needle_scores = scores_ops.index_scores_dense(q, w, stored_rows)
+                for i, nd in enumerate(needles):
+                    scores[i, nd.entries] = needle_scores[i, bounds[i]:bounds[i + 1]]
+            out[fmt.name] = [metrics.needle_rank(scores[i], nd.entries) for i, nd in enumerate(needles)]
         return out
 
 

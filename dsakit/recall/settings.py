@@ -18,8 +18,8 @@ from ..ops._backend import resolve_backend, triton_available
 from .faults import FAULTS
 from .synthetic import SyntheticConfig
 
-ALL_FORMATS = ("bf16", "fp8", "fp8-ue8m0", "fp4", "fp4-rne")
-DEFAULT_FORMATS = ("bf16", "fp8", "fp4")
+ALL_FORMATS = ("bf16", "fp8", "fp8-ue8m0", "fp4", "fp4-rne", "fp8-centred", "fp4-centred")
+DEFAULT_FORMATS = ("bf16", "fp8", "fp4", "fp8-centred", "fp4-centred")
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 

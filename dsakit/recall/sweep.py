@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..formats import KeyFormat
+from ..formats import KeyFormat, is_centred
 from .faults import FAULTS, Fault
 from .haystack import HaystackPool, StoredHaystack
 from .settings import ProgressFn, RecallSettings, generator_for, lab_device, rope_table
@@ -32,15 +32,17 @@ def fault_carriers(settings: RecallSettings) -> list[tuple[Fault, KeyFormat]]:
     """(fault, format) pairs of the fault rows.
 
     Convention faults run on ``fault_format`` (bf16 by default, so the fault is the only error in the row);
-    the fp8 read faults run on it when it is an fp8 format and on fp8 otherwise. Each carrier format gets its
-    own baseline row ('none').
+    the fp8 read faults run on it when it is an fp8 format (fp8-centred included) and on fp8 otherwise; the
+    faults of page-centred keys (missing-centre) on it when it is centred and on fp8-centred otherwise. Each
+    carrier format gets its own baseline row ('none').
     """
     carrier = KeyFormat.parse(settings.fault_format)
     fp8_carrier = carrier if carrier.kind == "fp8" else KeyFormat.FP8
+    centred_carrier = carrier if is_centred(carrier) else KeyFormat.FP8_CENTRED
     pairs: list[tuple[Fault, KeyFormat]] = []
     for name in settings.faults:
         fault = FAULTS[name]
-        fmt = fp8_carrier if fault.fp8_only else carrier
+        fmt = centred_carrier if fault.centred_only else fp8_carrier if fault.fp8_only else carrier
         if fault.name != "none" and (FAULTS["none"], fmt) not in pairs:
             pairs.append((FAULTS["none"], fmt))
         if (fault, fmt) not in pairs:
