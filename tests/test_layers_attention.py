@@ -1,0 +1,194 @@
+"""dsakit.layers.V4Attention (CSA / HCA / window blocks on paged caches) against transformers'
+DeepseekV4Attention on the CPU, plus the block's own rules (chunking, cache growth, format selection).
+
+transformers runs the whole sequence at once in fp32 without a cache (its eager attention with the sliding
+window mask and the compressor's block bias); dsakit prefills part of it and decodes the rest token by token
+from its paged caches (bf16 main / compressed KV, bf16 index keys). With ``index_topk`` >= the number of
+compressed entries the selection is every visible entry on both sides, so the outputs differ only by the bf16
+storage of the KV: measured max |diff| / max |out| ~ 2e-3 for each layer type; asserted <= 1e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4",
+                               reason="transformers with DeepSeek-V4 is a test-only dependency")
+configuration = pytest.importorskip("transformers.models.deepseek_v4.configuration_deepseek_v4")
+
+from dsakit.formats import KeyFormat  # noqa: E402
+from dsakit.layers import INDEX_KEY_FORMAT_ENV, V4Attention, rope_from_transformers  # noqa: E402
+
+V4_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+           "beta_fast": 32, "beta_slow": 1}
+HIDDEN, Q_LORA, WINDOW, HCA_RATIO, SEQ = 64, 32, 32, 16, 200
+TYPES = {"window": (0, "sliding_attention"), "csa": (1, "compressed_sparse_attention"),
+         "hca": (2, "heavily_compressed_attention")}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny matmuls: two threads on a busy 2-core machine are ~10x slower than one
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_config(topk: int):
+    return configuration.DeepseekV4Config(
+        vocab_size=32, hidden_size=HIDDEN, num_hidden_layers=3, num_attention_heads=2, head_dim=512,
+        q_lora_rank=Q_LORA, index_n_heads=4, index_head_dim=128, index_topk=topk, n_routed_experts=2,
+        moe_intermediate_size=16, o_groups=2, o_lora_rank=16, sliding_window=WINDOW,
+        rope_parameters=dict(V4_YARN), layer_types=[t for _, t in TYPES.values()],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": HCA_RATIO})
+
+
+def randomize_(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("position_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
+            elif name == "sinks":
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+
+
+def transformers_block(layer_type: str, topk: int = 64):
+    config = tiny_config(topk)
+    block = modeling.DeepseekV4Attention(config, TYPES[layer_type][0]).eval()
+    randomize_(block, seed=TYPES[layer_type][0] + 10)
+    return config, block
+
+
+def transformers_output(config, block, x):
+    s = x.shape[0]
+    rotary = modeling.DeepseekV4RotaryEmbedding(config)
+    pos = torch.arange(s)[None]
+    pe = {k: rotary(x[None], pos, layer_type=k) for k in ("main", "compress")}
+    i = torch.arange(s)
+    allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - WINDOW)
+    mask = torch.where(allowed, 0.0, float("-inf"))[None, None]
+    with torch.no_grad():
+        return block(x[None], position_embeddings=pe, position_ids=pos, attention_mask=mask, cache=None)[0][0]
+
+
+def dsakit_block(layer_type: str, config, block, **kwargs):
+    rope_type = "main" if layer_type == "window" else "compress"
+    rope = rope_from_transformers(modeling.DeepseekV4RotaryEmbedding(config), rope_type)
+    args = dict(num_heads=2, o_groups=2, o_lora_rank=16, index_heads=4, index_topk=config.index_topk,
+                index_key_format="bf16", window=WINDOW, rope=rope, hca_ratio=HCA_RATIO)
+    args.update(kwargs)
+    ours = V4Attention(layer_type, HIDDEN, Q_LORA, **args)
+    ours.load_state_dict(block.state_dict())  # same parameter names as transformers
+    return ours
+
+
+def hidden(seed: int = 0, s: int = SEQ):
+    return torch.randn(s, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def run(ours, x, split: int, max_tokens: int = 256):
+    cache = ours.new_cache(max_tokens)
+    seq = cache.add_sequence()
+    with torch.no_grad():
+        out = [ours(x[:split], cache, seq)]
+        out += [ours(x[t:t + 1], cache, seq) for t in range(split, x.shape[0])]
+    return torch.cat(out), cache, seq
+
+
+@pytest.mark.parametrize("layer_type", ["window", "csa", "hca"])
+def test_block_matches_transformers_prefill_then_decode(layer_type):
+    config, block = transformers_block(layer_type)
+    x = hidden(1)
+    theirs = transformers_output(config, block, x)
+    layer = dsakit_block(layer_type, config, block)
+    ours, cache, seq = run(layer, x, split=150)
+    assert cache.length(seq) == SEQ
+    if layer_type != "window":
+        assert cache.extra.length(cache.id_in("extra", seq)) == SEQ // layer.ratio
+    err = float((ours - theirs).abs().max() / theirs.abs().max())
+    assert err <= 1e-2, f"{layer_type}: max |diff| / max |out| = {err:.3g}"
+
+
+def test_csa_small_topk_follows_the_indexer_selection():
+    """index_topk 8 < entries: each query attends to its window plus exactly the 8 entries transformers'
+    indexer would pick, up to near-ties of the index scores (bf16 keys). Rows whose selection agrees match
+    at the storage tolerance: measured 99 % of the rows with bf16 keys (88.5 % fp8, 60.5 % fp4); asserted
+    >= 95 %."""
+    config, block = transformers_block("csa", topk=8)
+    x = hidden(2)
+    theirs = transformers_output(config, block, x)
+    ours, _, _ = run(dsakit_block("csa", config, block), x, split=SEQ)
+    row_err = (ours - theirs).abs().amax(dim=1) / theirs.abs().max()
+    close = row_err <= 1e-2
+    assert bool(close[: 4 * 8 + 3].all())  # up to 8 visible entries: every one is selected on both sides
+    assert float(close.float().mean()) >= 0.95
+
+
+def test_chunked_prefill_and_cache_growth_change_nothing():
+    config, block = transformers_block("csa", topk=8)
+    x = hidden(3, 150)
+    whole, _, _ = run(dsakit_block("csa", config, block), x, split=150, max_tokens=256)
+    chunked_layer = dsakit_block("csa", config, block, query_chunk=17)
+    cache = chunked_layer.new_cache(max_tokens=16)  # grows several times
+    seq = cache.add_sequence()
+    with torch.no_grad():
+        parts = [chunked_layer(x[lo:hi], cache, seq) for lo, hi in ((0, 37), (37, 38), (38, 101), (101, 150))]
+    assert cache.kv.num_pages > 1 and cache.length(seq) == 150
+    assert torch.allclose(torch.cat(parts), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_input_is_one_sequence_per_row():
+    config, block = transformers_block("hca")
+    ours = dsakit_block("hca", config, block)
+    x = torch.stack([hidden(4, 40), hidden(5, 40)])
+    cache = ours.new_cache(64, max_sequences=2)
+    seqs = [cache.add_sequence(), cache.add_sequence()]
+    with torch.no_grad():
+        both = ours(x, cache, seqs)
+        single, _, _ = run(dsakit_block("hca", config, block), x[1], split=40)
+    assert both.shape == (2, 40, HIDDEN)
+    assert torch.allclose(both[1], single, atol=1e-6)
+
+
+def test_index_key_format_argument_and_environment(monkeypatch):
+    monkeypatch.delenv(INDEX_KEY_FORMAT_ENV, raising=False)
+    args = dict(num_heads=2, o_groups=2, o_lora_rank=16, index_heads=4)
+    assert V4Attention("csa", HIDDEN, Q_LORA, **args).index_key_format == KeyFormat.FP4  # the V4 preset's
+    monkeypatch.setenv(INDEX_KEY_FORMAT_ENV, "fp8")
+    assert V4Attention("csa", HIDDEN, Q_LORA, **args).index_key_format == KeyFormat.FP8
+    assert V4Attention("csa", HIDDEN, Q_LORA, index_key_format="bf16", **args).index_key_format == KeyFormat.BF16
+    layer = V4Attention("csa", HIDDEN, Q_LORA, index_topk=3, **args)
+    assert layer.index_topk == 3 and layer.new_cache(64).index.fmt == KeyFormat.FP8
+    monkeypatch.setenv(INDEX_KEY_FORMAT_ENV, "fp7")
+    with pytest.raises(ValueError, match=INDEX_KEY_FORMAT_ENV):
+        V4Attention("csa", HIDDEN, Q_LORA, **args)
+
+
+def test_validation():
+    args = dict(num_heads=2, o_groups=2, o_lora_rank=16, index_heads=4, index_key_format="bf16")
+    with pytest.raises(ValueError, match="layer_type"):
+        V4Attention("mla", HIDDEN, Q_LORA, **args)
+    with pytest.raises(ValueError, match="index_topk"):
+        V4Attention("csa", HIDDEN, Q_LORA, index_topk=0, **args)
+    with pytest.raises(ValueError, match="o_groups"):
+        V4Attention("csa", HIDDEN, Q_LORA, **{**args, "o_groups": 3})
+    with pytest.raises(ValueError, match="hca_ratio"):
+        V4Attention("hca", HIDDEN, Q_LORA, hca_ratio=4, **args)
+    layer = V4Attention("hca", HIDDEN, Q_LORA, hca_ratio=16, **args)
+    other = V4Attention("hca", HIDDEN, Q_LORA, hca_ratio=16, **args)
+    cache = layer.new_cache(64)
+    seq = cache.add_sequence()
+    with pytest.raises(ValueError, match="hidden"):
+        layer(torch.zeros(3, HIDDEN + 1), cache, seq)
+    with pytest.raises(ValueError, match="unknown sequence"):
+        layer(torch.zeros(3, HIDDEN), cache, seq + 1)
+    with pytest.raises(ValueError, match="made for this layer"):
+        other(torch.zeros(3, HIDDEN), cache, seq)
+    assert cache.length(seq) == 0  # nothing was stored by the failed calls
