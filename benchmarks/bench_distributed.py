@@ -20,8 +20,9 @@ before the step), and an exactness check: the per-row checksums of the G-GPU run
 equal the 1-GPU run's, and every pool equals the full pool byte for byte after the exchange.
 Targets: >= 1.8x the 1-GPU throughput at 1M tokens on 2 GPUs, exchange < 5 % of the step.
 
-Usage (one host, G GPUs; the script spawns one process per GPU itself):
+Usage (one host, G GPUs; the script spawns one process per GPU itself, or runs under torchrun):
     PYTHONPATH=. python3 benchmarks/bench_distributed.py --out DIR [--gpus 2] [--commit SHA]
+    PYTHONPATH=. torchrun --nproc_per_node=2 benchmarks/bench_distributed.py --out DIR
     PYTHONPATH=. python3 benchmarks/bench_distributed.py --out DIR --device cpu --smoke   # gloo, toy sizes
 A result file DIR/distributed_<gpus>gpu.json is rewritten after every configuration; a configuration that
 would start after --budget-s seconds is skipped (recorded as skipped).
@@ -157,11 +158,14 @@ def median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **SAFE_ENV)
+def worker(rank: int, world: int, port: int | None, args: argparse.Namespace) -> None:
+    """One rank. port None: launched by torchrun (MASTER_ADDR / MASTER_PORT already set)."""
+    os.environ.update(SAFE_ENV)
+    if port is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = args.device
     if device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     backend_name = "nccl" if device == "cuda" else "gloo"
     if device == "cpu":
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -350,6 +354,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.commit = args.commit or git_commit()
     if args.gpus < 1:
         p.error("--gpus must be >= 1")
+    if "LOCAL_RANK" in os.environ:  # torchrun started the processes: one per GPU
+        args.gpus = int(os.environ["WORLD_SIZE"])
     if args.device == "cuda" and torch.cuda.device_count() < args.gpus:
         p.error(f"--gpus {args.gpus} but {torch.cuda.device_count()} CUDA devices are visible")
     return args
@@ -361,7 +367,13 @@ def main(argv=None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     log(f"bench_distributed: {args.gpus} x {args.device}, contexts {args.contexts}, formats {args.formats}, "
         f"K {args.ks}, rows/call {args.rows_per_call}, H {args.heads}")
-    mp.spawn(worker, args=(args.gpus, free_port(), args), nprocs=args.gpus, join=True)
+    if "LOCAL_RANK" in os.environ:
+        rank = int(os.environ["RANK"])
+        worker(rank, args.gpus, None, args)
+        if rank != 0:
+            return 0
+    else:
+        mp.spawn(worker, args=(args.gpus, free_port(), args), nprocs=args.gpus, join=True)
     report = Path(args.out) / f"distributed_{args.gpus}gpu.json"
     import json
 
