@@ -20,7 +20,8 @@ Two ways to fill every rank's pool after each rank wrote its share:
 
 Validation is collective: a rank whose input is bad makes every rank raise ValueError (none is left waiting
 in a collective), and ids that are out of range or claimed twice across the ranks are refused on every rank
-before any byte is written.
+before any byte is written. An exchange costs two collectives (a 24-byte header per rank, then the rows)
+and three device->host syncs: it is made for a prefill, not for a CUDA-graph-captured decode step.
 """
 
 from __future__ import annotations
