@@ -1,0 +1,159 @@
+"""dsakit.integrations.transformers.patch_deepseek_v4 on a tiny random DeepseekV4ForCausalLM saved locally (no
+network): weights shared, logits and greedy generation against the unpatched model, fp8 keys reported.
+
+The tiny model has 4 layers (window, csa, hca, csa; hca ratio 16 so a 300-token prompt makes entries), two
+hyper-connection streams and two experts, both always routed (with more experts than the router picks, a
+1e-3 change of a hidden state can switch an expert and turn a rounding difference into a large one; that is
+the model, not the attention). Measured on this model with bf16 index keys and bf16 KV:
+
+* index_topk 128 >= every entry count (selection = every visible entry on both sides): max |logit diff| /
+  max |logit| = 8.1e-3 (bf16 storage of the main / compressed KV through four layers), argmax agreement
+  99.3 %, greedy 32 tokens identical. Asserted: <= 4e-2, >= 97 %, identical.
+* index_topk 16 (< the 75 entries of the CSA layers): rounding upstream moves index scores across near-ties
+  (random models have crowded scores), so some queries select other entries. The test reports the logit
+  differences with bf16 and fp8 keys (printed and in the JUnit properties) and asserts bf16's mean
+  difference is below fp8's. Measured: bf16 max rel 0.112, mean |diff| 0.0093, argmax agreement 99.3 %;
+  fp8 max rel 0.264, mean |diff| 0.0166, argmax agreement 97.7 %.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4",
+                               reason="transformers with DeepSeek-V4 is a test-only dependency")
+configuration = pytest.importorskip("transformers.models.deepseek_v4.configuration_deepseek_v4")
+
+from dsakit.integrations.transformers import (PatchedDeepseekV4Attention, patch_deepseek_v4,  # noqa: E402
+                                              unpatch_deepseek_v4)
+
+V4_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+           "beta_fast": 32, "beta_slow": 1}
+PROMPT, NEW_TOKENS, VOCAB = 300, 32, 128
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    """A tiny random DeepseekV4ForCausalLM written with save_pretrained; tests load it with from_pretrained."""
+    config = configuration.DeepseekV4Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, head_dim=512,
+        q_lora_rank=32, index_n_heads=4, index_head_dim=128, index_topk=128, n_routed_experts=2,
+        num_experts_per_tok=2, moe_intermediate_size=16, o_groups=2, o_lora_rank=16, sliding_window=64,
+        rope_parameters=dict(V4_YARN), hc_mult=2,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16})
+    torch.manual_seed(0)
+    model = modeling.DeepseekV4ForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("position_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp.gate, "tid2eid"):
+                layer.mlp.gate.tid2eid.copy_(torch.randint(0, 2, layer.mlp.gate.tid2eid.shape, generator=gen))
+    path = tmp_path_factory.mktemp("tiny-deepseek-v4")
+    model.save_pretrained(path)
+    prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=gen)
+    return path, prompt
+
+
+def load(path, **config):
+    model = modeling.DeepseekV4ForCausalLM.from_pretrained(path, **config).eval()
+    assert model.config._attn_implementation in (None, "eager")
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(saved_model):
+    path, prompt = saved_model
+    model = load(path)
+    with torch.no_grad():
+        logits = model(prompt).logits[0]
+    generated = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return model, logits, generated
+
+
+def test_patch_shares_weights_and_keeps_names(saved_model, reference):
+    original = reference[0]
+    model = copy.deepcopy(original)
+    before = {name: (p.data_ptr(), p) for name, p in model.named_parameters()}
+    keys = set(model.state_dict())
+    patch_deepseek_v4(model, index_key_format="bf16")
+    assert all(isinstance(layer.self_attn, PatchedDeepseekV4Attention) for layer in model.model.layers)
+    after = dict(model.named_parameters())
+    assert set(after) == set(before) and set(model.state_dict()) == keys
+    for name, (ptr, param) in before.items():
+        assert after[name] is param and after[name].data_ptr() == ptr, name
+    assert model.model.layers[1].self_attn.compressor.indexer.q_b_proj.weight.data_ptr() == \
+        before["model.layers.1.self_attn.compressor.indexer.q_b_proj.weight"][0]
+    patch_deepseek_v4(model)  # idempotent
+    assert dict(model.named_parameters())["model.layers.0.self_attn.sinks"] is before["model.layers.0.self_attn.sinks"][1]
+    unpatch_deepseek_v4(model)
+    assert isinstance(model.model.layers[2].self_attn, modeling.DeepseekV4Attention)
+    assert all(p is before[n][1] for n, p in model.named_parameters())
+
+
+def test_logits_and_greedy_generation_match_with_bf16_keys(saved_model, reference):
+    path, prompt = saved_model
+    _, ref_logits, ref_generated = reference
+    model = patch_deepseek_v4(load(path), index_key_format="bf16")
+    with torch.no_grad():
+        logits = model(prompt).logits[0]
+    rel = float((logits - ref_logits).abs().max() / ref_logits.abs().max())
+    agree = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+    print(f"\nbf16 keys, top-k >= entries: max |logit diff| / max |logit| = {rel:.3g}, argmax agreement {agree:.3f}")
+    assert rel <= 4e-2 and agree >= 0.97
+    generated = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert generated.shape == (1, PROMPT + NEW_TOKENS)
+    assert torch.equal(generated, ref_generated)
+
+
+def test_fp8_keys_difference_is_reported(saved_model, reference, record_property):
+    """index_topk 16 < entries: the selection depends on the key precision; report, do not hide."""
+    path, prompt = saved_model
+    ref_model = load(path, index_topk=16)
+    with torch.no_grad():
+        ref_logits = ref_model(prompt).logits[0]
+    report = {}
+    for fmt in ("bf16", "fp8"):
+        model = patch_deepseek_v4(load(path, index_topk=16), index_key_format=fmt)
+        with torch.no_grad():
+            logits = model(prompt).logits[0]
+        diff = (logits - ref_logits).abs()
+        report[fmt] = {"max_rel": float(diff.max() / ref_logits.abs().max()),
+                       "mean_abs": float(diff.mean()),
+                       "argmax_agreement": float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())}
+    print("\nindex_topk 16, logits vs transformers:", json.dumps(report))
+    record_property("index_key_format_logit_diff", json.dumps(report))
+    assert report["bf16"]["mean_abs"] < report["fp8"]["mean_abs"]
+    assert report["bf16"]["argmax_agreement"] >= 0.9
+
+
+def test_patch_validates(saved_model):
+    path, _ = saved_model
+    with pytest.raises(ValueError, match="topk"):
+        patch_deepseek_v4(load(path), topk=0)
+    with pytest.raises(ValueError, match="not a transformers DeepseekV4"):
+        patch_deepseek_v4(torch.nn.Linear(2, 2))
