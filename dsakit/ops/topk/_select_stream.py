@@ -1,0 +1,214 @@
+"""Streaming exact top-k: one pass over the scores in the common case (kernels in ``_select_kernels``).
+
+Rules: those of :func:`dsakit.ops.topk.reference.select_topk` (candidates are scores > -inf, NaN ranks above
++inf, -0.0 == +0.0, equal scores go to the lower index, descending order, -1 padding), bitwise
+deterministic (no atomics; every buffer is written in index order).
+
+Algorithm (details in :mod:`dsakit.ops.topk._select_kernels`): a threshold per row from a fixed sample of
+the row, one streaming pass that keeps the entries above it (and the first ones equal to it) in a per-row
+candidate buffer, then an exact select of that buffer with in-register range narrowing and a sort of the k
+winners. Rows the sample misjudges (buffer overflow, or fewer than k entries >= the threshold) are
+re-selected exactly by whole-row passes in the same launch, so the result never depends on the sample.
+Long rows with few of them (decode) are split over ``splits`` programs per row (each keeps its own buffer
+and tie list; the final kernel concatenates them in split order = index order).
+
+Buffers (``SelectBuffers``; allocated once per shape, reusable, so a decode plan stays sync-free):
+
+    cand keys + indices  int32 [R, splits, cap] x 2     cap = clamp(4 * next_pow2(k), 4096, 16384)
+    tie lists            int32 [R, splits, k]
+    counters             int32 [R, splits, 8]
+    selected keys        int32 [R, k] (+ int32 [R] counts)
+
+e.g. R = 2048 rows, k = 2048 (cap 8192, 1 split): 128 + 16 + 16 MiB; R = 64 decode rows, 8 splits: 32 MiB.
+k up to ``STREAM_MAX_K`` (4096); larger k use the multi-pass kernel of :mod:`dsakit.ops.topk.triton`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ._select_kernels import STATS, _filter_kernel, _final_kernel, _order_kernel
+
+STREAM_MAX_K = 4096
+MAX_BLOCK = 16384  # the filter packs two per-tile ranks into one int32 prefix sum (16 bits each)
+# rows x splits aimed at when rows are few (decode): a few programs per SM of the H200 (132 SMs)
+_TARGET_PROGRAMS = 256
+_MIN_SPLIT = 8192  # entries per split program: below this the per-program sample and setup dominate
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Launch parameters. splits: programs per row (power of two); cap: candidate buffer entries per row
+    and split (power of two); sample: entries of the threshold sample (power of two, >= 32); block: tile
+    of the streaming passes; num_warps / final_warps / order_warps: the three kernels; bins: histogram buckets
+    of the range narrowing (power of two)."""
+
+    splits: int
+    cap: int
+    sample: int
+    block: int
+    num_warps: int
+    final_warps: int
+    order_warps: int
+    bins: int
+
+    @staticmethod
+    def default(rows: int, width: int, k: int) -> "StreamConfig":
+        cap = min(16384, max(4096, 4 * triton.next_power_of_2(k)))
+        # about 128 sample entries per cap-sized slice of the row: the sample rank then has a relative
+        # spread of ~1/sqrt(rank) small enough that overflow / underflow (exact fallback) stay rare
+        sample = min(8192, max(256, triton.next_power_of_2(-(-128 * width // cap))))
+        splits = 1
+        if rows < _TARGET_PROGRAMS // 2:
+            splits = max(1, min(16, _pow2_floor(_TARGET_PROGRAMS // max(rows, 1)), _pow2_floor(width // _MIN_SPLIT)))
+        return StreamConfig(splits=splits, cap=cap, sample=sample, block=2048, num_warps=8, final_warps=16,
+                            order_warps=4, bins=64)
+
+    def validate(self) -> None:
+        for name in ("splits", "cap", "sample", "block", "bins"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value!r}")
+        if self.sample < 32 or self.block < 16 or self.block > MAX_BLOCK or self.bins < 32 or self.cap < 16:
+            raise ValueError(f"config out of range (sample >= 32, block in 16..{MAX_BLOCK}, bins >= 32, "
+                             f"cap >= 16): {self}")
+        for name in ("num_warps", "final_warps", "order_warps"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16, 32):
+                raise ValueError(f"{name} must be 1..32 (power of two), got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class SelectBuffers:
+    """Scratch of one streaming select for up to ``rows`` rows of width <= ``width`` (see module docstring)."""
+
+    rows: int
+    width: int
+    k: int
+    config: StreamConfig
+    cand_key: torch.Tensor
+    cand_idx: torch.Tensor
+    ties: torch.Tensor
+    stats: torch.Tensor
+    sel_key: torch.Tensor
+    sel_count: torch.Tensor
+
+    @staticmethod
+    def allocate(rows: int, width: int, k: int, device, config: StreamConfig | None = None) -> "SelectBuffers":
+        config = config or StreamConfig.default(rows, width, k)
+        config.validate()
+        r, s = max(rows, 1), config.splits
+        empty = lambda *shape: torch.empty(shape, dtype=torch.int32, device=device)  # noqa: E731
+        return SelectBuffers(rows=rows, width=width, k=k, config=config,
+                             cand_key=empty(r, s, config.cap), cand_idx=empty(r, s, config.cap),
+                             ties=empty(r, s, k), stats=empty(r, s, STATS.value), sel_key=empty(r, k),
+                             sel_count=empty(r))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.cand_key, self.cand_idx, self.ties, self.stats,
+                                                           self.sel_key, self.sel_count))
+
+    def path_counts(self, rows: int) -> dict:
+        """Which path each of the first ``rows`` rows took in the last launch (host sync; tests/benchmarks):
+        {"buffer": rows selected from the candidate buffer, "ties": rows completed from the tie lists,
+        "exact": rows re-selected by whole-row passes}."""
+        st = self.stats[:rows].long().cpu()  # [rows, splits, STATS]
+        gt, eq, below = st[..., 0].sum(1), st[..., 1].sum(1), st[..., 2].amax(1)
+        overflow = (st[..., 0] > self.config.cap).any(1) | (gt > self.config.cap)
+        short = gt + eq < self.k
+        exact = overflow | (short & (below > 0))
+        need = torch.clamp(gt + eq, max=self.k)
+        ties = ~exact & (gt < need)
+        return {"buffer": int((~exact & ~ties).sum()), "ties": int(ties.sum()), "exact": int(exact.sum())}
+
+
+def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int, sort: bool,
+                         buffers: SelectBuffers, *, slots: torch.Tensor | None = None,
+                         seq: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                         stages: str = "all") -> None:
+    """Select into ``out`` int32 [R, >= k] (row stride free, unit column stride) from scores fp32 [R, W]
+    (unit column stride) with counts int32 [R] (entries per row, <= W). No host sync, no allocation:
+    the caller has validated the inputs and sized ``buffers`` for >= R rows, width >= W, the same k.
+    slots / seq / block_table: also write global slots (page * 64 + entry % 64), -1 kept.
+    ``stages`` (benchmarks): "filter" or "filter+final" launch only those kernels."""
+    rows, width = scores.shape
+    if rows == 0:
+        return
+    cfg = buffers.config
+    seg = triton.cdiv(triton.cdiv(max(width, 1), cfg.splits), cfg.block) * cfg.block
+    _filter_kernel[(rows, cfg.splits)](
+        scores, scores.stride(0), counts, buffers.cand_key, buffers.cand_idx, buffers.ties, buffers.stats,
+        k, seg, SPLITS=cfg.splits, CAP=cfg.cap, CAP_S=cfg.cap, SAMPLE=cfg.sample, BLOCK=cfg.block,
+        BINS=cfg.bins, num_warps=cfg.num_warps)
+    if stages == "filter":
+        return
+    k_pad = triton.next_power_of_2(k)
+    _final_kernel[(rows,)](
+        scores, scores.stride(0), counts, buffers.cand_key, buffers.cand_idx, buffers.ties, buffers.stats,
+        buffers.sel_key, buffers.sel_count, out, out.stride(0),
+        k, SPLITS=cfg.splits, CAP=cfg.cap, CAP_S=cfg.cap, K_PAD=k_pad, BLOCK=cfg.block, BINS=cfg.bins,
+        num_warps=cfg.final_warps)
+    if stages == "filter+final":
+        return
+    with_slots = slots is not None
+    _order_kernel[(rows,)](
+        out, out.stride(0), buffers.sel_key, buffers.sel_count,
+        slots if with_slots else out, slots.stride(0) if with_slots else 0,
+        seq if with_slots else counts,
+        block_table if with_slots else counts, block_table.stride(0) if with_slots else 0,
+        k, K_PAD=k_pad, SORT=sort, WITH_SLOTS=with_slots, num_warps=cfg.order_warps)
+
+
+def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor | None = None,
+                       sort: bool = True, config: StreamConfig | None = None,
+                       buffers: SelectBuffers | None = None) -> torch.Tensor:
+    """Exact top-k per row of scores fp32 [T, W] -> int32 [T, k] (rules of the reference ``select_topk``).
+
+    row_counts int [T] (optional): row t considers only its first row_counts[t] entries. sort=False returns
+    each row's set in a deterministic order (the index order of the candidate buffer), skipping the sort.
+    config: launch parameters (default :meth:`StreamConfig.default`); buffers: reusable scratch
+    (:meth:`SelectBuffers.allocate`), else allocated here. k <= STREAM_MAX_K.
+    """
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be an fp32 [T, W] tensor, got "
+                         f"{(scores.dtype, list(scores.shape)) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= STREAM_MAX_K:
+        raise ValueError(f"k must be an int in 1..{STREAM_MAX_K} for the streaming select, got {k!r}")
+    if scores.shape[1] > 1 and scores.stride(1) != 1:
+        raise ValueError(f"scores must have unit stride along W, got strides {scores.stride()}")
+    if not isinstance(sort, bool):
+        raise ValueError(f"sort must be a bool, got {sort!r}")
+    t, w = scores.shape
+    if row_counts is None:
+        counts = torch.full((t,), w, dtype=torch.int32, device=scores.device)
+    else:
+        if not isinstance(row_counts, torch.Tensor) or row_counts.shape != (t,) \
+                or row_counts.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"row_counts must be int [T] = [{t}], got {getattr(row_counts, 'dtype', None)} "
+                             f"{list(getattr(row_counts, 'shape', []))}")
+        if row_counts.device != scores.device:
+            raise ValueError(f"row_counts is on {row_counts.device}, scores on {scores.device}")
+        if t and (bool((row_counts < 0).any()) or bool((row_counts > w).any())):
+            raise ValueError(f"row_counts must be in 0..{w} (the scores width), got range "
+                             f"{int(row_counts.min())}..{int(row_counts.max())}")
+        counts = row_counts.to(torch.int32).contiguous()
+    if buffers is None:
+        buffers = SelectBuffers.allocate(t, w, k, scores.device, config)
+    elif config is not None and config != buffers.config:
+        raise ValueError("pass either config or buffers (the buffers carry their config)")
+    if buffers.rows < t or buffers.width < w or buffers.k != k or buffers.cand_key.device != scores.device:
+        raise ValueError(f"buffers sized for rows {buffers.rows}, width {buffers.width}, k {buffers.k} on "
+                         f"{buffers.cand_key.device}; need rows >= {t}, width >= {w}, k = {k} on {scores.device}")
+    out = torch.empty((t, k), dtype=torch.int32, device=scores.device)
+    launch_stream_select(scores, counts, out, k, sort, buffers)
+    return out
+
+
+__all__ = ["STREAM_MAX_K", "StreamConfig", "SelectBuffers", "launch_stream_select", "select_topk_stream"]

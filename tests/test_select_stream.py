@@ -1,0 +1,110 @@
+"""Streaming exact top-k (dsakit.ops.topk._select_stream) against the reference ``select_topk``.
+
+The select is exact, so on identical scores it must reproduce the reference bit for bit: same sets, same
+order, same -1 padding. Tiny launch configurations (32-entry buffers and samples, 64-entry tiles) make rows
+of a few hundred entries take every path: the candidate buffer, the tie lists (rows made mostly of exact
+zeros), and the exact whole-row fallback when the sampled threshold misjudges a row; ``path_counts``
+checks that each path really ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsakit.ops.topk.reference import select_topk as reference_select
+
+TINY = dict(cap=32, sample=32, block=64, num_warps=4, final_warps=4, order_warps=4, bins=32)
+
+
+def _config(splits: int = 1):
+    from dsakit.ops.topk._select_stream import StreamConfig
+
+    return StreamConfig(splits=splits, **TINY)
+
+
+def _run(scores, k, splits=1, **kw):
+    from dsakit.ops.topk._select_stream import SelectBuffers, select_topk_stream
+
+    buffers = SelectBuffers.allocate(scores.shape[0], scores.shape[1], k, scores.device, _config(splits))
+    return select_topk_stream(scores, k, buffers=buffers, **kw), buffers.path_counts(scores.shape[0])
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rows(n: int) -> torch.Tensor:
+    """One row per rule: randn, ties at the k-th score, NaN / +-inf / -0.0, masked, shifted by +100, relu
+    zeros (the top-k needs zeros: lowest indices win), only 3 candidates, rising (top entries at the end)."""
+    s = torch.randn(8, n)
+    s[0, 3: n // 2] = 1.25
+    s[1, ::3] = float("-inf")
+    s[1, 5], s[1, 7], s[1, 13] = float("nan"), float("inf"), float("nan")
+    s[1, 9], s[1, 11] = -0.0, 0.0
+    s[2] += 100.0
+    s[3] = torch.relu(torch.randn(n) - 2.0)
+    s[4] = 0.0
+    s[5] = float("-inf")
+    s[5, n - 3:] = torch.tensor([2.0, -1.0, 2.0])
+    s[6] = torch.randn(n) + torch.linspace(0, 8, n)
+    s[7] = torch.where(torch.rand(n) < 0.5, 0.0, -torch.rand(n))  # half zeros, rest negative
+    return s
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_stream_select_equals_reference(triton_backend, splits):
+    scores = _rows(256).to(_device())
+    got, paths = _run(scores, 12, splits)
+    assert torch.equal(got.cpu(), reference_select(scores.cpu(), 12))
+    # every path ran: buffer (randn-like rows), tie lists (zeros), exact fallback (ties / few candidates)
+    assert paths["buffer"] > 0 and paths["ties"] > 0 and paths["exact"] > 0, paths
+
+
+def test_stream_select_counts_unsorted_and_deterministic(triton_backend):
+    scores = _rows(200).to(_device())
+    counts = torch.tensor([200, 150, 7, 0, 33, 200, 199, 64], dtype=torch.int32, device=scores.device)
+    got, _ = _run(scores, 40, row_counts=counts)
+    masked = scores.cpu().clone()
+    for row, c in enumerate(counts.tolist()):
+        masked[row, c:] = float("-inf")
+    expected = reference_select(masked, 40)  # k > visible entries in several rows: -1 padding
+    assert torch.equal(got.cpu(), expected)
+    unsorted, _ = _run(scores, 40, row_counts=counts, sort=False)
+    again, _ = _run(scores, 40, row_counts=counts, sort=False)
+    assert torch.equal(unsorted, again)  # bitwise deterministic without the sort too
+    assert torch.equal(torch.sort(unsorted.cpu(), dim=1).values, torch.sort(expected, dim=1).values)
+
+
+def test_relu_zero_rows_same_set_on_every_backend(triton_backend):
+    """Rows made mostly of exact zeros: every run and every backend selects the reference's set (the
+    positive entries, then the lowest-index zeros), in the same order."""
+    from dsakit.ops.topk import select_topk
+    from dsakit.ops.topk.triton import select_topk_triton
+
+    torch.manual_seed(3)
+    scores = torch.relu(torch.randn(4, 300) - 1.8).to(_device())
+    expected = reference_select(scores.cpu(), 48)
+    first, paths = _run(scores, 48)
+    second, _ = _run(scores, 48)
+    assert paths["ties"] > 0
+    assert torch.equal(first, second)
+    assert torch.equal(first.cpu(), expected)
+    assert torch.equal(select_topk_triton(scores, 48, block=64, cap=32, bins=32).cpu(), expected)
+    assert torch.equal(select_topk(scores.cpu(), 48, backend="reference"), expected)
+
+
+def test_stream_select_rejects_bad_input(triton_backend):
+    from dsakit.ops.topk._select_stream import STREAM_MAX_K, StreamConfig, select_topk_stream
+
+    scores = torch.randn(2, 64, device=_device())
+    with pytest.raises(ValueError, match="k must be"):
+        select_topk_stream(scores, 0)
+    with pytest.raises(ValueError, match="k must be"):
+        select_topk_stream(scores, STREAM_MAX_K + 1)
+    with pytest.raises(ValueError, match="fp32"):
+        select_topk_stream(scores.double(), 4)
+    with pytest.raises(ValueError, match="row_counts"):
+        select_topk_stream(scores, 4, row_counts=torch.tensor([65, 1], device=scores.device))
+    with pytest.raises(ValueError, match="power of two"):
+        select_topk_stream(scores, 4, config=StreamConfig(splits=3, **TINY))
