@@ -5,7 +5,7 @@ paged-decode anchor's setting), H 64, D 128, key formats fp8 (fp8 q + q_scale), 
 K 512 and 2048. Per case (do_bench medians; do_bench clears L2 before every call, and two input sets of
 > 60 MB each are rotated for the graph replays):
 
-  public      ``index_topk_triton`` on the flattened batch (plans, validates, allocates per call)
+  public      ``index_topk_triton`` on the same batch (cached workspaces; allocates its outputs per call)
   plan eager  ``index_topk_decode`` with a prebuilt plan, launched from Python
   graph       the same call captured in a torch.cuda.CUDAGraph, replays alternating over two input sets
   parts       scores kernel alone and select kernel alone (each captured in a graph), torch.topk on the
@@ -32,10 +32,11 @@ from pathlib import Path
 import torch
 from _common import DIM, environment, make_queries, median_ms, same_selection, timing_pool, write_json
 
+from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.triton import index_scores_triton
+from dsakit.ops.scores.triton import launch_index_scores, prepare_q
 from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
-from dsakit.ops.topk.triton import _launch_select, index_topk_triton
+from dsakit.ops.topk.triton import index_topk_triton, launch_select
 
 HBM_TB_PER_S = 4.27  # device-to-device copy ceiling (docs/performance.md §1)
 # DeepGEMM 2.6.1 paged decode on the same H200, batch 64 (docs/performance.md §2): logits ms, torch.topk ms, K 512 / 2048
@@ -68,9 +69,9 @@ def run_case(fmt_name: str, n: int, ks: list[int], b: int, heads: int, device: s
     for number in range(2):  # two input sets: graph replays alternate between them
         pool, table, counts = timing_pool(fmt, [n] * b, device, seed=100 + number)
         q, w, qs = make_queries(fmt.kind, b, heads, device, seed=200 + number)
+        seq = torch.arange(b, device=device, dtype=torch.int32)
         sets.append({"q": q.reshape(b, 1, heads, DIM), "w": w, "qs": qs, "pool": pool, "table": table,
-                     "counts": counts})
-    seq = torch.arange(b, device=device, dtype=torch.int32)
+                     "counts": counts, "batch": PagedBatch.build(pool, fmt, table, counts, seq)})
     check_rows = [0, 1, b - 1]
     ref = reference_rows(sets[0], fmt, check_rows, n)  # reference-semantics scores of 3 rows (set 0)
     rows_out = []
@@ -78,12 +79,10 @@ def run_case(fmt_name: str, n: int, ks: list[int], b: int, heads: int, device: s
         plan = plan_decode_topk(b, 1, n, k, fmt, device, num_heads=heads)
 
         def call(s):
-            return index_topk_decode(s["q"], s["w"], s["pool"], fmt, s["table"], s["counts"], k, plan=plan,
-                                     q_scale=s["qs"])
+            return index_topk_decode(s["q"], s["w"], s["batch"], k, plan=plan, q_scale=s["qs"])
 
         def public(s=sets[0]):
-            return index_topk_triton(s["q"].reshape(b, heads, DIM), s["w"], s["pool"], fmt, s["table"], s["counts"],
-                                     seq, k, q_scale=s["qs"])
+            return index_topk_triton(s["q"].reshape(b, heads, DIM), s["w"], s["batch"], k, q_scale=s["qs"])
 
         a = sets[0]
         eager = call(a).clone()  # compiles
@@ -145,13 +144,12 @@ def run_case(fmt_name: str, n: int, ks: list[int], b: int, heads: int, device: s
 
             scores_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(scores_graph):
-                index_scores_triton(a["q"].reshape(b, heads, DIM), a["w"], a["pool"], fmt, a["table"], a["counts"],
-                                    plan.query_seq, out=plan.workspace, q_scale=a["qs"], tiles=plan.tiles,
-                                    validate=False)
+                launch_index_scores(prepare_q(a["q"].reshape(b, heads, DIM)), a["w"], a["batch"], plan.workspace,
+                                    plan.tiles, q_scale=a["qs"], config=plan.scores)
             select_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(select_graph):
-                _launch_select(plan.workspace, plan.visible, plan.indices, k, True, cand_vals=plan.cand_vals,
-                               cand_idx=plan.cand_idx)
+                launch_select(plan.workspace, plan.visible, plan.indices, k, True, config=plan.select,
+                              cand_vals=plan.cand_vals, cand_idx=plan.cand_idx)
             row["scores_graph_ms"] = bench(scores_graph.replay, device, rep_ms)
             row["select_graph_ms"] = bench(select_graph.replay, device, rep_ms)
             del graphs, scores_graph, select_graph

@@ -31,10 +31,13 @@ from pathlib import Path
 import torch
 from _common import DIM, environment, make_queries, same_selection, timed, timing_pool, write_json
 
+from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
 from dsakit.ops.scores.triton import flops, index_scores_triton
+from dsakit.ops.topk.config import SelectConfig, TopkConfig
 from dsakit.ops.topk.reference import select_topk as reference_select
-from dsakit.ops.topk.triton import DEFAULT_WORKSPACE_BYTES, index_topk_triton, rows_per_chunk, select_topk_triton
+from dsakit.ops.topk.triton import (DEFAULT_WORKSPACE_BYTES, index_topk_triton, rows_per_chunk, select_topk_triton,
+                                    workspace_width)
 
 HEADS = 64
 # DeepGEMM 2.6.1 on the same H200, fp8 q and keys (docs/performance.md §2): logits ms, torch.topk ms for k = 512 / 2048.
@@ -42,7 +45,7 @@ DEEPGEMM_PREFILL = {8192: (1.08, 1.32, 1.54), 16384: (2.18, 2.23, 2.46), 32768: 
                     65536: (8.69, 7.67, 7.98)}
 DEEPGEMM_DECODE = {65536: (0.150, 0.136, 0.139), 131072: (0.288, 0.186, 0.189)}
 # Select configuration when the sweep section is skipped: None = the library's tuned defaults
-# (dsakit.ops.topk.triton.default_select_config), i.e. what a caller gets.
+# (dsakit.ops.topk.config.SelectConfig.resolve), i.e. what a caller gets.
 LIBRARY_DEFAULTS = {"block": None, "num_warps": None, "bins": None}
 
 
@@ -103,7 +106,7 @@ def select_sweep(device: str, sz: Sizes) -> tuple[list[dict], dict]:
         scores = torch.randn(t, n, device=device, generator=g).abs_()  # indexer scores are mostly >= 0
         k = sz.ks[-1]
         for block, warps, bins in configs:
-            ms, _ = timed(lambda: select_topk_triton(scores, k, block=block, num_warps=warps, bins=bins), device,
+            ms, _ = timed(lambda: select_topk_triton(scores, k, config=SelectConfig(block, warps, bins)), device,
                           sz.rep_ms)
             row = {"sweep": regime, "T": t, "N": n, "K": k, "block": block, "num_warps": warps, "bins": bins,
                    "ms": ms, "gb_per_s_one_read": t * n * 4 / ms / 1e6}
@@ -112,7 +115,7 @@ def select_sweep(device: str, sz: Sizes) -> tuple[list[dict], dict]:
             if regime not in best or ms < best[regime]["ms"]:
                 best[regime] = {"block": block, "num_warps": warps, "bins": bins, "ms": ms}
         b = best[regime]
-        ms, _ = timed(lambda: select_topk_triton(scores, k, block=b["block"], num_warps=b["num_warps"], bins=b["bins"],
+        ms, _ = timed(lambda: select_topk_triton(scores, k, config=SelectConfig(b["block"], b["num_warps"], b["bins"]),
                                                  sort=False), device, sz.rep_ms)
         rows.append({"sweep": regime, "T": t, "N": n, "K": k, "block": b["block"], "num_warps": b["num_warps"],
                      "bins": b["bins"], "sort": False, "ms": ms})
@@ -130,11 +133,10 @@ def naive_indexer(q_bf16, w, keys_bf16, k):
     return torch.topk(scores, k, dim=1).indices
 
 
-def e2e_call(q, w, q_scale, pool, fmt, table, counts, query_seq, k: int, sel: dict, sort: bool = True):
+def e2e_call(q, w, q_scale, batch: PagedBatch, k: int, sel: dict, sort: bool = True):
     """The timed end-to-end call: index_topk_triton with the select configuration ``sel``."""
-    return lambda: index_topk_triton(q, w, pool, fmt, table, counts, query_seq, k, q_scale=q_scale, sort=sort,
-                                     select_block=sel["block"], select_warps=sel["num_warps"],
-                                     select_bins=sel["bins"])
+    config = TopkConfig(sort=sort, select=SelectConfig(sel["block"], sel["num_warps"], sel["bins"]))
+    return lambda: index_topk_triton(q, w, batch, k, q_scale=q_scale, config=config)
 
 
 def topk_columns(run_e2e, run_scores, scores: torch.Tensor, k: int, sel: dict, device: str, rep_ms: int) -> dict:
@@ -145,8 +147,8 @@ def topk_columns(run_e2e, run_scores, scores: torch.Tensor, k: int, sel: dict, d
     check = same_selection(got, scores, k)
     del got
     ms_e2e, peak_e2e = timed(run_e2e, device, rep_ms)
-    ms_sel, _ = timed(lambda: select_topk_triton(scores, k, block=sel["block"], num_warps=sel["num_warps"],
-                                                 bins=sel["bins"]), device, rep_ms)
+    ms_sel, _ = timed(lambda: select_topk_triton(scores, k, config=SelectConfig(sel["block"], sel["num_warps"],
+                                                                                sel["bins"])), device, rep_ms)
     ms_torch_topk, _ = timed(lambda: torch.topk(scores, k, dim=1), device, rep_ms)
     return {"ms": ms_e2e, "peak_extra_gib": peak_e2e, "select_ms": ms_sel, "torch_topk_ms": ms_torch_topk,
             "check_vs_torch_topk": check}
@@ -168,14 +170,15 @@ def prefill_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
         query_seq = torch.zeros(t, dtype=torch.int32, device=device)
         for n in sz.prefill_n:
             pool, table, counts = timing_pool(fmt, [n], device, seed=22)
+            batch = PagedBatch.build(pool, fmt, table, counts, query_seq)
             scores = torch.empty(t, n, device=device)
 
             def run_scores():
-                index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1, out=scores, q_scale=q_scale)
+                index_scores_triton(q, w, batch, out=scores, q_scale=q_scale)
 
             ms_scores, peak_scores = timed(run_scores, device, sz.rep_ms)
             for k in sz.ks:
-                inputs = (q, w, q_scale, pool, fmt, table, counts, query_seq, k, sel)
+                inputs = (q, w, q_scale, batch, k, sel)
                 shared = topk_columns(e2e_call(*inputs), run_scores, scores, k, sel, device, sz.rep_ms)
                 ms_unsorted, _ = timed(e2e_call(*inputs, sort=False), device, sz.rep_ms)
                 row = {"case": "prefill", "format": fmt_name, "q": str(q.dtype), "T": t, "N": n, "H": sz.heads,
@@ -185,7 +188,7 @@ def prefill_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
                        **deepgemm_columns(DEEPGEMM_PREFILL.get(n), k, shared["ms"])}
                 rows.append(row)
                 print(row, flush=True)
-            del pool, scores
+            del pool, scores, batch
             if fmt_name == "fp8" and n <= sz.naive_max_n:
                 g = torch.Generator(device=device).manual_seed(23)
                 keys = torch.randn(n, DIM, device=device, generator=g).to(torch.bfloat16)
@@ -215,14 +218,15 @@ def decode_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
         query_seq = torch.arange(b, dtype=torch.int32, device=device)
         for n in sz.decode_n:
             pool, table, counts = timing_pool(fmt, [n] * b, device, seed=32)
+            batch = PagedBatch.build(pool, fmt, table, counts, query_seq)
             scores = torch.empty(b, n, device=device)
 
             def run_scores():
-                index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1, out=scores, q_scale=q_scale)
+                index_scores_triton(q, w, batch, out=scores, q_scale=q_scale)
 
             ms_scores, _ = timed(run_scores, device, sz.rep_ms)
             for k in sz.ks:
-                shared = topk_columns(e2e_call(q, w, q_scale, pool, fmt, table, counts, query_seq, k, sel),
+                shared = topk_columns(e2e_call(q, w, q_scale, batch, k, sel),
                                       run_scores, scores, k, sel, device, sz.rep_ms)
                 g = torch.Generator(device=device).manual_seed(33)
                 keys = torch.randn(b, n, DIM, device=device, generator=g).to(torch.bfloat16)
@@ -242,7 +246,7 @@ def decode_matrix(device: str, sz: Sizes, best: dict) -> list[dict]:
                        **deepgemm_columns(DEEPGEMM_DECODE.get(n), k, shared["ms"])}
                 rows.append(row)
                 print(row, flush=True)
-            del pool, scores
+            del pool, scores, batch
     return rows
 
 
@@ -256,27 +260,29 @@ def big_run(device: str, sz: Sizes, best: dict) -> list[dict]:
         q, w, q_scale = make_queries(fmt.kind, t, sz.heads, device, seed=41)
         query_seq = torch.zeros(t, dtype=torch.int32, device=device)
         pool, table, counts = timing_pool(fmt, [n], device, seed=42)
+        batch = PagedBatch.build(pool, fmt, table, counts, query_seq)
 
-        run_e2e = e2e_call(q, w, q_scale, pool, fmt, table, counts, query_seq, k, sel)
+        run_e2e = e2e_call(q, w, q_scale, batch, k, sel)
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         got = run_e2e()
         # exactness on the first 256 rows against torch.topk of the materialized scores of those rows
         check_rows = min(256, t)
-        part = index_scores_triton(q[:check_rows], w[:check_rows], pool, fmt, table, counts, query_seq[:check_rows],
-                                   None, 1, q_scale=None if q_scale is None else q_scale[:check_rows])
+        part_batch = PagedBatch.build(pool, fmt, table, counts, query_seq[:check_rows])
+        part = index_scores_triton(q[:check_rows], w[:check_rows], part_batch,
+                                   q_scale=None if q_scale is None else q_scale[:check_rows])
         check = same_selection(got[:check_rows], part, k)
         del got, part
         ms, peak = timed(run_e2e, device, sz.rep_ms)
         row = {"case": "big prefill", "format": fmt_name, "q": str(q.dtype), "T": t, "N": n, "K": k, "ms": ms,
                "tflops": flops(t * n, sz.heads) / ms / 1e9, "peak_extra_gib": peak,
                "workspace_bytes": DEFAULT_WORKSPACE_BYTES,
-               "rows_per_chunk": rows_per_chunk(t, n, DEFAULT_WORKSPACE_BYTES),
+               "rows_per_chunk": rows_per_chunk(t, workspace_width(n), DEFAULT_WORKSPACE_BYTES),
                "materialized_fp32_gib": t * n * 4 / 2**30, "check_first_rows_vs_torch_topk": check}
         rows.append(row)
         print(row, flush=True)
-        del pool, q, w
+        del pool, q, w, batch, part_batch
     return rows
 
 
@@ -292,10 +298,11 @@ def profile_e2e(device: str, sz: Sizes, out_dir: Path) -> str:
         query_seq = (torch.arange(rows, dtype=torch.int32, device=device) if label.startswith("decode")
                      else torch.zeros(rows, dtype=torch.int32, device=device))
         pool, table, counts = timing_pool(fmt, lengths, device, seed=52)
+        batch = PagedBatch.build(pool, fmt, table, counts, query_seq)
         k = sz.ks[-1]
 
         def run():
-            return index_topk_triton(q, w, pool, fmt, table, counts, query_seq, k, q_scale=q_scale)
+            return index_topk_triton(q, w, batch, k, q_scale=q_scale)
 
         run()
         if device == "cuda":

@@ -27,6 +27,8 @@ from _common import DIM, environment, timed, timing_pool, write_json
 
 from dsakit.formats import KeyFormat
 from dsakit.ops.scores.deepgemm_compat import fp8_mqa_logits, fp8_paged_mqa_logits
+from dsakit import PagedBatch
+from dsakit.ops.scores.config import ScoresConfig
 from dsakit.ops.scores.triton import index_scores_decode, index_scores_triton, plan_decode_tiles, plan_query_tiles
 
 HEADS = 64
@@ -135,10 +137,9 @@ def correctness(device: str, small: bool = False) -> list[dict]:
                     q_scale = torch.rand(t, HEADS, device=device, generator=g) + 0.5
                 out = torch.full((t, max(lengths)), float("nan"), device=device)
                 try:
-                    index_scores_triton(q_k, w, pool, fmt, table, counts, query_seq, positions, ratio, out=out,
-                                        q_scale=q_scale)
-                    again = index_scores_triton(q_k, w, pool, fmt, table, counts, query_seq, positions, ratio,
-                                                q_scale=q_scale)
+                    batch = PagedBatch.build(pool, fmt, table, counts, query_seq, positions, ratio)
+                    index_scores_triton(q_k, w, batch, out=out, q_scale=q_scale)
+                    again = index_scores_triton(q_k, w, batch, q_scale=q_scale)
                 except Exception as exc:  # record and continue: one run must report every case
                     results.append(error_row("prefill", fmt_name, q_dtype, exc))
                     continue
@@ -162,7 +163,8 @@ def correctness(device: str, small: bool = False) -> list[dict]:
                 q_k = q.to(q_dtype)
                 out = torch.full((b * next_n, max(lengths)), float("nan"), device=device)
                 try:
-                    index_scores_triton(q_k, w, pool, fmt, table, counts, query_seq, positions, 1, out=out)
+                    index_scores_triton(q_k, w, PagedBatch.build(pool, fmt, table, counts, query_seq, positions),
+                                        out=out)
                 except Exception as exc:
                     results.append(error_row(f"decode next_n={next_n}", fmt_name, q_dtype, exc))
                     continue
@@ -227,7 +229,7 @@ def measure(results: list[dict], base: dict, fn, graph: bool, extra) -> None:
 
 
 def prefill_bench(device: str, quick: bool, t: int = 8192, sizes: list[int] | None = None) -> list[dict]:
-    """Kernel rows: tiles planned once, validate=False, CUDA-graph timing. One 'default call' row per size:
+    """Kernel rows: tiles planned once, CUDA-graph timing. One "default call" row per size:
     the plain public call (validation + planning + launch), to show the host cost."""
     results = []
     configs = {  # (block_t, block_n, num_warps, num_stages); the first is the launcher default
@@ -245,6 +247,7 @@ def prefill_bench(device: str, quick: bool, t: int = 8192, sizes: list[int] | No
             w = torch.rand(t, HEADS, device=device, generator=g)
             query_seq = torch.zeros(t, dtype=torch.int32, device=device)
             out = torch.empty(t, n, device=device)
+            batch = PagedBatch.build(pool, fmt, table, counts, query_seq)
             flop = 2 * HEADS * DIM * t * n
 
             def extra(ms, n=n, flop=flop):
@@ -252,15 +255,15 @@ def prefill_bench(device: str, quick: bool, t: int = 8192, sizes: list[int] | No
 
             base = {"case": "prefill", "format": fmt_name, "q": str(q_dtype), "T": t, "N": n, "H": HEADS, "D": DIM}
             measure(results, {**base, "mode": "default call"},
-                    lambda: index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1, out=out),
+                    lambda: index_scores_triton(q, w, batch, out=out),
                     False, extra)
             cfgs = configs[fmt_name] if n == sizes[-1] else configs[fmt_name][:1]
             for bt, bn, warps, stages in cfgs:
                 plan = plan_query_tiles(query_seq, 1, HEADS, kernel="tile", block_t=bt)
 
                 def run(plan=plan, bn=bn, warps=warps, stages=stages):
-                    index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1, out=out, tiles=plan,
-                                        validate=False, block_n=bn, num_warps=warps, num_stages=stages)
+                    config = ScoresConfig(kernel="tile", prefill_block_n=bn, prefill_warps=warps, prefill_stages=stages)
+                    index_scores_triton(q, w, batch, out=out, tiles=plan, config=config)
                 measure(results, {**base, "mode": "planned, graph", "config": [bt, bn, warps, stages]}, run, True,
                         extra)
             del pool, out
@@ -283,6 +286,8 @@ def decode_bench(device: str, quick: bool, b: int = 64, sizes: list[int] | None 
             w = torch.rand(b, HEADS, device=device, generator=g)
             query_seq = torch.arange(b, dtype=torch.int32, device=device)
             out = torch.empty(b, n, device=device)
+            batch = PagedBatch.build(pool, fmt, table, counts, query_seq)
+            unchecked = PagedBatch.build(pool, fmt, table, counts, query_seq, validate=False, max_entries=n)
             key_bytes = b * n * fmt.bytes_per_entry
 
             def extra(ms, key_bytes=key_bytes, n=n):
@@ -291,16 +296,15 @@ def decode_bench(device: str, quick: bool, b: int = 64, sizes: list[int] | None 
 
             base = {"case": "decode", "format": fmt_name, "q": str(q_dtype), "B": b, "next_n": 1, "N": n}
             measure(results, {**base, "mode": "default call"},
-                    lambda: index_scores_decode(q, w, pool, fmt, table, counts, out=out), False, extra)
-            measure(results, {**base, "mode": "decode wrapper, validate=False"},
-                    lambda: index_scores_decode(q, w, pool, fmt, table, counts, out=out, validate=False), False,
-                    extra)
+                    lambda: index_scores_decode(q, w, batch, out=out), False, extra)
+            measure(results, {**base, "mode": "decode wrapper, unchecked batch"},
+                    lambda: index_scores_decode(q, w, unchecked, out=out), False, extra)
             plan = plan_decode_tiles(b, 1, HEADS, device)
             for bn, per_prog, warps, stages in configs[fmt_name]:
                 def run(bn=bn, per_prog=per_prog, warps=warps, stages=stages):
-                    index_scores_triton(q.view(b, HEADS, DIM), w, pool, fmt, table, counts, query_seq, None, 1,
-                                        out=out, tiles=plan, validate=False, block_n=bn,
-                                        tiles_per_program=per_prog, num_warps=warps, num_stages=stages)
+                    config = ScoresConfig(kernel="group", decode_block_n=bn, decode_tiles_per_program=per_prog,
+                                          decode_warps=warps, decode_stages=stages)
+                    index_scores_triton(q.view(b, HEADS, DIM), w, unchecked, out=out, tiles=plan, config=config)
                 measure(results, {**base, "mode": "planned, graph", "config": [bn, per_prog, warps, stages]}, run,
                         True, extra)
             del pool, out

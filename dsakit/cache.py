@@ -15,22 +15,13 @@ from collections.abc import Sequence
 
 import torch
 
+from .batch import PagedBatch, check_pool
 from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat, is_centred
 
 
 # --------------------------------------------------------------------------------------------------
 # Validation helpers (shared by the reference ops and the kernel wrappers)
 # --------------------------------------------------------------------------------------------------
-
-
-def check_pool(pool: torch.Tensor, fmt: EntryFormat, what: str = "pool") -> None:
-    if not isinstance(pool, torch.Tensor):
-        raise ValueError(f"{what} must be a torch.Tensor, got {type(pool).__name__}")
-    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != fmt.page_bytes:
-        raise ValueError(f"{what} must be uint8 [P, {fmt.page_bytes}] for format {fmt.name}, "
-                         f"got {pool.dtype} {list(pool.shape)}")
-    if not pool.is_contiguous():
-        raise ValueError(f"{what} must be contiguous (cache writes never go through a silent copy)")
 
 
 def check_slots(slots: torch.Tensor, num_slots: int, what: str = "slots", allow_padding: bool = True) -> torch.Tensor:
@@ -264,6 +255,22 @@ class PagedCache:
         """int32 [B] number of entries of each sequence, on the pool's device."""
         seq_ids = self.sequences if seq_ids is None else list(seq_ids)
         return torch.tensor([self.length(s) for s in seq_ids], dtype=torch.int32, device=self.pool.device)
+
+    def batch(self, seq_ids: Sequence[int] | None = None, query_lens: Sequence[int] | None = None,
+              query_positions: torch.Tensor | None = None, ratio: int = 1) -> PagedBatch:
+        """A :class:`dsakit.PagedBatch` of these sequences (default: all), from host metadata: no device sync.
+
+        query_lens: host ints, queries per sequence (default 1 each: decode); the rows of q are grouped by
+        sequence in ``seq_ids`` order. query_positions: int [T] absolute token positions or None (every query
+        sees all entries of its sequence). ratio: tokens per entry.
+        """
+        seq_ids = self.sequences if seq_ids is None else list(seq_ids)
+        for s in seq_ids:
+            self._check_seq(s)
+        if not isinstance(self.fmt, KeyFormat):
+            raise ValueError(f"a PagedBatch reads index keys; this cache holds {self.fmt.name} attention entries")
+        return PagedBatch.from_host(self.pool, self.fmt, [self._tables[s] for s in seq_ids],
+                                    [self._lengths[s] for s in seq_ids], query_lens, query_positions, ratio)
 
     # -- data (reference path) -----------------------------------------------------------------------
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:

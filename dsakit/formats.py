@@ -37,11 +37,13 @@ Quantization rules (the reference defines them; kernels must match byte for byte
 
 * fp8 scale = max(amax, 1e-4) / 448 with amax the largest finite |x| of the entry (fp32, correctly rounded
   division). ``ue8m0`` rounds that scale up to a power of two (biased exponent + 1 unless the mantissa is 0).
-  value = clamp(x / scale, -448, 448) cast to e4m3fn with round-to-nearest-even.
+  value = clamp(x * (1 / scale), -448, 448) cast to e4m3fn with round-to-nearest-even, the fp32 reciprocal
+  computed once per entry (the engines' arithmetic; x / scale differs at e4m3 rounding ties).
 * fp4 scale per 32 elements = 2^ceil(log2(max(amax, 1e-4) / 6)), stored as the ue8m0 byte (exponent + 127).
   Magnitude |x| / scale is coded to {0, .5, 1, 1.5, 2, 3, 4, 6} by thresholds .25 .75 1.25 1.75 2.5 3.5 5;
   ``threshold`` sends a value equal to a threshold to the smaller magnitude (DeepGEMM, SGLang), ``rne`` to
-  the even code (DeepSeek's QAT reference). Sign bit (bit 3) = x < 0.
+  the even code (DeepSeek's QAT reference). Sign bit (bit 3) = x < 0 on non-zero codes only (a negative
+  value that rounds to 0 is stored as 0x0, as the engines store it).
 * Non-finite input (quantized formats): NaN elements encode as 0, +-Inf saturate to the largest code
   (+-448 * scale, +-6 * scale) and do not enter amax. An all-zero or all-non-finite entry gets the scale
   of the 1e-4 floor. So finite input never produces a NaN byte, and non-finite input never does either.
@@ -61,6 +63,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import ClassVar
 
 import torch
@@ -123,10 +126,16 @@ def fp8_scale(amax: torch.Tensor, scale_fmt: str) -> torch.Tensor:
 
 
 def encode_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 x [.., n], scale [..] -> e4m3fn bytes uint8 [.., n]."""
-    scale = scale.unsqueeze(-1)
+    """fp32 x [.., n], scale [..] -> e4m3fn bytes uint8 [.., n] of e4m3(clamp(x * (1 / scale), +-448)).
+
+    The fp32 reciprocal is computed once per scale and the elements are multiplied by it (not divided by the
+    scale): that is the engines' quantizer arithmetic, and it differs from x / scale at e4m3 rounding ties
+    (e.g. x = 0.890625 in a row of amax 2.375: x / scale is exactly 168, a tie stored as 0x72; x * (1 / scale)
+    lies just above it and is stored as 0x73). For a power-of-two scale both are exact and equal.
+    """
+    inv_scale = (1.0 / scale.float()).unsqueeze(-1)  # correctly rounded fp32 division
     x = _sanitize(x.float(), torch.tensor(float("inf")))
-    v = torch.clamp(x / scale, -FP8_MAX, FP8_MAX)  # Inf / scale -> Inf -> clamped to +-448
+    v = torch.clamp(x * inv_scale, -FP8_MAX, FP8_MAX)  # Inf * inv_scale -> Inf -> clamped to +-448
     return v.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
@@ -145,7 +154,8 @@ def encode_e2m1(v: torch.Tensor, rounding: str) -> torch.Tensor:
         # a tie sits exactly on a threshold: go up when the upper code is even
         is_tie = (mag.unsqueeze(-1) == thresholds).any(dim=-1)
         code = torch.where(is_tie & (code % 2 == 1), code + 1, code)
-    sign = (v < 0).to(torch.uint8) << 3
+    # the sign only on non-zero codes: a negative value that rounds to magnitude 0 encodes as 0x0, never 0x8
+    sign = ((v < 0) & (code != 0)).to(torch.uint8) << 3
     return code | sign
 
 
@@ -314,7 +324,7 @@ class KeyFormat(EntryFormat):
         amax = torch.clamp(_finite_amax(blocks), min=SCALE_FLOOR)
         exponent = ue8m0_exponent_ceil(amax / FP4_MAX)  # [N, 4]
         scale = ue8m0_to_float(exponent.to(torch.uint8))
-        v = _sanitize(blocks, torch.tensor(float("inf"))) / scale.unsqueeze(-1)
+        v = _sanitize(blocks, torch.tensor(float("inf"))) * (1.0 / scale).unsqueeze(-1)  # exact: scale is 2^k
         v = torch.clamp(v, -FP4_MAX, FP4_MAX)
         codes = encode_e2m1(v, self.rounding).reshape(n, self.head_dim)
         values = codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -581,3 +591,50 @@ KEY_FORMATS.update(CENTRED_KEY_FORMATS)
 def is_centred(fmt) -> bool:
     """True for the page-centred key formats (their pages end in a bf16 centre)."""
     return isinstance(fmt, CentredKeyFormat)
+
+
+# --------------------------------------------------------------------------------------------------
+# Key codecs: what the Triton kernels need to know about an index-key format
+# --------------------------------------------------------------------------------------------------
+
+
+class KeyCode(IntEnum):
+    """Compile-time code of an index-key encoding, passed to the Triton kernels as ``CODE``."""
+
+    BF16 = 0
+    FP8 = 1
+    FP4 = 2
+
+
+@dataclass(frozen=True)
+class KeyCodec:
+    """Kernel-side description of a key encoding.
+
+    code: the KeyCode the kernels' codec functions switch on; decode_block_n: key tile of the decode scores
+    kernel measured fastest on the H200; fp8_dot: the stored values can feed fp8 tensor cores as they are.
+    """
+
+    code: KeyCode
+    decode_block_n: int
+    fp8_dot: bool = False
+
+    def pool_views(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Typed flat views (values, scales) of a uint8 pool, as the kernels index them."""
+        flat = pool.view(-1)
+        if self.code == KeyCode.BF16:
+            return flat.view(torch.bfloat16), flat
+        if self.code == KeyCode.FP8:
+            return flat, flat.view(torch.float32)
+        return flat, flat
+
+
+KEY_CODECS: dict[str, KeyCodec] = {
+    "bf16": KeyCodec(KeyCode.BF16, decode_block_n=64),
+    "fp8": KeyCodec(KeyCode.FP8, decode_block_n=64, fp8_dot=True),
+    "fp4": KeyCodec(KeyCode.FP4, decode_block_n=128),
+}
+
+
+def key_codec(fmt: "KeyFormat | str") -> KeyCodec:
+    """The kernel codec of an index-key format."""
+    return KEY_CODECS[KeyFormat.parse(fmt).kind]

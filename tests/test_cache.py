@@ -350,3 +350,36 @@ def test_read_and_sequence_slots_validate_their_inputs():
     with pytest.raises(ValueError, match="1-D int32/int64"):
         sequence_slots(row.reshape(1, 2), 5)
     assert sequence_slots(row, 0).shape == (0,)
+
+
+def test_paged_cache_batch_equals_the_validated_batch():
+    """PagedCache.batch (host metadata, no sync) gives the same PagedBatch the explicit constructor validates."""
+    from dsakit import PagedBatch
+
+    cache = PagedCache(KeyFormat.FP4, 8)
+    a, b, c = (cache.add_sequence() for _ in range(3))
+    cache.append(a, 70)
+    cache.append(c, 5)
+    cache.append(a, 64)  # a's pages are not contiguous
+    positions = torch.tensor([3, 100, 7, 0, 4])
+    got = cache.batch([a, b, c], query_lens=[2, 1, 2], query_positions=positions, ratio=4)
+    want = PagedBatch.build(cache.pool, cache.fmt, cache.block_table([a, b, c]), cache.entry_counts([a, b, c]),
+                            torch.tensor([0, 0, 1, 2, 2]), positions, 4)
+    for name in ("block_table", "entry_counts", "query_seq", "query_positions"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert getattr(got, name).dtype == getattr(want, name).dtype and getattr(got, name).is_contiguous()
+    for name in ("num_queries", "max_entries", "query_lens", "rows_sorted", "ratio", "fmt", "next_n"):
+        assert getattr(got, name) == getattr(want, name), name
+    assert got.max_entries == 134 and got.query_lens == (2, 1, 2) and got.next_n is None
+    decode = cache.batch([c, a])  # default: one query per sequence, every entry visible
+    assert decode.next_n == 1 and decode.query_positions is None and decode.query_seq.tolist() == [0, 1]
+    with pytest.raises(ValueError, match="unknown sequence id"):
+        cache.batch([a, 99])
+    with pytest.raises(ValueError, match="query_lens"):
+        cache.batch([a, b], query_lens=[1])
+    with pytest.raises(ValueError, match="query_positions"):
+        cache.batch([a, b], query_positions=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="ratio"):
+        cache.batch([a], ratio=0)
+    with pytest.raises(ValueError, match="attention entries"):
+        PagedCache(AttentionKVFormat.BF16, 1).batch([])

@@ -93,8 +93,7 @@ def test_quantize_is_idempotent_on_dequantized_values(name):
     """Dequantized values are representable: quantizing them again gives the same bytes.
 
     Not true of fp4, by design: a block with amax 6.1 gets scale 2 (6.1 / 6 > 1), 6.1 / 2 = 3.05 decodes
-    to 6.0, and the second pass then picks scale 1; negative values that round to magnitude 0 also keep
-    their sign bit (code 0x8) only on the first pass.
+    to 6.0, and the second pass then picks scale 1.
     """
     fmt = KeyFormat.parse(name)
     x = torch.randn(32, 128)
@@ -274,7 +273,8 @@ def test_fp4_ties_at_every_threshold(threshold, code_threshold, code_rne):
         assert int(scales[0, 0]) == 127
         b1, b2 = int(values[0, 1]), int(values[0, 2])  # byte 1 = elems 2, 3; byte 2 = elems 4, 5
         assert b1 & 0xF == code, f"{name} tie at {threshold}"
-        assert b1 >> 4 == code | 0x8, f"{name} negative tie at {threshold}"
+        # the sign only on non-zero codes: -0.25 rounds to magnitude 0 and stores 0x0, as the engines do
+        assert b1 >> 4 == (code | 0x8 if code else 0), f"{name} negative tie at {threshold}"
         # just above a threshold always rounds up, just below always down, in both modes
         index = FP4_TIES.index((threshold, code_threshold, code_rne))
         assert b2 & 0xF == index + 1 and b2 >> 4 == index
@@ -390,3 +390,31 @@ def test_dequantize_rejects_wrong_encoded_shapes(values_shape, scales_shape, mat
                                  torch.zeros(scales_shape, dtype=torch.uint8))
     with pytest.raises(ValueError, match="float32"):
         AttentionKVFormat.FP8_ROPE_BF16.dequantize(torch.zeros(1, 576), torch.zeros(1, 8, dtype=torch.uint8))
+
+
+def test_fp8_multiplies_by_the_fp32_reciprocal_of_the_scale():
+    """x[0, 0] = 2.375 (the amax), x[0, 1] = 0.890625: x / scale is exactly 168, an e4m3 tie that rounds to
+    0x72 (160); the engines multiply by the fp32 reciprocal 1 / scale, which lands just above 168 -> 0x73."""
+    x = torch.zeros(1, 128)
+    x[0, 0], x[0, 1] = 2.375, 0.890625
+    values, scales = KeyFormat.FP8.quantize(x)
+    scale = torch.tensor([2.375], dtype=torch.float32) / 448
+    assert scales.view(torch.float32).item() == scale.item()
+    assert values[0, 0].item() == 0x7E  # 448
+    assert values[0, 1].item() == 0x73
+    assert ((x[0, 1:2] / scale).to(torch.float8_e4m3fn).view(torch.uint8).item()) == 0x72  # what x / scale gives
+    assert ((x[0, 1:2] * (1 / scale)).to(torch.float8_e4m3fn).view(torch.uint8).item()) == 0x73
+
+
+def test_fp4_negative_values_rounding_to_zero_store_plus_zero():
+    """A negative value whose magnitude rounds to 0 is stored as code 0x0 (no sign), 0x8 never appears."""
+    x = torch.zeros(1, 128)
+    x[0, 0] = 6.0                   # block scale 1
+    x[0, 1], x[0, 2] = -0.25, -0.1  # round to magnitude 0 (0.25 is the tie, sent to 0 by the threshold rule)
+    x[0, 3] = -0.26                 # rounds to -0.5: the sign stays
+    for fmt in (KeyFormat.FP4, KeyFormat.FP4_RNE):
+        values, _ = fmt.quantize(x)
+        codes = torch.stack([values[0] & 0xF, values[0] >> 4], dim=-1).reshape(-1)
+        assert codes[1].item() == 0 and codes[2].item() == 0, fmt.name
+        assert codes[3].item() == 0x9, fmt.name
+        assert not bool((codes == 0x8).any()), fmt.name

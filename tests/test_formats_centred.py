@@ -264,10 +264,10 @@ def test_scores_add_q_dot_centre_before_the_relu(name):
     q = torch.randn(5, 4, 128, generator=g)
     w = torch.rand(5, 4, generator=g)
     positions = torch.tensor([10, 63, 64, 100, 149])
-    args = dict(q=q, weights=w, pool=cache.pool, fmt=fmt, block_table=cache.block_table([seq]),
-                entry_counts=cache.entry_counts([seq]), query_seq=torch.zeros(5, dtype=torch.int32))
-    prefill = scores_ops.index_scores(**args, query_positions=positions, backend="reference")
-    decode = scores_ops.index_scores(**args, backend="reference")
+    causal = cache.batch([seq], query_lens=[5], query_positions=positions)
+    everything = cache.batch([seq], query_lens=[5])
+    prefill = scores_ops.index_scores(q, w, causal, backend="reference")
+    decode = scores_ops.index_scores(q, w, everything, backend="reference")
 
     # by hand: residuals and centres from the page bytes
     pages = cache.pool[cache.block_table([seq])[0].long()]
@@ -283,7 +283,7 @@ def test_scores_add_q_dot_centre_before_the_relu(name):
     # and the dense scores of the dequantized keys agree up to fp32 rounding
     assert torch.allclose(decode, index_scores_dense(q, w, cache.gather(seq)), rtol=1e-4, atol=1e-3)
     for k in (1, 16, 200):
-        top = topk_ops.index_topk(**args, k=k, query_positions=positions, backend="reference")
+        top = topk_ops.index_topk(q, w, causal, k, backend="reference")
         assert torch.equal(top, topk_ops.select_topk(prefill, k, backend="reference"))
 
 
@@ -307,8 +307,7 @@ def test_centred_keeps_a_needle_that_fp8_loses():
         cache = PagedCache(fmt, n // 64)
         seq = cache.add_sequence()
         cache.write(cache.append(seq, n), keys)
-        s = scores_ops.index_scores(q, w, cache.pool, fmt, cache.block_table([seq]), cache.entry_counts([seq]),
-                                    torch.zeros(1, dtype=torch.int32), backend="reference")[0]
+        s = scores_ops.index_scores(q, w, cache.batch([seq]), backend="reference")[0]
         ranks[name] = int((s > s[needle]).sum())
     assert ranks["bf16"] == 0 and ranks["fp8-centred"] == 0, ranks
     assert ranks["fp8"] > 50, ranks
@@ -321,9 +320,12 @@ def test_triton_refuses_centred_pages_until_supported():
     pool = torch.zeros(1, fmt.page_bytes, dtype=torch.uint8)
     from dsakit.ops.scores.triton import index_scores_triton
 
+    from dsakit import PagedBatch
+
+    batch = PagedBatch.build(pool, fmt, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                             torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="fp8-centred"):
-        index_scores_triton(torch.zeros(1, 1, 128), torch.ones(1, 1), pool, fmt, torch.zeros(1, 1, dtype=torch.int32),
-                            torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+        index_scores_triton(torch.zeros(1, 1, 128), torch.ones(1, 1), batch)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from dsakit.cache import PagedCache, read_entries
 from dsakit.formats import AttentionKVFormat, KeyFormat
 from dsakit.ops.attention.reference import sparse_attention_dense, window_topk_indices
 from dsakit.ops.compress.reference import compress, compress_projected
+from dsakit import PagedBatch
 from dsakit.ops.scores.reference import index_scores, index_scores_dense
 from dsakit.ops.store.reference import prepare_index_keys, store_attention_kv, store_index_keys
 from dsakit.ops.topk.reference import index_topk, select_topk, topk_to_slots
@@ -265,7 +266,7 @@ def test_index_scores_ragged_batch_vs_naive(fmt_name, ratio, use_positions):
     block_table = cache.block_table(seqs, width=3)
     entry_counts = cache.entry_counts(seqs)
     pos = positions if use_positions else None
-    got = index_scores(q, w, cache.pool, fmt, block_table, entry_counts, query_seq, pos, ratio)
+    got = index_scores(q, w, PagedBatch.build(cache.pool, fmt, block_table, entry_counts, query_seq, pos, ratio))
     want = torch.tensor(naive_batch_scores(q, w, keys_by_seq, query_seq, pos, ratio))
     assert got.shape == (8, 70) and got.dtype == torch.float32
     assert torch.equal(torch.isinf(got), torch.isinf(want)), "the -inf mask must match exactly"
@@ -297,14 +298,27 @@ def test_index_scores_rejects_bad_batches():
     cache, seqs, _ = build_batch(fmt, [10])
     q, w = torch.randn(2, 2, 128), torch.rand(2, 2)
     table, counts = cache.block_table(seqs), cache.entry_counts(seqs)
+    build = PagedBatch.build
     with pytest.raises(ValueError, match="query_seq values"):
-        index_scores(q, w, cache.pool, fmt, table, counts, torch.tensor([0, 1]))
+        build(cache.pool, fmt, table, counts, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="entry_counts"):
-        index_scores(q, w, cache.pool, fmt, table, torch.tensor([65]), torch.tensor([0, 0]))
+        build(cache.pool, fmt, table, torch.tensor([65]), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="16384"):
-        index_scores(q, w, cache.pool, KeyFormat.FP8, table, counts, torch.tensor([0, 0]))
+        build(cache.pool, KeyFormat.FP8, table, counts, torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="ratio"):
-        index_scores(q, w, cache.pool, fmt, table, counts, torch.tensor([0, 0]), torch.tensor([1, 2]), ratio=0)
+        build(cache.pool, fmt, table, counts, torch.tensor([0, 0]), torch.tensor([1, 2]), ratio=0)
+    with pytest.raises(ValueError, match="query_positions"):
+        build(cache.pool, fmt, table, counts, torch.tensor([0, 0]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="max_entries"):
+        build(cache.pool, fmt, table, counts, torch.tensor([0, 0]), validate=False)
+    batch = build(cache.pool, fmt, table, counts, torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="q has 3 rows but the batch has 2"):
+        index_scores(torch.randn(3, 2, 128), torch.rand(3, 2), batch)
+    with pytest.raises(ValueError, match="PagedBatch"):
+        index_scores(q, w, cache.pool)
+    # a validated batch knows its shape on the host: widest sequence, queries per sequence, row order
+    assert (batch.max_entries, batch.num_queries, batch.query_lens, batch.rows_sorted) == (10, 2, (2,), True)
+    assert batch.next_n == 2 and batch.block_table.dtype == torch.int32 and batch.query_seq.dtype == torch.int32
 
 
 # --------------------------------------------------------------------------------------------------
@@ -369,8 +383,8 @@ def test_index_topk_vs_naive(fmt_name):
     positions = torch.tensor([1, 30, 400, 11, 23])
     q, w = torch.randn(5, 2, 128), torch.rand(5, 2)
     k = 8
-    got = index_topk(q, w, cache.pool, fmt, cache.block_table(seqs), cache.entry_counts(seqs), query_seq, k,
-                     positions, 4)
+    got = index_topk(q, w, PagedBatch.build(cache.pool, fmt, cache.block_table(seqs), cache.entry_counts(seqs),
+                                            query_seq, positions, 4), k)
     naive = torch.tensor(naive_batch_scores(q, w, keys_by_seq, query_seq, positions, 4))
     assert got.shape == (5, 8) and got.dtype == torch.int32
     assert got[0].tolist() == [-1] * 8          # position 1: nothing visible
@@ -616,8 +630,6 @@ def test_indexer_topk_is_select_topk_of_its_scores(key_format):
 
 def test_indexer_rejects_bad_input():
     from dsakit.layers import DSAIndexer
-    from dsakit.layers.indexer import _call_with_backend
-
     ix = small_indexer()
     with pytest.raises(ValueError, match="deepseek-v3.2"):
         DSAIndexer.random(8, 8, preset="deepseek-v3.2")
@@ -631,9 +643,8 @@ def test_indexer_rejects_bad_input():
         ix.topk(torch.randn(8, 24), torch.randn(7, 12))
     with pytest.raises(ValueError, match="k must be a positive int"):
         ix.topk(torch.randn(8, 24), torch.randn(8, 12), k=0)
-    with pytest.raises(ValueError, match="no backend argument"):
-        _call_with_backend(lambda x: x, "triton", x=1)
-    assert _call_with_backend(lambda x: x, "auto", x=3) == 3
+    with pytest.raises(ValueError, match="unknown backend"):
+        ix.topk(torch.randn(8, 24), torch.randn(8, 12), backend="cuda")
 
 
 def test_indexer_topk_triton_backend_matches_reference(triton_backend, device):

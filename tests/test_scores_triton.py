@@ -13,10 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsakit import PagedBatch
 from dsakit.cache import PagedCache
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores import index_scores
-from dsakit.ops.scores.reference import index_scores as reference_scores
+from dsakit.ops.scores import ScoresConfig, index_scores
+from dsakit.ops.scores.reference import index_scores as _reference_scores
 from dsakit.ops.scores.reference import index_scores_dense
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
@@ -76,11 +77,41 @@ def assert_scores_match(out: torch.Tensor, ref: torch.Tensor, rtol: float = TIGH
         torch.testing.assert_close(out[finite], ref[finite], rtol=rtol, atol=rtol * float(scale))
 
 
+def batch_of(pool, fmt, table, counts, query_seq, positions=None, ratio=1, *, validate=True, max_entries=None):
+    return PagedBatch.build(pool, fmt, table, counts, query_seq, positions, ratio, validate=validate,
+                            max_entries=max_entries)
+
+
+def reference_scores(q, w, pool, fmt, table, counts, query_seq, positions=None, ratio=1):
+    """The reference on a batch of these (CPU) tensors."""
+    batch = batch_of(pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq.cpu(),
+                     None if positions is None else positions.cpu(), ratio)
+    return _reference_scores(q.cpu(), w.cpu(), batch)
+
+
+def scores_kernel(q, w, pool, fmt, table, counts, query_seq, positions=None, ratio=1, *, out=None, q_scale=None,
+                  tiles=None, validate=True, kernel="auto", **tuning):
+    """index_scores_triton on a batch of these tensors (validate=False: an unchecked batch as wide as out)."""
+    batch = batch_of(pool, fmt, table, counts, query_seq, positions, ratio, validate=validate,
+                     max_entries=None if validate else out.shape[1])
+    return _triton().index_scores_triton(q, w, batch, out=out, q_scale=q_scale, tiles=tiles,
+                                         config=ScoresConfig(kernel=kernel, **tuning))
+
+
+def decode_kernel(q, w, pool, fmt, table, counts, positions=None, *, out=None, validate=True):
+    """index_scores_decode on the decode batch of these tensors (row b * next_n + i = query i of sequence b)."""
+    b, next_n = q.shape[:2]
+    query_seq = torch.arange(b, dtype=torch.int32, device=q.device).repeat_interleave(next_n)
+    batch = batch_of(pool, fmt, table, counts, query_seq, None if positions is None else positions.reshape(-1), 1,
+                     validate=validate, max_entries=None if validate else out.shape[1])
+    return _triton().index_scores_decode(q, w, batch, out=out)
+
+
 def run_kernel(q, w, pool, fmt, table, counts, query_seq, positions, ratio, **kw):
     t = q.shape[0]
     width = int(counts.max()) if counts.numel() else 0
     out = torch.full((t, width), float("nan"), device=q.device)
-    return _triton().index_scores_triton(q, w, pool, fmt, table, counts, query_seq, positions, ratio, out=out, **kw)
+    return scores_kernel(q, w, pool, fmt, table, counts, query_seq, positions, ratio, out=out, **kw)
 
 
 def operand_queries(q: torch.Tensor) -> torch.Tensor:
@@ -149,11 +180,14 @@ def test_public_dispatcher_backends(device):
     w = torch.rand(5, 16, device=device)
     query_seq = torch.tensor([1, 0, 0, 1, 0], dtype=torch.int32, device=device)
     positions = torch.tensor([3, 69, 0, 40, 10], dtype=torch.int32, device=device)
-    tri = index_scores(q, w, pool, fmt, table, counts, query_seq, positions, 1, backend="triton")
-    ref = index_scores(q, w, pool, fmt, table, counts, query_seq, positions, 1, backend="reference")
+    batch = batch_of(pool, fmt, table, counts, query_seq, positions, 1)
+    tri = index_scores(q, w, batch, backend="triton")
+    ref = index_scores(q, w, batch, backend="reference")
     assert_scores_match(tri, ref)
     with pytest.raises(ValueError, match="unknown backend"):
-        index_scores(q, w, pool, fmt, table, counts, query_seq, positions, 1, backend="cuda")
+        index_scores(q, w, batch, backend="cuda")
+    with pytest.raises(ValueError, match="PagedBatch"):
+        index_scores(q, w, pool, backend="reference")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -163,7 +197,7 @@ def test_public_dispatcher_backends(device):
 
 def test_empty_batch_and_empty_sequences(device):
     fmt, pool, table, counts, _ = make_cache("bf16", [0, 0], device)
-    kernel = _triton().index_scores_triton
+    kernel = scores_kernel
     q = torch.randn(3, 16, 128, device=device)
     w = torch.rand(3, 16, device=device)
     out = kernel(q, w, pool, fmt, table, counts, torch.tensor([0, 1, 1], dtype=torch.int32, device=device))
@@ -192,7 +226,7 @@ def test_workspace_out_slice_is_bounded(device):
     query_seq = torch.tensor([0, 1, 0, 1, 0, 0], dtype=torch.int32, device=device)
     positions = torch.tensor([10, 32, 89, 5, 50, 200], dtype=torch.int32, device=device)
     ws = torch.full((t + 3, 128), float("nan"), device=device)
-    result = _triton().index_scores_triton(q, w, pool, fmt, table, counts, query_seq, positions, 1, out=ws[:, :100])
+    result = scores_kernel(q, w, pool, fmt, table, counts, query_seq, positions, 1, out=ws[:, :100])
     assert result.shape == (t, 100) and result.data_ptr() == ws.data_ptr()
     ref = reference_scores(q.float(), w.cpu(), pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq.cpu(),
                            positions.cpu(), 1)
@@ -202,11 +236,11 @@ def test_workspace_out_slice_is_bounded(device):
     assert torch.isnan(ws[t:]).all() and torch.isnan(ws[:, 100:]).all(), "kernel wrote outside out[:T, :W']"
     # rows that share memory (an expanded tensor) would overwrite each other's scores: refused
     with pytest.raises(ValueError, match="overlap"):
-        _triton().index_scores_triton(q, w, pool, fmt, table, counts, query_seq, positions, 1,
+        scores_kernel(q, w, pool, fmt, table, counts, query_seq, positions, 1,
                                       out=torch.full((1, 100), float("nan"), device=device).expand(t, 100))
     # W' smaller than a row's visible count would silently drop entries: refused
     with pytest.raises(ValueError, match="visible count"):
-        _triton().index_scores_triton(q, w, pool, fmt, table, counts, query_seq, positions, 1, out=ws[:, :60])
+        scores_kernel(q, w, pool, fmt, table, counts, query_seq, positions, 1, out=ws[:, :60])
 
 
 def test_non_contiguous_inputs(device):
@@ -251,7 +285,7 @@ def test_nan_key_propagates_like_reference(device):
     q = torch.randn(2, 16, 128, device=device)
     w = torch.rand(2, 16, device=device)
     query_seq = torch.zeros(2, dtype=torch.int32, device=device)
-    out = _triton().index_scores_triton(q, w, cache.pool.to(device), fmt, cache.block_table().to(device),
+    out = scores_kernel(q, w, cache.pool.to(device), fmt, cache.block_table().to(device),
                                         cache.entry_counts().to(device), query_seq).cpu()
     assert torch.isnan(out[:, 3]).all()
     assert torch.isfinite(out[:, [0, 1, 2, 4, 5]]).all()
@@ -288,7 +322,7 @@ def test_decode_wrapper(next_n, device):
     q = torch.randn(b, next_n, h, 128, device=device).to(torch.float8_e4m3fn)
     w = torch.rand(b * next_n, h, device=device)
     positions = (counts.long()[:, None] - next_n + torch.arange(next_n, device=device)[None, :]).to(torch.int32)
-    out = _triton().index_scores_decode(q, w, pool, fmt, table, counts, positions)
+    out = decode_kernel(q, w, pool, fmt, table, counts, positions)
     query_seq = torch.arange(b, dtype=torch.int32).repeat_interleave(next_n)
     ref = reference_scores(q.float().reshape(b * next_n, h, 128).cpu(), w.cpu(), pool.cpu(), fmt, table.cpu(),
                            counts.cpu(), query_seq, positions.reshape(-1).cpu(), 1)
@@ -299,9 +333,9 @@ def test_decode_wrapper(next_n, device):
         assert torch.isfinite(last[i, :n]).all() and torch.isneginf(last[i, n:]).all()
     # non-tensor arguments are named (they used to escape as AttributeError)
     with pytest.raises(ValueError, match="weights must be a torch.Tensor"):
-        _triton().index_scores_decode(q, w.tolist(), pool, fmt, table, counts, positions)
-    with pytest.raises(ValueError, match="block_table must be a torch.Tensor"):
-        _triton().index_scores_decode(q, w, pool, fmt, table.tolist(), counts, positions)
+        decode_kernel(q, w.tolist(), pool, fmt, table, counts, positions)
+    with pytest.raises(ValueError, match="block_table must be"):
+        decode_kernel(q, w, pool, fmt, table.tolist(), counts, positions)
 
 
 def deepgemm_semantics(q, kv_cache, weights, context_lens, block_table, max_len):
@@ -357,7 +391,7 @@ def test_deepgemm_paged_logits(lens_2d, device):
 
 def test_validation_errors(device):
     fmt, pool, table, counts, _ = make_cache("fp8", [70, 10], device)
-    kernel = _triton().index_scores_triton
+    kernel = scores_kernel
     q = torch.randn(3, 16, 128, device=device)
     w = torch.rand(3, 16, device=device)
     query_seq = torch.tensor([0, 1, 0], dtype=torch.int32, device=device)
@@ -468,13 +502,13 @@ def test_unvalidated_bad_input_stays_in_bounds(device):
     for kernel in ("tile", "group"):
         plan = scores_triton.plan_query_tiles(query_seq, 2, h, kernel=kernel)
         ws.fill_(float("nan"))
-        out = scores_triton.index_scores_triton(q, w, pool, fmt, bad_table, bad_counts, query_seq, None, 1,
+        out = scores_kernel(q, w, pool, fmt, bad_table, bad_counts, query_seq, None, 1,
                                                 out=ws[:, :512], tiles=plan, validate=False)
         assert out.shape == (t, 512)
         assert not torch.isnan(out).any(), f"{kernel}: unwritten element inside out[:T, :W']"
         assert torch.isnan(ws[t:]).all() and torch.isnan(ws[:, 512:]).all(), f"{kernel}: wrote outside out[:T, :W']"
     with pytest.raises(ValueError, match="entry_counts"):
-        scores_triton.index_scores_triton(q, w, pool, fmt, table, bad_counts, query_seq, None, 1, out=ws[:, :512])
+        scores_kernel(q, w, pool, fmt, table, bad_counts, query_seq, None, 1, out=ws[:, :512])
 
 
 def test_decode_wrapper_unvalidated_matches(device):
@@ -483,8 +517,8 @@ def test_decode_wrapper_unvalidated_matches(device):
     q = torch.randn(2, 1, 16, 128, dtype=torch.bfloat16, device=device)
     w = torch.rand(2, 16, device=device)
     out = torch.full((2, 65), float("nan"), device=device)
-    fast = _triton().index_scores_decode(q, w, pool, fmt, table, counts, out=out, validate=False)
-    slow = _triton().index_scores_decode(q, w, pool, fmt, table, counts)
+    fast = decode_kernel(q, w, pool, fmt, table, counts, out=out, validate=False)
+    slow = decode_kernel(q, w, pool, fmt, table, counts)
     assert torch.equal(fast.cpu(), slow.cpu())
 
 
@@ -547,9 +581,9 @@ def test_unvalidated_counts_without_pages_stay_in_bounds(device):
         for kernel in ("tile", "group"):
             plan = scores_triton.plan_query_tiles(query_seq, 1, h, kernel=kernel)
             out = torch.full((t + 1, 48), float("nan"), device=device)
-            result = scores_triton.index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1,
+            result = scores_kernel(q, w, pool, fmt, table, counts, query_seq, None, 1,
                                                        out=out[:, :40], tiles=plan, validate=False)
             assert torch.isneginf(result).all(), f"{name}, {kernel}: scores from pages that do not exist"
             assert torch.isnan(out[t:]).all() and torch.isnan(out[:, 40:]).all(), f"{name}: wrote outside out"
         with pytest.raises(ValueError):
-            scores_triton.index_scores_triton(q, w, pool, fmt, table, counts, query_seq, None, 1)
+            scores_kernel(q, w, pool, fmt, table, counts, query_seq, None, 1)

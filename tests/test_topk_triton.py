@@ -17,9 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.reference import index_scores as reference_scores
-from dsakit.ops.topk import index_topk, select_topk
+from dsakit.ops.scores.reference import index_scores as _reference_scores
+from dsakit.ops.topk import SelectConfig, TopkConfig, index_topk, select_topk
 from dsakit.ops.topk.reference import select_topk as reference_select
 from dsakit.ops.topk.reference import topk_to_slots
 
@@ -33,11 +34,21 @@ SMALL_CAP, SMALL_BINS = 32, 32
 SCORE_TOL = {"bf16": 2e-2, "fp8": 2e-2, "fp4": 2e-2}
 
 
-def _select(scores, k, **kw):
+def _select(scores, k, *, row_counts=None, sort=True, **kw):
     from dsakit.ops.topk.triton import select_topk_triton
 
     kw = {"block": SMALL_BLOCK, "cap": SMALL_CAP, "bins": SMALL_BINS, **kw}
-    return select_topk_triton(scores, k, **kw)
+    return select_topk_triton(scores, k, row_counts=row_counts, sort=sort, config=SelectConfig(**kw))
+
+
+def batch_of(pool, fmt, table, counts, seq, pos=None, ratio=1, **kw):
+    return PagedBatch.build(pool, fmt, table, counts, seq, pos, ratio, **kw)
+
+
+def reference_scores(q, w, pool, fmt, table, counts, seq, pos=None, ratio=1):
+    """The reference scores on a batch of these (CPU) tensors."""
+    return _reference_scores(q.cpu(), w.cpu(), batch_of(pool.cpu(), fmt, table.cpu(), counts.cpu(), seq.cpu(),
+                                                        None if pos is None else pos.cpu(), ratio))
 
 
 def _device(triton_backend):
@@ -131,10 +142,8 @@ def test_select_other_buffer_sizes(triton_backend, cap, bins):
 
 
 def test_select_default_block_and_dispatcher(triton_backend):
-    from dsakit.ops.topk.triton import default_select_config
-
     rows, n = 6, 8192 + 300
-    assert default_select_config(rows)[0] == 8192  # the decode-regime default tile: n spans two tiles
+    assert SelectConfig().resolve(rows)[0] == 8192  # the decode-regime default tile: n spans two tiles
     scores = _crafted(n, rows).to(_device(triton_backend))
     got = select_topk(scores, 20, backend="triton")
     assert torch.equal(got.cpu(), reference_select(scores.cpu(), 20))
@@ -171,9 +180,9 @@ def test_select_rejects_bad_input(triton_backend):
         select_topk_triton(scores.t().contiguous().t(), 3)
     # the collect pass packs two ranks per tile into one int32: a tile of 32768 would overflow it
     with pytest.raises(ValueError, match="block must be"):
-        select_topk_triton(scores, 3, block=32768)
+        select_topk_triton(scores, 3, config=SelectConfig(block=32768))
     with pytest.raises(ValueError, match="block must be"):
-        select_topk_triton(scores, 3, block=48)
+        select_topk_triton(scores, 3, config=SelectConfig(block=48))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -229,15 +238,16 @@ def test_index_topk_triton_matches_reference(triton_backend, fmt_name):
     k = 24
     ref_scores = reference_scores(q, w, pool, fmt, table, counts, seq, pos, 4)
     device = _device(triton_backend)
-    args = [q.to(device), w.to(device), pool.to(device), fmt, table.to(device), counts.to(device), seq.to(device)]
-    got, slots = index_topk(*args, k, pos.to(device), 4, backend="triton", return_slots=True)
+    batch = batch_of(pool.to(device), fmt, table.to(device), counts.to(device), seq.to(device), pos.to(device), 4)
+    args = [q.to(device), w.to(device), batch]
+    got, slots = index_topk(*args, k, backend="triton", return_slots=True)
     got, slots = got.cpu(), slots.cpu()
     _check_against_reference(got, ref_scores, k, SCORE_TOL[fmt.kind])
     assert torch.equal(slots, topk_to_slots(got, table, seq))
     # the empty sequence's queries select nothing
     assert bool((got[seq == 1] == -1).all())
     # determinism, and a workspace of 3 rows (several chunks) gives the same answer
-    again = index_topk(*args, k, pos.to(device), 4, backend="triton", workspace_bytes=3 * 4 * 150).cpu()
+    again = index_topk(*args, k, backend="triton", config=TopkConfig(workspace_bytes=3 * 4 * 256)).cpu()
     assert torch.equal(again, got)
 
 
@@ -246,10 +256,12 @@ def test_index_topk_triton_no_positions_and_all_empty(triton_backend):
     device = _device(triton_backend)
     q, w, pool, table, counts, seq, _ = _ragged_batch(fmt, [90, 20], [3, 2], ratio=1)
     ref_scores = reference_scores(q, w, pool, fmt, table, counts, seq, None, 1)
-    args = [q.to(device), w.to(device), pool.to(device), fmt, table.to(device), counts.to(device), seq.to(device)]
-    got = index_topk(*args, 32, backend="triton").cpu()
+    batch = batch_of(pool.to(device), fmt, table.to(device), counts.to(device), seq.to(device))
+    got = index_topk(q.to(device), w.to(device), batch, 32, backend="triton").cpu()
     _check_against_reference(got, ref_scores, 32, SCORE_TOL["fp8"])
-    empty = index_topk(*args[:5], torch.zeros_like(args[5]), args[6], 8, backend="triton")
+    empty_batch = batch_of(pool.to(device), fmt, table.to(device), torch.zeros_like(counts).to(device),
+                           seq.to(device))
+    empty = index_topk(q.to(device), w.to(device), empty_batch, 8, backend="triton")
     assert bool((empty == -1).all()) and empty.shape == (5, 8)
 
 
@@ -257,20 +269,25 @@ def test_index_topk_triton_rejects_bad_input(triton_backend):
     fmt = KeyFormat.parse("bf16")
     device = _device(triton_backend)
     q, w, pool, table, counts, seq, pos = _ragged_batch(fmt, [10], [2])
-    args = [q.to(device), w.to(device), pool.to(device), fmt, table.to(device), counts.to(device), seq.to(device)]
+    args = [q.to(device), w.to(device), batch_of(pool.to(device), fmt, table.to(device), counts.to(device),
+                                                 seq.to(device))]
     with pytest.raises(ValueError, match="k must be"):
         index_topk(*args, 0, backend="triton")
     with pytest.raises(ValueError, match="workspace_bytes"):
-        index_topk(*args, 4, backend="triton", workspace_bytes=0)
+        index_topk(*args, 4, backend="triton", config=TopkConfig(workspace_bytes=0))
     with pytest.raises(ValueError, match="return_slots"):
         index_topk(*args, 4, backend="triton", return_slots="yes")
+    with pytest.raises(ValueError, match="config must be a TopkConfig"):
+        index_topk(*args, 4, backend="triton", config={"workspace_bytes": 10})
+    with pytest.raises(ValueError, match="q has 1 rows but the batch has 2"):
+        index_topk(args[0][:1], args[1][:1], args[2], 4, backend="triton")
     from dsakit.ops.topk.triton import index_topk_triton
 
     with pytest.raises(ValueError, match="q_scale"):
         index_topk_triton(*args, 4, q_scale=-torch.ones(2, 4, device=device))
-    bad_table = torch.full_like(args[4], pool.shape[0] + 5)  # a page id outside the pool
-    with pytest.raises(ValueError):
-        index_topk_triton(*args[:4], bad_table, *args[5:], 4, workspace_bytes=4 * 10)  # validated before chunk 1
+    bad_table = torch.full_like(table, pool.shape[0] + 5).to(device)  # a page id outside the pool
+    with pytest.raises(ValueError, match="block_table"):
+        batch_of(pool.to(device), fmt, bad_table, counts.to(device), seq.to(device))  # refused when built
 
 
 # --------------------------------------------------------------------------------------------------
@@ -312,6 +329,13 @@ def _on(device, *tensors):
     return [t.to(device) for t in tensors]
 
 
+def _decode_batch_of(device, pool, fmt, table, counts, next_n, positions=None, ratio=1, **kw):
+    """The PagedBatch of a decode step: row b * next_n + i is query i of sequence b."""
+    seq = torch.arange(table.shape[0], dtype=torch.int32).repeat_interleave(next_n)
+    pos = None if positions is None else positions.reshape(-1).to(device)
+    return batch_of(pool.to(device), fmt, table.to(device), counts.to(device), seq.to(device), pos, ratio, **kw)
+
+
 @pytest.mark.parametrize("fmt_name,next_n", [("bf16", 1), ("fp8", 2), ("fp4", 1)])
 def test_decode_plan_matches_reference(triton_backend, fmt_name, next_n):
     from dsakit.ops.topk import index_topk_decode, plan_decode_topk
@@ -328,8 +352,8 @@ def test_decode_plan_matches_reference(triton_backend, fmt_name, next_n):
         q_scale = torch.rand(len(counts), next_n, DECODE_HEADS) + 0.5
     plan = plan_decode_topk(len(counts), next_n, 192, k, fmt, device, num_heads=DECODE_HEADS, return_slots=True)
     plan.workspace.fill_(float("nan"))  # poison: every column a row sees must be written by the kernel
-    got, slots = index_topk_decode(*_on(device, q, w, pool), fmt, *_on(device, table, cnt), k, plan=plan,
-                                   query_positions=pos.to(device), ratio=ratio, validate=True,
+    batch = _decode_batch_of(device, pool, fmt, table, cnt, next_n, pos, ratio)
+    got, slots = index_topk_decode(*_on(device, q, w), batch, k, plan=plan,
                                    q_scale=None if q_scale is None else q_scale.to(device))
     assert got.shape == (len(counts) * next_n, k) and got.dtype == torch.int32
     got, slots = got.cpu(), slots.cpu()
@@ -348,12 +372,12 @@ def test_decode_plan_reuse_two_batches_and_no_positions(triton_backend):
     device = _device(triton_backend)
     k = 16
     plan = plan_decode_topk(3, 2, 128, k, fmt, device, num_heads=DECODE_HEADS)
-    # the memory formula of the docs: 4 R W + 8 R 2048 + 4 R K + 12 R + 12 B bytes (R = B * next_n = 6)
-    assert plan.workspace_bytes == 4 * 6 * 128 + 8 * 6 * 2048 + 4 * 6 * k + 12 * 6 + 12 * 3
+    # the memory formula of the docs: 4 R W + 8 R 2048 + 4 R K + 8 R + 12 B bytes (R = B * next_n = 6)
+    assert plan.workspace_bytes == 4 * 6 * 128 + 8 * 6 * 2048 + 4 * 6 * k + 8 * 6 + 12 * 3
     results = []
     for seed, counts in ((2, [100, 3, 128]), (3, [40, 128, 0])):  # same shape, different values and lengths
         q, w, pool, table, cnt, _ = _decode_batch(fmt, counts, 2, max_pages=2, seed=seed, ratio=1)
-        got = index_topk_decode(*_on(device, q, w, pool), fmt, *_on(device, table, cnt), k, plan=plan)
+        got = index_topk_decode(*_on(device, q, w), _decode_batch_of(device, pool, fmt, table, cnt, 2), k, plan=plan)
         assert got.data_ptr() == plan.indices.data_ptr()  # the plan's own buffer, no new allocation
         got = got.cpu().clone()
         # without positions every row of a sequence sees all its entries (ratio unused)
@@ -365,8 +389,8 @@ def test_decode_plan_reuse_two_batches_and_no_positions(triton_backend):
 
 
 def test_decode_plan_bad_values_stay_in_bounds(triton_backend):
-    """validate=False with counts beyond the workspace and page ids outside the pool: no crash, -1 padding
-    kept, every index inside the workspace; validate=True names the bad value."""
+    """An unchecked batch (validate=False) with counts beyond the workspace and page ids outside the pool: no
+    crash, -1 padding kept, every index inside the workspace; a validated batch names the bad value."""
     from dsakit.ops.topk import index_topk_decode, plan_decode_topk
 
     fmt = KeyFormat.parse("bf16")
@@ -376,14 +400,19 @@ def test_decode_plan_bad_values_stay_in_bounds(triton_backend):
     bad_counts = torch.tensor([10_000, -5], dtype=torch.int32)
     bad_table = table.clone()
     bad_table[0, 0] = 10_000
-    args = _on(device, q, w, pool)
-    got, _ = index_topk_decode(*args, fmt, *_on(device, bad_table, bad_counts), 8, plan=plan)
+    args = _on(device, q, w)
+    unchecked = _decode_batch_of(device, pool, fmt, bad_table, bad_counts, 1, validate=False, max_entries=64)
+    got, _ = index_topk_decode(*args, unchecked, 8, plan=plan)
     got = got.cpu()
     assert bool((got[0] >= 0).all()) and bool((got[0] < 64).all()) and bool((got[1] == -1).all())
     with pytest.raises(ValueError, match="entry_counts must be in 0..64"):
-        index_topk_decode(*args, fmt, *_on(device, table, bad_counts), 8, plan=plan, validate=True)
+        _decode_batch_of(device, pool, fmt, table, bad_counts, 1)
     with pytest.raises(ValueError, match="block_table"):
-        index_topk_decode(*args, fmt, *_on(device, bad_table, cnt), 8, plan=plan, validate=True)
+        _decode_batch_of(device, pool, fmt, bad_table, cnt, 1)
+    # a batch with more entries than the plan's workspace is refused on the host (no sync)
+    wide_plan = plan_decode_topk(2, 1, 32, 8, fmt, device, num_heads=DECODE_HEADS)
+    with pytest.raises(ValueError, match="plan max_entries 32"):
+        index_topk_decode(*args, _decode_batch_of(device, pool, fmt, table, cnt, 1), 8, plan=wide_plan)
 
 
 def test_decode_plan_rejects_bad_input(triton_backend):
@@ -398,31 +427,27 @@ def test_decode_plan_rejects_bad_input(triton_backend):
         with pytest.raises(ValueError):
             plan_decode_topk(kw["batch"], kw["next_n"], kw["max_entries"], kw["k"], fmt, device,
                              num_heads=kw.get("num_heads", DECODE_HEADS))
+    batch = _decode_batch_of(device, pool, fmt, table, cnt, 1)
     with pytest.raises(ValueError, match="plan"):
-        index_topk_decode(q, w, pool, fmt, table, cnt, 8, plan=None)
+        index_topk_decode(q, w, batch, 8, plan=None)
     with pytest.raises(ValueError, match="plan was built for k"):
-        index_topk_decode(q, w, pool, fmt, table, cnt, 4, plan=plan)
+        index_topk_decode(q, w, batch, 4, plan=plan)
     with pytest.raises(ValueError, match="plan was built for fp8"):
-        index_topk_decode(q, w, pool, fmt, table, cnt, 8,
-                          plan=plan_decode_topk(2, 1, 64, 8, "fp8", device, num_heads=DECODE_HEADS))
+        index_topk_decode(q, w, batch, 8, plan=plan_decode_topk(2, 1, 64, 8, "fp8", device, num_heads=DECODE_HEADS))
     with pytest.raises(ValueError, match=r"\[B, next_n, H\]"):
-        index_topk_decode(q[:1], w[:1], pool, fmt, table[:1], cnt[:1], 8, plan=plan)
+        index_topk_decode(q[:1], w[:1], _decode_batch_of(device, pool, fmt, table[:1], cnt[:1], 1), 8, plan=plan)
     with pytest.raises(ValueError, match="weights"):
-        index_topk_decode(q, w[:, :, :4], pool, fmt, table, cnt, 8, plan=plan)
-    with pytest.raises(ValueError, match="entry_counts"):
-        index_topk_decode(q, w, pool, fmt, table, cnt.float(), 8, plan=plan)
-    with pytest.raises(ValueError, match="query_positions"):
-        index_topk_decode(q, w, pool, fmt, table, cnt, 8, plan=plan, query_positions=pos[:, :0])
-    with pytest.raises(ValueError, match="ratio"):
-        index_topk_decode(q, w, pool, fmt, table, cnt, 8, plan=plan, ratio=0)
+        index_topk_decode(q, w[:, :, :4], batch, 8, plan=plan)
+    with pytest.raises(ValueError, match="batch"):
+        index_topk_decode(q, w, pool, 8, plan=plan)
     with pytest.raises(ValueError, match="q_scale"):
-        index_topk_decode(q, w, pool, fmt, table, cnt, 8, plan=plan, q_scale=torch.ones(3, device=device))
-    with pytest.raises(ValueError, match="unit column stride"):
-        wide = torch.zeros(2, 4, dtype=torch.int32, device=device)
-        index_topk_decode(q, w, pool, fmt, wide[:, ::2], cnt, 8, plan=plan)
-    with pytest.raises(ValueError, match="q_scale must be > 0"):
-        index_topk_decode(q, w, pool, fmt, table, cnt, 8, plan=plan, validate=True,
-                          q_scale=-torch.ones(2, 1, DECODE_HEADS, device=device))
+        index_topk_decode(q, w, batch, 8, plan=plan, q_scale=torch.ones(3, device=device))
+    with pytest.raises(ValueError, match="entry_counts"):
+        _decode_batch_of(device, pool, fmt, table, cnt.float(), 1)
+    with pytest.raises(ValueError, match="query_positions"):
+        _decode_batch_of(device, pool, fmt, table, cnt, 1, pos[:, :0])
+    with pytest.raises(ValueError, match="ratio"):
+        _decode_batch_of(device, pool, fmt, table, cnt, 1, ratio=0)
 
 
 @pytest.mark.gpu
@@ -433,18 +458,67 @@ def test_decode_plan_cuda_graph_replay():
     fmt = KeyFormat.parse("fp8")
     k = 32
     q, w, pool, table, cnt, pos = _on("cuda", *_decode_batch(fmt, [500, 64, 300, 0], 1, max_pages=8, seed=6))
+    pos = pos.reshape(-1).long()  # the batch's own dtype: updates in place reach the captured graph
+    # static batch tensors, updated in place between replays: an unchecked batch as wide as the plan
+    batch = _decode_batch_of("cuda", pool, fmt, table, cnt, 1, pos, 4, validate=False, max_entries=512)
+    assert batch.entry_counts.data_ptr() == cnt.data_ptr() and batch.query_positions.data_ptr() == pos.data_ptr()
     plan = plan_decode_topk(4, 1, 512, k, fmt, "cuda", num_heads=DECODE_HEADS)
-    eager = index_topk_decode(q, w, pool, fmt, table, cnt, k, plan=plan, query_positions=pos, ratio=4).clone()
+    eager = index_topk_decode(q, w, batch, k, plan=plan).clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        index_topk_decode(q, w, pool, fmt, table, cnt, k, plan=plan, query_positions=pos, ratio=4)
+        index_topk_decode(q, w, batch, k, plan=plan)
     plan.indices.fill_(-7)
     graph.replay()
     assert torch.equal(plan.indices, eager)
     q2, w2, _, _, cnt2, pos2 = _on("cuda", *_decode_batch(fmt, [100, 511, 1, 40], 1, max_pages=8, seed=7))
-    for dst, src in ((q, q2), (w, w2), (cnt, cnt2), (pos, pos2)):
+    for dst, src in ((q, q2), (w, w2), (cnt, cnt2), (pos, pos2.reshape(-1))):
         dst.copy_(src)
     graph.replay()
-    fresh = index_topk_decode(q, w, pool, fmt, table, cnt, k, plan=plan_decode_topk(
-        4, 1, 512, k, fmt, "cuda", num_heads=DECODE_HEADS), query_positions=pos, ratio=4)
+    fresh = index_topk_decode(q, w, batch, k, plan=plan_decode_topk(4, 1, 512, k, fmt, "cuda", num_heads=DECODE_HEADS))
     assert torch.equal(plan.indices, fresh)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sync debug mode needs a CUDA device")
+@pytest.mark.parametrize("query_lens,positions", [([1] * 8, False), ([16, 3, 30, 1, 16, 8, 2, 20], True)],
+                         ids=["decode", "prefill"])
+def test_public_index_topk_steady_state_has_no_sync_and_allocates_only_outputs(query_lens, positions):
+    """From the second call with the same shapes on, the plain public index_topk makes no device->host sync
+    (torch.cuda.set_sync_debug_mode("error") raises on one) and allocates nothing but its output."""
+    from dsakit import PagedCache
+
+    fmt = KeyFormat.parse("fp8")
+    cache = PagedCache(fmt, 64, device="cuda")
+    seqs = [cache.add_sequence() for _ in query_lens]
+    for i, s in enumerate(seqs):
+        n = 300 + 97 * i
+        cache.write(cache.append(s, n), torch.randn(n, 128))
+    t = sum(query_lens)
+    pos = None
+    if positions:
+        pos = torch.cat([torch.randint(0, cache.length(s), (n,)) for s, n in zip(seqs, query_lens)]).cuda()
+    batch = cache.batch(seqs, query_lens=query_lens, query_positions=pos)
+    q = torch.randn(t, 64, 128, device="cuda").to(torch.bfloat16)
+    w = torch.rand(t, 64, device="cuda")
+    k = 128
+    first = index_topk(q, w, batch, k)  # compiles the kernels, fills the workspace and plan caches
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = index_topk(q, w, batch, k)
+        third = index_topk(q, w, batch, k)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    output_bytes = -(-t * k * 4 // 512) * 512  # the caching allocator rounds blocks up to 512 bytes
+    assert torch.cuda.max_memory_allocated() - before <= 2 * output_bytes
+    assert torch.equal(again, first) and torch.equal(third, first)
+    ref = index_topk(q.cpu(), w.cpu(), batch, k, backend="reference")
+    _check_against_reference(first.cpu(), index_scores_ref_of(q, w, batch), k, SCORE_TOL["fp8"])
+    assert ref.shape == first.shape
+
+
+def index_scores_ref_of(q, w, batch):
+    """Reference scores of the batch (q as the kernel multiplies it: bf16 values in fp32)."""
+    return _reference_scores(q.float().cpu(), w.cpu(), batch)

@@ -65,7 +65,10 @@ def select_queries(batch, rows: torch.Tensor):
 def index_topk(q: torch.Tensor, weights: torch.Tensor, batch, k: int, *, backend: str = "auto",
                return_slots: bool = False):
     """The ordinary single-device top-k of ``batch``'s queries: int32 [T, k] (and slots with return_slots)."""
+    from ..batch import PagedBatch
     from ..ops.topk import index_topk as op
 
-    return op(q, weights, batch.pool, batch.fmt, batch.block_table, batch.entry_counts, batch.query_seq, k,
-              batch.query_positions, batch.ratio, backend=backend, return_slots=return_slots)
+    if not isinstance(batch, PagedBatch):
+        batch = PagedBatch.build(batch.pool, batch.fmt, batch.block_table, batch.entry_counts, batch.query_seq,
+                                 batch.query_positions, batch.ratio)
+    return op(q, weights, batch, k, backend=backend, return_slots=return_slots)

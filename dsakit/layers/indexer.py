@@ -8,7 +8,7 @@ N = S // ratio compressed entries, K top-k. Pipeline (pure PyTorch, fp32)::
     c       = compress(hidden, wkv, wgate, ape, ratio)          (pre-norm entries)              [N, D]
     k[j]    = hadamard(rope_V4(RMSNorm(c[j]) * norm_weight, position 4j))   -> quantized to a   [N, D]
               PagedCache of the chosen key format by dsakit.ops.store.store_index_keys
-    top-k   = dsakit.ops.topk.index_topk(q, w, cache, ...), entry j visible to t iff j < (pos_t + 1) // 4
+    top-k   = dsakit.ops.topk.index_topk(q, w, cache.batch(...), k), entry j visible to t iff j < (pos_t + 1) // 4
 
 Hadamard is applied to both q and k (``hadamard=False`` turns it off on both sides; exact scores do not
 change because H is orthogonal, quantized scores do). Queries stay fp32 unless ``query_format`` asks for
@@ -22,9 +22,8 @@ for every convention difference between transformers, DeepSeek's reference and d
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -36,16 +35,6 @@ from ..ops.store import prepare_index_keys, store_index_keys
 from ..ops.topk import index_topk
 from ..presets import DSAPreset, get_preset
 from ..transforms import RopeConfig, YarnConfig, apply_rope, hadamard_transform
-
-
-def _call_with_backend(fn: Callable[..., Any], backend: str, **kwargs: Any) -> Any:
-    """Call ``fn(**kwargs)``, passing ``backend=`` only if ``fn`` accepts it (reference functions do not)."""
-    if "backend" in inspect.signature(fn).parameters:
-        return fn(**kwargs, backend=backend)
-    if backend not in ("auto", "reference"):
-        raise ValueError(f"{fn.__module__}.{fn.__name__} has no backend argument; cannot honour "
-                         f"backend={backend!r}")
-    return fn(**kwargs)
 
 
 def _as_matrix(value: Any, shape: tuple[int, ...], what: str) -> torch.Tensor:
@@ -233,11 +222,9 @@ class DSAIndexer(torch.nn.Module):
         if new.shape[0]:
             table = self.rope.cos_sin_table(int(positions[-1]) + 1).to(cache.pool.device)
             try:
-                _call_with_backend(store_index_keys, backend, keys=new.to(cache.pool.device),
-                                   positions=positions.to(cache.pool.device), slots=slots.to(cache.pool.device),
-                                   pool=cache.pool, fmt=cache.fmt, rope_cos_sin=table,
-                                   norm_weight=self.norm_weight.to(cache.pool.device), norm_bias=None,
-                                   transform=self.transform())
+                store_index_keys(new.to(cache.pool.device), positions.to(cache.pool.device),
+                                 slots.to(cache.pool.device), cache.pool, cache.fmt, table,
+                                 self.norm_weight.to(cache.pool.device), None, self.transform(), backend=backend)
             except Exception:
                 # a failed store (bad backend, kernel error) must not leave reserved but unwritten entries
                 cache.truncate(seq_id, have)
@@ -271,11 +258,8 @@ class DSAIndexer(torch.nn.Module):
         cache = PagedCache(fmt, num_pages=max(1, math.ceil(num_entries / fmt.entries_per_page)), device=device)
         seq = cache.add_sequence()
         self.store_keys(hidden, cache, seq, backend=backend)
-        return _call_with_backend(
-            index_topk, backend, q=q.to(device), weights=w.to(device), pool=cache.pool, fmt=fmt,
-            block_table=cache.block_table([seq]), entry_counts=cache.entry_counts([seq]),
-            query_seq=torch.zeros(t, dtype=torch.int32, device=device), k=k,
-            query_positions=positions.to(device), ratio=self.ratio)
+        batch = cache.batch([seq], query_lens=[t], query_positions=positions.to(device), ratio=self.ratio)
+        return index_topk(q.to(device), w.to(device), batch, k, backend=backend)
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod

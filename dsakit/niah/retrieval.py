@@ -37,7 +37,6 @@ context, while bf16 (error ~0.2%) keeps it. ``common_scale`` is the knob (docs/s
 from __future__ import annotations
 
 import hashlib
-import inspect
 import re
 import threading
 from dataclasses import dataclass, field
@@ -154,8 +153,6 @@ class RetrievalModel:
         rho = rng.standard_normal(HEAD_DIM - CONTENT_DIM)
         self._rho = torch.from_numpy((rho / np.linalg.norm(rho) * config.rope_scale * typical).astype(np.float32))
         self._rope_table = torch.zeros(0, self._preset.key_transform.rope_dim)
-        topk_params = inspect.signature(_index_topk()).parameters
-        self._topk_backend = {"backend": "reference"} if "backend" in topk_params else {}
 
     # -- pieces ---------------------------------------------------------------------------------------
     def _content(self, tokens: list[str]) -> torch.Tensor:
@@ -247,10 +244,8 @@ class RetrievalModel:
             store_index_keys(keys, torch.arange(n, dtype=torch.int64) * r, slots, cache.pool, fmt,
                              self._rope(n * r), torch.ones(HEAD_DIM), None, transform)
             q, terms = self.query_vector(question_tokens, s - 1)
-            selected = _index_topk()(
-                q=q, weights=torch.ones(1, 1), pool=cache.pool, fmt=fmt, block_table=cache.block_table([seq]),
-                entry_counts=cache.entry_counts([seq]), query_seq=torch.zeros(1, dtype=torch.int64), k=k,
-                query_positions=torch.tensor([s - 1], dtype=torch.int64), ratio=r, **self._topk_backend)
+            batch = cache.batch([seq], query_positions=torch.tensor([s - 1], dtype=torch.int64), ratio=r)
+            selected = _index_topk()(q, torch.ones(1, 1), batch, k, backend="reference")
         order = [int(j) for j in selected[0].tolist() if j >= 0]
         codes: list[str] = []
         codes_by_entry: list[tuple[int, str]] = []

@@ -186,10 +186,9 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
         cache = PagedCache(fmt, _pages_for(n), device=device)
         seq = cache.add_sequence()
         cache.write(cache.append(seq, n), k)  # the format's reference codec: the keys are already transformed
-        common = dict(q=q.to(device), weights=captured.weights.to(device), pool=cache.pool, fmt=fmt,
-                      block_table=cache.block_table([seq]), entry_counts=cache.entry_counts([seq]),
-                      query_seq=torch.zeros(t, dtype=torch.int32, device=device),
-                      query_positions=None if pos is None else pos.to(device), ratio=captured.ratio)
+        common = dict(q=q.to(device), weights=captured.weights.to(device),
+                      batch=cache.batch([seq], query_lens=[t], query_positions=None if pos is None else pos.to(device),
+                                        ratio=captured.ratio))
         scores = scores_ops.index_scores(**common, backend=backend).float().cpu()
         for kk in topks:
             k_run = min(kk, n)

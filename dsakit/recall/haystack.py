@@ -118,10 +118,9 @@ class StoredHaystack:
         """Keyword arguments of ``index_scores`` / ``index_topk`` for queries q [T, H, D], weights [T, H] and
         positions [T] against the stored haystack of one format (one sequence, on the lab's device)."""
         cache, seq, _ = self.caches[fmt_name]
-        return dict(q=q.to(self.device), weights=weights.to(self.device), pool=cache.pool, fmt=cache.fmt,
-                    block_table=cache.block_table([seq]), entry_counts=cache.entry_counts([seq]),
-                    query_seq=torch.zeros(q.shape[0], dtype=torch.int32, device=self.device),
-                    query_positions=positions.to(self.device), ratio=self.config.ratio)
+        return dict(q=q.to(self.device), weights=weights.to(self.device),
+                    batch=cache.batch([seq], query_lens=[q.shape[0]], query_positions=positions.to(self.device),
+                                      ratio=self.config.ratio))
 
     def _scores_and_topk(self, fmt_name: str, q: torch.Tensor, weights: torch.Tensor, op_positions: torch.Tensor,
                          ks: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

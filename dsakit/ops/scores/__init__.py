@@ -1,4 +1,4 @@
-"""Lightning-indexer scores: ``index_scores(..., backend="auto" | "reference" | "triton")``.
+"""Lightning-indexer scores: ``index_scores(q, weights, batch, backend="auto" | "reference" | "triton")``.
 
 The reference (pure PyTorch fp32, CPU) is the spec; the Triton kernels read keys straight from the paged
 cache (see :mod:`dsakit.ops.scores.triton`). ``auto`` picks Triton for CUDA tensors.
@@ -8,27 +8,30 @@ from __future__ import annotations
 
 import torch
 
+from ...batch import PagedBatch
 from .._backend import resolve_backend
+from .config import ScoresConfig
 from .reference import index_scores as index_scores_reference
 from .reference import index_scores_dense
 
 
-def index_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt, block_table: torch.Tensor,
-                 entry_counts: torch.Tensor, query_seq: torch.Tensor, query_positions: torch.Tensor | None = None,
-                 ratio: int = 1, *, backend: str = "auto") -> torch.Tensor:
-    """Scores of a ragged batch against paged keys -> fp32 [T, max(entry_counts)], -inf where invisible.
+def index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, *, backend: str = "auto",
+                 config: ScoresConfig | None = None) -> torch.Tensor:
+    """Scores of a ragged batch against paged keys -> fp32 [T, batch.max_entries], -inf where invisible.
 
-    Arguments as :func:`dsakit.ops.scores.reference.index_scores`; ``backend`` picks the implementation.
-    The reference returns a CPU tensor; Triton returns one on the inputs' device.
+    q [T, H, 128], weights [T, H], batch: a :class:`dsakit.PagedBatch` (``PagedCache.batch`` or
+    ``PagedBatch.build``). ``backend`` picks the implementation; ``config`` tunes the Triton kernels (ignored
+    by the reference). The reference returns a CPU tensor; Triton returns one on the batch's device.
     """
-    chosen = resolve_backend(backend, q, pool)
+    if not isinstance(batch, PagedBatch):
+        raise ValueError(f"batch must be a dsakit.PagedBatch (PagedCache.batch or PagedBatch.build), got "
+                         f"{type(batch).__name__}")
+    chosen = resolve_backend(backend, q, batch.pool)
     if chosen == "triton":
         from .triton import index_scores_triton  # imported lazily: triton is an optional dependency
 
-        return index_scores_triton(q, weights, pool, fmt, block_table, entry_counts, query_seq,
-                                   query_positions, ratio)
-    return index_scores_reference(q, weights, pool, fmt, block_table, entry_counts, query_seq,
-                                  query_positions, ratio)
+        return index_scores_triton(q, weights, batch, config=config)
+    return index_scores_reference(q, weights, batch)
 
 
-__all__ = ["index_scores", "index_scores_dense", "index_scores_reference"]
+__all__ = ["index_scores", "index_scores_dense", "index_scores_reference", "ScoresConfig"]

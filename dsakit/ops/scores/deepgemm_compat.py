@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from ...batch import PagedBatch
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from .triton import index_scores_triton, plan_decode_tiles
 
@@ -94,9 +95,11 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     elif out.shape != (rows, max_context_len):
         raise ValueError(f"out must be [{rows}, {max_context_len}], got {list(out.shape)}")
     query_seq = torch.arange(b, device=q.device, dtype=torch.int32).repeat_interleave(next_n)
-    return index_scores_triton(q.reshape(rows, h, INDEX_HEAD_DIM), weights, pool, _FP8, block_table,
-                               entry_counts, query_seq, positions.reshape(rows).to(torch.int32), ratio=1, out=out,
-                               tiles=plan_decode_tiles(b, next_n, h, q.device), validate=validate)
+    # validate=True: one sync checks the batch (and lengths <= max_context_len through out's width)
+    batch = PagedBatch.build(pool, _FP8, block_table, entry_counts, query_seq, positions.reshape(rows), 1,
+                             validate=validate, max_entries=None if validate else max_context_len)
+    return index_scores_triton(q.reshape(rows, h, INDEX_HEAD_DIM), weights, batch, out=out,
+                               tiles=plan_decode_tiles(b, next_n, h, q.device))
 
 
 def deepgemm_fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
@@ -148,7 +151,9 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], weigh
     query_seq = torch.zeros(t, device=device, dtype=torch.int32)
     positions = ke.to(torch.int32) - 1  # visible = min(N, ke)
     logits = torch.empty(t, n, dtype=torch.float32, device=device)
-    index_scores_triton(q, weights, pool, _FP8, block_table, entry_counts, query_seq, positions, 1, out=logits)
+    batch = PagedBatch.build(pool, _FP8, block_table, entry_counts, query_seq, positions, 1,
+                             validate=False, max_entries=n)  # built here, valid by construction: no sync
+    index_scores_triton(q, weights, batch, out=logits)
     below = torch.arange(n, device=device)[None, :] < ks.to(device).long()[:, None]
     return logits.masked_fill_(below, float("-inf"))
 

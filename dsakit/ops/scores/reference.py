@@ -20,29 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import check_pool, dequantize_entries, read_entries, sequence_slots
+from ...batch import PagedBatch, check_batch_queries, check_queries, check_ratio, visible_counts
+from ...cache import dequantize_entries, read_entries, sequence_slots
 from ...formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
 
 # Queries processed per chunk so that [chunk, H, N] stays small on the CPU.
 _CHUNK_ELEMENTS = 1 << 24
-
-
-def check_queries(q: torch.Tensor, weights: torch.Tensor, d: int = 128) -> None:
-    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != d:
-        raise ValueError(f"q must be [T, H, {d}], got {list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-    if not q.is_floating_point():
-        raise ValueError(f"q must be a floating tensor, got {q.dtype}")
-    if not isinstance(weights, torch.Tensor) or weights.shape != q.shape[:2]:
-        raise ValueError(f"weights must be [T, H] = {list(q.shape[:2])}, got "
-                         f"{list(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__}")
-
-
-def visible_counts(entry_counts: torch.Tensor, query_positions: torch.Tensor | None, ratio: int) -> torch.Tensor:
-    """int64 [T]: how many leading entries each query sees (entry_counts already gathered per query)."""
-    counts = entry_counts.long()
-    if query_positions is None:
-        return counts
-    return torch.minimum(counts, torch.div(query_positions.long() + 1, ratio, rounding_mode="floor").clamp(min=0))
 
 
 def index_scores_dense(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
@@ -59,8 +42,7 @@ def index_scores_dense(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
             or not keys.is_floating_point():
         raise ValueError(f"keys must be a floating [N, {q.shape[2]}] tensor, got "
                          f"{(keys.dtype, list(keys.shape)) if isinstance(keys, torch.Tensor) else type(keys).__name__}")
-    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
-        raise ValueError(f"ratio must be a positive int, got {ratio!r}")
+    check_ratio(ratio)
     t, h, _ = q.shape
     n = keys.shape[0]
     qf, wf, kf = q.detach().cpu().float(), weights.detach().cpu().float(), keys.detach().cpu().float()
@@ -91,27 +73,6 @@ def index_scores_dense(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     return out.masked_fill_(masked, float("-inf"))
 
 
-def check_batch(block_table: torch.Tensor, entry_counts: torch.Tensor, query_seq: torch.Tensor, t: int,
-                query_positions: torch.Tensor | None, ratio: int) -> None:
-    if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_table must be int [B, max_pages], got {block_table.dtype} {list(block_table.shape)}")
-    b = block_table.shape[0]
-    if entry_counts.shape != (b,) or entry_counts.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"entry_counts must be int [B] = [{b}], got {entry_counts.dtype} {list(entry_counts.shape)}")
-    if bool((entry_counts < 0).any()) or bool((entry_counts > block_table.shape[1] * 64).any()):
-        raise ValueError(f"entry_counts must be in 0..{block_table.shape[1] * 64} (block table width x 64), "
-                         f"got {entry_counts.tolist()}")
-    if query_seq.shape != (t,) or query_seq.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"query_seq must be int [T] = [{t}], got {query_seq.dtype} {list(query_seq.shape)}")
-    if t and (bool((query_seq < 0).any()) or bool((query_seq >= b).any())):
-        raise ValueError(f"query_seq values must be in 0..{b - 1}, got range "
-                         f"{int(query_seq.min())}..{int(query_seq.max())}")
-    if query_positions is not None and (query_positions.shape != (t,) or query_positions.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"query_positions must be int [T] = [{t}] or None, got {list(query_positions.shape)}")
-    if not isinstance(ratio, int) or ratio < 1:
-        raise ValueError(f"ratio must be a positive int, got {ratio!r}")
-
-
 def gather_sequence_keys(pool: torch.Tensor, fmt: "KeyFormat | str", block_table_row: torch.Tensor,
                          length: int) -> torch.Tensor:
     """fp32 [length, 128]: one sequence's dequantized keys."""
@@ -129,31 +90,29 @@ def gather_sequence_residuals(pool: torch.Tensor, fmt: "KeyFormat | str", block_
     return fmt.dequantize_residual(values, scales), fmt.read_centres(pool, first_slots)
 
 
-def index_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt: "KeyFormat | str",
-                 block_table: torch.Tensor, entry_counts: torch.Tensor, query_seq: torch.Tensor,
-                 query_positions: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
-    """Scores of a ragged batch against paged keys -> fp32 [T, max(entry_counts)], -inf where invisible.
+def index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+    """Scores of a ragged batch against paged keys -> fp32 [T, batch.max_entries] (CPU), -inf where invisible.
 
-    q [T, H, 128], weights [T, H], pool uint8 [P, page_bytes], block_table int [B, max_pages],
-    entry_counts int [B], query_seq int [T] (sequence of each query), query_positions int [T] or None.
+    q [T, H, 128], weights [T, H], batch: a :class:`dsakit.PagedBatch` (already validated: nothing of it is
+    checked again here).
     """
-    fmt = KeyFormat.parse(fmt)
-    check_queries(q, weights)
-    check_pool(pool, fmt)
+    check_batch_queries(q, weights, batch)
     t = q.shape[0]
-    check_batch(block_table, entry_counts, query_seq, t, query_positions, ratio)
-    counts = entry_counts.cpu().long()
-    width = int(counts.max()) if counts.numel() else 0
-    out = torch.full((t, width), float("-inf"))
-    seq_of = query_seq.cpu().long()
-    for b in range(block_table.shape[0]):
+    out = torch.full((t, batch.max_entries), float("-inf"))
+    counts = batch.entry_counts.cpu().long()
+    seq_of = batch.query_seq.cpu().long()
+    positions = None if batch.query_positions is None else batch.query_positions.cpu()
+    table = batch.block_table.cpu()
+    for b in range(batch.num_seqs):
         rows = torch.nonzero(seq_of == b).flatten()
         if rows.numel() == 0 or counts[b] == 0:
             continue
-        pos = None if query_positions is None else query_positions.cpu()[rows]
-        if is_centred(fmt):
-            keys, centres = gather_sequence_residuals(pool, fmt, block_table[b], int(counts[b]))
+        length = min(int(counts[b]), batch.max_entries)
+        pos = None if positions is None else positions[rows]
+        if is_centred(batch.fmt):
+            keys, centres = gather_sequence_residuals(batch.pool, batch.fmt, table[b], length)
         else:
-            keys, centres = gather_sequence_keys(pool, fmt, block_table[b], int(counts[b])), None
-        out[rows, : keys.shape[0]] = index_scores_dense(q[rows], weights[rows], keys, pos, ratio, centres=centres)
+            keys, centres = gather_sequence_keys(batch.pool, batch.fmt, table[b], length), None
+        out[rows, : keys.shape[0]] = index_scores_dense(q[rows], weights[rows], keys, pos, batch.ratio,
+                                                        centres=centres)
     return out

@@ -148,17 +148,18 @@ def _e2m1_code(v, FP4_RNE: tl.constexpr):
         rounded = bits + 0x1FFFFF
         small = (mag > 0.25).to(tl.int32) + (mag > 0.75).to(tl.int32)
     code = tl.where(mag >= 1.0, (rounded >> 22) - 252, small)
-    return code | ((v < 0).to(tl.int32) << 3)
+    # the sign only on non-zero codes: a negative value that rounds to 0 stores +0 (0x0), as the engines do
+    return code | (((v < 0) & (code != 0)).to(tl.int32) << 3)
 
 
 @triton.jit
-def _fp8_codes(x, inv_scale, scale, UE8M0: tl.constexpr, NATIVE: tl.constexpr):
-    """x [..] with the per-row scale broadcast -> e4m3fn bytes (uint8) of clamp(x / scale, +-448)."""
-    if UE8M0:
-        v = _sanitize(x) * inv_scale  # exact: scale is a power of two
-    else:
-        v = tl.div_rn(_sanitize(x), tl.broadcast_to(scale, x.shape))
-    return _e4m3_u8(tl.minimum(tl.maximum(v, -448.0), 448.0), NATIVE)
+def _fp8_codes(x, inv_scale, NATIVE: tl.constexpr):
+    """x [..] with the per-row reciprocal scale broadcast -> e4m3fn bytes (uint8) of clamp(x * inv_scale, +-448).
+
+    inv_scale is the correctly rounded fp32 1 / scale, computed once per entry (exact for a power-of-two
+    scale): multiplying by it, not dividing by the scale, is what the engines' quantizers do byte for byte.
+    """
+    return _e4m3_u8(tl.minimum(tl.maximum(_sanitize(x) * inv_scale, -448.0), 448.0), NATIVE)
 
 
 @triton.jit
@@ -314,12 +315,13 @@ def _store_index_keys_generic_kernel(
     elif KIND == 1:  # fp8 e4m3fn values + one fp32 scale (maybe a power of two)
         amax = tl.max(_finite_abs(x), axis=1)
         scale = tl.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32))
-        inv_scale = scale  # unused unless UE8M0
         if UE8M0:
             exponent = _ue8m0_ceil(scale)
             scale = _pow2(exponent)
             inv_scale = _pow2(254 - exponent)
-        codes = _fp8_codes(x, inv_scale[:, None], scale[:, None], UE8M0, False)
+        else:
+            inv_scale = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        codes = _fp8_codes(x, inv_scale[:, None], False)
         tl.store(pool_ptr + value_base[:, None] + cols[None, :], codes, mask=live[:, None])
         scale_dst = pool_ptr.to(tl.pointer_type(tl.float32)) + scale_base // 4
         tl.store(scale_dst, scale, mask=live)
@@ -548,12 +550,13 @@ def _store_index_keys_kernel(
     elif KIND == 1:  # fp8 e4m3fn values + one fp32 scale (maybe a power of two)
         amax = tl.max(tl.max(tl.max(_finite_abs(x), axis=3), axis=2), axis=0)[None, :, None, None]
         scale = tl.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32))
-        inv_scale = scale  # unused unless UE8M0
         if UE8M0:
             exponent = _ue8m0_ceil(scale)
             scale = _pow2(exponent)
             inv_scale = _pow2(254 - exponent)
-        tl.store(pool_ptr + value_base + cols, _fp8_codes(x, inv_scale, scale, UE8M0, NATIVE), mask=live)
+        else:
+            inv_scale = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        tl.store(pool_ptr + value_base + cols, _fp8_codes(x, inv_scale, NATIVE), mask=live)
         tl.store(pool_ptr.to(tl.pointer_type(tl.float32)) + scale_base // 4, scale, mask=live)
     else:  # fp4 e2m1: 64 bytes (low nibble = even element) + 4 ue8m0 bytes, one per 32 dims
         blocks = tl.reshape(x, [2, BLOCK_N, 2, 4, 8])  # (half, row, block in half, piece, e)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ...batch import PagedBatch, check_k
 from ..scores.reference import index_scores
 
 
@@ -22,8 +23,7 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
         raise ValueError(f"scores must be a [T, N] tensor, got "
                          f"{list(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
+    check_k(k)
     s = scores.detach().cpu().float()
     t, n = s.shape
     out = torch.full((t, k), -1, dtype=torch.int32)
@@ -43,15 +43,13 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-def index_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, fmt, block_table: torch.Tensor,
-               entry_counts: torch.Tensor, query_seq: torch.Tensor, k: int,
-               query_positions: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
+def index_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int) -> torch.Tensor:
     """Top-k entries per query of a ragged batch against paged keys -> int32 [T, k] (-1 padded).
 
     Arguments as :func:`dsakit.ops.scores.reference.index_scores`. Materializes [T, N] (the reference may).
     """
-    scores = index_scores(q, weights, pool, fmt, block_table, entry_counts, query_seq, query_positions, ratio)
-    return select_topk(scores, k)
+    check_k(k)
+    return select_topk(index_scores(q, weights, batch), k)
 
 
 def topk_to_slots(indices: torch.Tensor, block_table: torch.Tensor, query_seq: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,290 @@
+"""A validated, immutable ragged batch of queries against a paged index-key cache: :class:`PagedBatch`.
+
+Every op that reads a paged key cache (``index_scores``, ``index_topk``, the decode plan) takes one
+``PagedBatch`` instead of seven loose arguments, and none of them re-checks what the batch guarantees:
+
+    pool             uint8 [P, page_bytes] of ``fmt``, contiguous
+    fmt              KeyFormat
+    block_table      int32 [B, W] contiguous: page of logical page i of sequence b (-1 = unassigned)
+    entry_counts     int32 [B] contiguous: entries of sequence b, 0 <= count <= 64 * W, and the pages
+                     holding them are pages of the pool
+    query_seq        int32 [T] contiguous: sequence of each query, in 0..B-1
+    query_positions  int64 [T] contiguous (absolute token position of each query) or None (every query sees
+                     all entries of its sequence)
+    ratio            int >= 1: tokens per entry
+    num_queries      T (host int); max_entries = max(entry_counts) (host int)
+    query_lens       host tuple [B]: queries per sequence, or None when unknown (unchecked batches)
+    rows_sorted      True when query_seq is non-decreasing (rows grouped by sequence in order)
+
+Visibility: entry j of the query's sequence is visible iff j < entry_counts[seq] and, when positions are
+given, j < (pos + 1) // ratio.
+
+Two ways to get one:
+
+* :meth:`PagedBatch.build` validates explicit tensors once, with at most one device->host sync (one
+  ``tolist`` of every statistic at once). ``validate=False`` (with ``max_entries``) checks shapes, dtypes and
+  devices only and makes no sync: the kernels then still clamp every page id and block-table column, so
+  wrong values give wrong scores but never an out-of-bounds access.
+* :meth:`dsakit.PagedCache.batch` builds one from the host-side metadata the cache already holds (no sync).
+
+This module also holds the cheap (sync-free) checks of the query-side inputs shared by every op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} {list(x.shape)} on {x.device}"
+    return type(x).__name__
+
+
+def check_positive_int(name: str, value, minimum: int = 1) -> int:
+    """``value`` as an int >= minimum (bools refused), else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_ratio(ratio) -> int:
+    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
+        raise ValueError(f"ratio must be a positive int, got {ratio!r}")
+    return ratio
+
+
+def check_k(k, limit: int | None = None) -> int:
+    """k a positive int (<= limit when given), else ValueError."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    if limit is not None and k > limit:
+        raise ValueError(f"k must be <= {limit} here, got {k}")
+    return k
+
+
+def check_pool(pool: torch.Tensor, fmt, what: str = "pool") -> None:
+    """uint8 [P, fmt.page_bytes], contiguous, else ValueError (no sync)."""
+    if not isinstance(pool, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, got {type(pool).__name__}")
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != fmt.page_bytes:
+        raise ValueError(f"{what} must be uint8 [P, {fmt.page_bytes}] for format {fmt.name}, "
+                         f"got {pool.dtype} {list(pool.shape)}")
+    if not pool.is_contiguous():
+        raise ValueError(f"{what} must be contiguous (cache writes never go through a silent copy)")
+
+
+def check_queries(q: torch.Tensor, weights: torch.Tensor, d: int = INDEX_HEAD_DIM) -> None:
+    """q floating [T, H, d] and weights [T, H], else ValueError (shapes and dtypes only: no sync)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != d:
+        raise ValueError(f"q must be [T, H, {d}], got "
+                         f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if not q.is_floating_point():
+        raise ValueError(f"q must be a floating tensor, got {q.dtype}")
+    if not isinstance(weights, torch.Tensor) or weights.shape != q.shape[:2]:
+        raise ValueError(f"weights must be [T, H] = {list(q.shape[:2])}, got "
+                         f"{list(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__}")
+
+
+def check_batch_queries(q: torch.Tensor, weights: torch.Tensor, batch: "PagedBatch") -> None:
+    """q [T, H, 128] and weights [T, H] for the T queries of ``batch`` (no sync)."""
+    if not isinstance(batch, PagedBatch):
+        raise ValueError(f"batch must be a dsakit.PagedBatch (PagedBatch.build or PagedCache.batch), got "
+                         f"{type(batch).__name__}")
+    check_queries(q, weights)
+    if q.shape[0] != batch.num_queries:
+        raise ValueError(f"q has {q.shape[0]} rows but the batch has {batch.num_queries} queries")
+
+
+def check_same_device(device: torch.device, **tensors) -> None:
+    """Every tensor given (None skipped) on ``device``, else ValueError naming the first that is not."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device} but the batch is on {device}; put every input on "
+                             f"one device")
+
+
+def visible_counts(entry_counts: torch.Tensor, query_positions: torch.Tensor | None, ratio: int) -> torch.Tensor:
+    """int64 [T]: how many leading entries each query sees (entry_counts already gathered per query)."""
+    counts = entry_counts.long()
+    if query_positions is None:
+        return counts
+    return torch.minimum(counts, torch.div(query_positions.long() + 1, ratio, rounding_mode="floor").clamp(min=0))
+
+
+def _as_int_tensor(name: str, value, dims: int, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != dims or value.dtype not in _INT_DTYPES:
+        shape = "[B, W]" if dims == 2 else "[N]"
+        raise ValueError(f"{name} must be an int32/int64 {shape} tensor, got {_describe(value)}")
+    return value.to(dtype).contiguous()
+
+
+@dataclass(frozen=True, eq=False)
+class PagedBatch:
+    """Validated ragged batch against a paged key cache (fields: module docstring). Immutable."""
+
+    pool: torch.Tensor
+    fmt: KeyFormat
+    block_table: torch.Tensor
+    entry_counts: torch.Tensor
+    query_seq: torch.Tensor
+    query_positions: torch.Tensor | None
+    ratio: int
+    num_queries: int
+    max_entries: int
+    query_lens: tuple[int, ...] | None = None
+    rows_sorted: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.block_table.shape[0])
+
+    @property
+    def next_n(self) -> int | None:
+        """n when row b * n + i is query i of sequence b for every b (a decode batch), else None."""
+        lens = self.query_lens
+        if not self.rows_sorted or not lens or lens[0] < 1 or any(n != lens[0] for n in lens):
+            return None
+        return lens[0]
+
+    # -- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, pool: torch.Tensor, fmt: "KeyFormat | str", block_table: torch.Tensor,
+              entry_counts: torch.Tensor, query_seq: torch.Tensor, query_positions: torch.Tensor | None = None,
+              ratio: int = 1, *, validate: bool = True, max_entries: int | None = None) -> "PagedBatch":
+        """Validate explicit batch tensors once -> PagedBatch.
+
+        pool uint8 [P, page_bytes], block_table int [B, W], entry_counts int [B], query_seq int [T],
+        query_positions int [T] or None, ratio >= 1; every tensor on the pool's device. Integer tensors of
+        the other width or with strides are converted (a copy, no sync).
+
+        ``validate=True``: one device->host sync checks every value (counts in 0..64 * W, the pages holding
+        each sequence's entries inside the pool, query_seq in 0..B-1) and records max_entries and the
+        queries per sequence. ``validate=False`` needs ``max_entries`` (the workspace width of the ops) and
+        makes no sync: values are trusted; the kernels clamp every page id and column, so bad values give
+        wrong results but never an out-of-bounds access.
+        """
+        fmt = KeyFormat.parse(fmt)
+        check_pool(pool, fmt)
+        device = pool.device
+        table = _as_int_tensor("block_table", block_table, 2, torch.int32)
+        b, width = table.shape
+        counts = _as_int_tensor("entry_counts", entry_counts, 1, torch.int32)
+        if counts.shape != (b,):
+            raise ValueError(f"entry_counts must be int [B] = [{b}], got {_describe(entry_counts)}")
+        seq = _as_int_tensor("query_seq", query_seq, 1, torch.int32)
+        t = seq.shape[0]
+        positions = None
+        if query_positions is not None:
+            if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (t,) \
+                    or query_positions.dtype not in _INT_DTYPES:
+                raise ValueError(f"query_positions must be int [T] = [{t}] or None, got "
+                                 f"{_describe(query_positions)}")
+            positions = query_positions.to(torch.int64).contiguous()
+        check_ratio(ratio)
+        check_same_device(device, block_table=table, entry_counts=counts, query_seq=seq,
+                          query_positions=positions)
+        if not isinstance(validate, bool):
+            raise ValueError(f"validate must be a bool, got {validate!r}")
+        if not validate:
+            if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
+                raise ValueError(f"validate=False needs max_entries, an int >= 0 (the largest entry count), "
+                                 f"got {max_entries!r}")
+            return cls(pool, fmt, table, counts, seq, positions, ratio, t, max_entries, None, False)
+        if max_entries is not None:
+            raise ValueError("max_entries is measured when validate=True; pass it only with validate=False")
+        return cls._validated(pool, fmt, table, counts, seq, positions, ratio)
+
+    @classmethod
+    def _validated(cls, pool, fmt, table, counts, seq, positions, ratio) -> "PagedBatch":
+        """Value checks of converted tensors, gathered into one device->host sync."""
+        b, width = table.shape
+        t = seq.shape[0]
+        device = pool.device
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        c64 = counts.long()
+        needed = (c64.clamp(min=0) + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
+        used = torch.arange(width, device=device)[None, :] < needed[:, None]
+        bad_pages = used & ((table < 0) | (table >= pool.shape[0]))
+        s64 = seq.long()
+        in_range = (s64 >= 0) & (s64 < b)
+        per_seq = torch.bincount(s64.clamp(0, max(b - 1, 0)), minlength=b)[:b] if t else \
+            torch.zeros(b, dtype=torch.int64, device=device)
+        unsorted = (s64[1:] < s64[:-1]).sum() if t > 1 else zero
+        stats = torch.cat([torch.stack([
+            c64.min() if b else zero, c64.max() if b else zero, (~in_range).sum() if t else zero,
+            bad_pages.sum(), s64.min() if t else zero, s64.max() if t else zero, unsorted]), per_seq.long()])
+        count_min, count_max, bad_seq, bad_page_count, seq_min, seq_max, n_unsorted, *lens = stats.tolist()
+        if count_min < 0 or count_max > width * ENTRIES_PER_PAGE:
+            raise ValueError(f"entry_counts must be in 0..{width * ENTRIES_PER_PAGE} (block table width {width} x "
+                             f"64), got range {count_min}..{count_max}")
+        if bad_seq:
+            raise ValueError(f"query_seq values must be in 0..{b - 1}, got range {seq_min}..{seq_max}")
+        if bad_page_count:
+            row, col = (int(v) for v in torch.nonzero(bad_pages)[0])
+            raise ValueError(f"block_table[{row}, {col}] = {int(table[row, col])} is not a page of the pool "
+                             f"(0..{pool.shape[0] - 1}) but sequence {row} needs it for its {int(counts[row])} "
+                             f"entries")
+        return cls(pool, fmt, table, counts, seq, positions, ratio, t, int(count_max) if b else 0,
+                   tuple(int(n) for n in lens), n_unsorted == 0)
+
+    @classmethod
+    def from_host(cls, pool: torch.Tensor, fmt: KeyFormat, pages: Sequence[Sequence[int]], lengths: Sequence[int],
+                  query_lens: Sequence[int] | None = None, query_positions: torch.Tensor | None = None,
+                  ratio: int = 1, width: int | None = None) -> "PagedBatch":
+        """Batch from host metadata known to be valid (page lists inside the pool, lengths that fit them).
+
+        pages[b]: page ids of sequence b; lengths[b]: its entries; query_lens[b]: its queries (default 1);
+        rows are grouped by sequence in order. Only host -> device copies, no device->host sync.
+        """
+        fmt = KeyFormat.parse(fmt)
+        check_pool(pool, fmt)
+        check_ratio(ratio)
+        b = len(pages)
+        if len(lengths) != b:
+            raise ValueError(f"lengths must have one entry per sequence ({b}), got {len(lengths)}")
+        query_lens = [1] * b if query_lens is None else list(query_lens)
+        if len(query_lens) != b or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in query_lens):
+            raise ValueError(f"query_lens must be {b} non-negative ints (queries per sequence), got {query_lens!r}")
+        widest = max((len(p) for p in pages), default=0)
+        width = widest if width is None else width
+        if isinstance(width, bool) or not isinstance(width, int) or width < widest:
+            raise ValueError(f"block table width must be an int >= {widest} (the longest page list), got {width!r}")
+        t = sum(query_lens)
+        device = pool.device
+        table = torch.full((b, width), -1, dtype=torch.int32)
+        for row, p in enumerate(pages):
+            if p:
+                table[row, : len(p)] = torch.tensor(list(p), dtype=torch.int32)
+        counts = torch.tensor(list(lengths), dtype=torch.int32)
+        seq = torch.repeat_interleave(torch.arange(b, dtype=torch.int32), torch.tensor(query_lens, dtype=torch.long),
+                                      output_size=t)
+        positions = None
+        if query_positions is not None:
+            if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (t,) \
+                    or query_positions.dtype not in _INT_DTYPES:
+                raise ValueError(f"query_positions must be int [T] = [{t}] or None, got "
+                                 f"{_describe(query_positions)}")
+            positions = query_positions.to(device=device, dtype=torch.int64).contiguous()
+        return cls(pool, fmt, table.to(device), counts.to(device), seq.to(device), positions, ratio, t,
+                   max(lengths, default=0), tuple(query_lens), True)
+
+    def __repr__(self) -> str:
+        return (f"PagedBatch(fmt={self.fmt.name}, B={self.num_seqs}, T={self.num_queries}, "
+                f"max_entries={self.max_entries}, ratio={self.ratio}, positions={self.query_positions is not None}, "
+                f"device={self.device})")
+
+
+__all__ = ["PagedBatch", "check_batch_queries", "check_pool", "check_queries", "check_same_device",
+           "check_positive_int", "check_ratio", "check_k", "visible_counts"]

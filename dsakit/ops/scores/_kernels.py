@@ -1,0 +1,241 @@
+"""Triton kernels of the lightning-indexer scores (launch code: :mod:`dsakit.ops.scores.triton`).
+
+Keys are decoded in registers by the format codecs; the page layout and the numerical semantics are
+described in :mod:`dsakit.ops.scores.triton`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, INTERPRET: tl.constexpr):
+    """a [M, K] x b [K, N] -> fp32 [M, N] on the tensor cores.
+
+    The Triton 3.6 interpreter multiplies bf16 operands as their raw uint16 bits, so under
+    TRITON_INTERPRET=1 bf16 operands go through fp32 (bf16 values are exact in fp32; the products are the
+    same, only the accumulation order may differ). fp8 operands are handled correctly by the interpreter.
+    """
+    if INTERPRET and a.dtype == tl.bfloat16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _load_key_tile(values_ptr, scales_ptr, pages, slot, valid, KIND: tl.constexpr, FP8_DOT: tl.constexpr,
+                   D: tl.constexpr):
+    """Key tile [BLOCK_N, D] in the dot dtype for entries (pages[n], slot[n]); invalid entries read as 0.
+
+    pages int64 [BLOCK_N] page ids, slot [BLOCK_N] entry in page, valid [BLOCK_N] bool.
+    values_ptr / scales_ptr are typed views of the pool (bf16 / uint8 / fp32 / uint8, see the launcher).
+    """
+    dims = tl.arange(0, D)
+    if KIND == 0:  # bf16: 64 x 128 bf16 values per page, no scales
+        k = tl.load(values_ptr + pages[:, None] * (64 * D) + slot[:, None] * D + dims[None, :],
+                    mask=valid[:, None], other=0.0)
+    elif KIND == 1:  # fp8: 64 x 128 e4m3 bytes then 64 fp32 scales (applied by the caller, per column)
+        raw = tl.load(values_ptr + pages[:, None] * (64 * D + 64 * 4) + slot[:, None] * D + dims[None, :],
+                      mask=valid[:, None], other=0)
+        k = raw.to(tl.float8e4nv, bitcast=True)
+        if not FP8_DOT:
+            k = k.to(tl.bfloat16)
+    else:  # fp4: 64 x 64 packed bytes then 64 x 4 ue8m0 bytes; page = 64 * 68 bytes
+        half = tl.arange(0, D // 2)
+        page_base = pages[:, None] * (64 * (D // 2 + 4))
+        raw = tl.load(values_ptr + page_base + slot[:, None] * (D // 2) + half[None, :],
+                      mask=valid[:, None], other=0).to(tl.int32)
+        # element 2i = low nibble, 2i + 1 = high nibble: join on a new last axis, then flatten
+        codes = tl.reshape(tl.join(raw & 0xF, raw >> 4), (raw.shape[0], D))
+        sbyte = tl.load(scales_ptr + page_base + 64 * (D // 2) + slot[:, None] * 4 + dims[None, :] // 32,
+                        mask=valid[:, None], other=127).to(tl.int32)
+        mag_code = codes & 7
+        exponent = mag_code >> 1
+        mantissa = mag_code & 1
+        # e2m1: exponent 0 -> 0 or 0.5 (subnormal); else 2^(exponent - 1) * (1 + mantissa / 2), built as fp32
+        # bits with integer arithmetic only (no boolean selects: when the tile feeds the dot from registers,
+        # Triton 3.6 fails to lower i1 tensors in the dot-operand layout)
+        is_normal = (exponent | (exponent >> 1)) & 1
+        normal_bits = ((exponent + 126) << 23) | (mantissa << 22)
+        mag_bits = is_normal * normal_bits + (1 - is_normal) * (mantissa * 0x3F000000)
+        magnitude = mag_bits.to(tl.float32, bitcast=True)
+        scale = (sbyte << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) for s in 1..254
+        value_bits = (magnitude * scale).to(tl.int32, bitcast=True) | ((codes & 8) << 28)  # sign bit 3 -> 31
+        k = value_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return k
+
+
+@triton.jit
+def _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages):
+    """int64 [BLOCK_N] page of each entry, clamped to the block-table row and to the pool (memory safety)."""
+    column = tl.minimum(offs_n // 64, max_pages - 1)
+    pages = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + column, mask=entry_ok, other=0)
+    return tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)
+
+
+@triton.jit
+def _load_key_scales(scales_ptr, pages, slot, valid, D: tl.constexpr):
+    """fp8 per-entry fp32 scales [BLOCK_N] (scales_ptr is the fp32 view of the pool)."""
+    page_words = (64 * D + 64 * 4) // 4
+    return tl.load(scales_ptr + pages * page_words + (64 * D) // 4 + slot, mask=valid, other=0.0)
+
+
+@triton.jit
+def _index_scores_tile_kernel(
+    q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
+    tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
+    width, ratio, num_pages, num_seqs, max_pages,
+    stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
+    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, KIND: tl.constexpr,
+    FP8_DOT: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # 1-D grid over (query tile, entry tile) with the entry tile fastest: programs running at the same time
+    # share one query tile, so its q [BLOCK_T, H, D] stays in L2 while the (smaller) key tiles stream
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(width, BLOCK_N)
+    tile = pid // n_tiles
+    n_start = (pid % n_tiles) * BLOCK_N
+    seq = tl.minimum(tl.load(tile_seq_ptr + tile), num_seqs - 1)  # clamps only matter for an unchecked batch
+    first = tl.load(tile_start_ptr + tile)
+    length = tl.load(tile_len_ptr + tile)
+    count = tl.load(counts_ptr + seq)
+
+    offs_t = tl.arange(0, BLOCK_T)
+    row_ok = offs_t < length
+    rows = tl.load(rows_ptr + first + offs_t, mask=row_ok, other=0).to(tl.int64)  # [BLOCK_T] original rows
+    if HAS_POS:
+        # int64: pos + 1 must not wrap for pos = INT32_MAX (an "everything visible" sentinel)
+        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        # (pos + 1) <= 0 gives <= 0 -> 0; the min with count brings the value back into count's range
+        visible = tl.minimum(tl.maximum((pos + 1) // ratio, 0), count).to(count.dtype)
+    else:
+        visible = tl.zeros([BLOCK_T], dtype=tl.int32) + count
+    visible = tl.where(row_ok, visible, 0)
+    tile_visible = tl.max(visible, axis=0)
+
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
+    store_mask = row_ok[:, None] & (offs_n[None, :] < width)
+
+    if n_start < tile_visible:
+        entry_ok = offs_n < tile_visible
+        pages = _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages)
+        slot = offs_n % 64
+        k = _load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, KIND, FP8_DOT, D)  # [BLOCK_N, D]
+        k_t = tl.trans(k)  # [D, BLOCK_N], K-major for the tensor cores
+
+        dims = tl.arange(0, D)
+        q_ptrs = q_ptr + rows[:, None] * stride_qt + dims[None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for h in range(H):
+            q_h = tl.load(q_ptrs + h * stride_qh, mask=row_ok[:, None], other=0.0)  # [BLOCK_T, D]
+            if FP8_DOT:
+                q_h = q_h.to(tl.float8e4nv)
+            else:
+                q_h = q_h.to(tl.bfloat16)  # bf16 or exact fp8 upcast
+            w_h = tl.load(w_ptr + rows * stride_wt + h * stride_wh, mask=row_ok, other=0.0).to(tl.float32)
+            if HAS_Q_SCALE:
+                w_h *= tl.load(q_scale_ptr + rows * stride_st + h * stride_sh, mask=row_ok, other=0.0)
+            logits = _dot(q_h, k_t, INTERPRET)  # [BLOCK_T, BLOCK_N] fp32
+            # NaN propagates like torch.relu so that a NaN key or query is visible downstream
+            acc += tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w_h[:, None]
+        if KIND == 1:
+            acc *= _load_key_scales(scales_ptr, pages, slot, entry_ok, D)[None, :]
+        result = tl.where(offs_n[None, :] < visible[:, None], acc, float("-inf"))
+        tl.store(out_ptrs, result, mask=store_mask)
+    else:
+        tl.store(out_ptrs, tl.full([BLOCK_T, BLOCK_N], float("-inf"), tl.float32), mask=store_mask)
+
+
+@triton.jit
+def _index_scores_group_kernel(
+    q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
+    tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
+    width, ratio, num_pages, num_seqs, max_pages,
+    stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
+    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, KIND: tl.constexpr,
+    FP8_DOT: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # grid: (query groups, cdiv(width, BLOCK_N * TILES_PER_PROGRAM))
+    # dot per key tile: keys [BLOCK_N, D] (M) x q^T [D, GROUP * H] (N, column c = g * H + h); the head sum is
+    # then a reduction along the dot's N axis, which stays inside a thread quad.
+    group = tl.program_id(0)
+    seq = tl.minimum(tl.load(tile_seq_ptr + group), num_seqs - 1)  # clamps only matter for an unchecked batch
+    first = tl.load(tile_start_ptr + group)
+    length = tl.load(tile_len_ptr + group)
+    count = tl.load(counts_ptr + seq)
+
+    offs_g = tl.arange(0, GROUP)
+    g_ok = offs_g < length
+    g_rows = tl.load(rows_ptr + first + offs_g, mask=g_ok, other=0).to(tl.int64)  # [GROUP]
+    if HAS_POS:
+        pos = tl.load(pos_ptr + g_rows, mask=g_ok, other=0).to(tl.int64)  # int64: see the tile kernel
+        visible = tl.minimum(tl.maximum((pos + 1) // ratio, 0), count).to(count.dtype)
+    else:
+        visible = tl.zeros([GROUP], dtype=tl.int32) + count
+    visible = tl.where(g_ok, visible, 0)
+    group_visible = tl.max(visible, axis=0)
+
+    offs_c = tl.arange(0, GROUP * H)
+    c_query = offs_c // H
+    c_head = offs_c % H
+    c_ok = c_query < length
+    c_rows = tl.load(rows_ptr + first + c_query, mask=c_ok, other=0).to(tl.int64)
+    dims = tl.arange(0, D)
+    q_t = tl.load(q_ptr + c_rows[None, :] * stride_qt + c_head[None, :] * stride_qh + dims[:, None],
+                  mask=c_ok[None, :], other=0.0)  # [D, GROUP * H]
+    if FP8_DOT:
+        q_t = q_t.to(tl.float8e4nv)
+    else:
+        q_t = q_t.to(tl.bfloat16)  # bf16 or exact fp8 upcast
+    w = tl.load(w_ptr + c_rows * stride_wt + c_head * stride_wh, mask=c_ok, other=0.0).to(tl.float32)
+    if HAS_Q_SCALE:
+        w *= tl.load(q_scale_ptr + c_rows * stride_st + c_head * stride_sh, mask=c_ok, other=0.0)
+
+    chunk_start = tl.program_id(1) * (TILES_PER_PROGRAM * BLOCK_N)
+    if INTERPRET:
+        # the interpreter cannot take a computed loop bound: score every tile (invisible ones come out -inf)
+        for i in range(TILES_PER_PROGRAM):
+            _score_group_tile(chunk_start + i * BLOCK_N, q_t, w, seq, g_rows, g_ok, visible, group_visible,
+                              values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
+                              num_pages, max_pages, KIND, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
+    else:
+        # tiles holding visible entries: a counted loop without a branch inside, so the key loads pipeline
+        busy_tiles = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, BLOCK_N), 0), TILES_PER_PROGRAM)
+        for i in range(0, busy_tiles):
+            _score_group_tile(chunk_start + i * BLOCK_N, q_t, w, seq, g_rows, g_ok, visible, group_visible,
+                              values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
+                              num_pages, max_pages, KIND, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
+        for i in range(busy_tiles, TILES_PER_PROGRAM):
+            offs_n = chunk_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None],
+                     tl.full([BLOCK_N, GROUP], float("-inf"), tl.float32),
+                     mask=g_ok[None, :] & (offs_n[:, None] < width))
+
+
+@triton.jit
+def _score_group_tile(n_start, q_t, w, seq, g_rows, g_ok, visible, group_visible,
+                      values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
+                      num_pages, max_pages, KIND: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr,
+                      H: tl.constexpr,
+                      BLOCK_N: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr):
+    """Scores of one key tile (entries n_start ..+BLOCK_N) for a query group: store [BLOCK_N, GROUP] columns."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    entry_ok = offs_n < group_visible
+    pages = _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages)
+    slot = offs_n % 64
+    k = _load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, KIND, FP8_DOT, D)  # [BLOCK_N, D]
+    logits = _dot(k, q_t, INTERPRET)  # [BLOCK_N, GROUP * H]
+    weighted = tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
+    if GROUP == 1:
+        scores = tl.sum(weighted, axis=1)[:, None]  # [BLOCK_N, 1]
+    else:
+        scores = tl.sum(tl.reshape(weighted, (BLOCK_N, GROUP, H)), axis=2)  # [BLOCK_N, GROUP]
+    if KIND == 1:
+        scores *= _load_key_scales(scales_ptr, pages, slot, entry_ok, D)[:, None]
+    result = tl.where(offs_n[:, None] < visible[None, :], scores, float("-inf"))
+    tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None], result,
+             mask=g_ok[None, :] & (offs_n[:, None] < width))

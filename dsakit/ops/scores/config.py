@@ -1,0 +1,63 @@
+"""Launch configuration of the Triton scores kernels: :class:`ScoresConfig` and its per-GPU defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._tuning import gpu_key
+
+KERNELS = ("auto", "tile", "group")
+
+
+@dataclass(frozen=True)
+class ScoresConfig:
+    """Tuning of :func:`dsakit.ops.scores.triton.index_scores_triton` (all compile-time launch choices).
+
+    kernel: "auto" (group kernel when each sequence has <= 4 queries and H is a power of two >= 16), "tile"
+    (prefill) or "group" (decode). prefill_*: BLOCK_T x BLOCK_N tile, warps (None = 4, or 8 for tiles larger
+    than 64 x 128) and pipeline stages of the tile kernel. decode_*: BLOCK_N (None = the key format's preferred
+    tile, see ``KeyCodec.decode_block_n``), key tiles per program (None = min(8, enough to cover W in four
+    programs' worth)), warps and stages of the group kernel.
+    """
+
+    kernel: str = "auto"
+    prefill_block_t: int = 64
+    prefill_block_n: int = 128
+    prefill_warps: int | None = None
+    prefill_stages: int = 3
+    decode_block_n: int | None = None
+    decode_tiles_per_program: int | None = None
+    decode_warps: int = 4
+    decode_stages: int = 3
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be 'auto', 'tile' or 'group', got {self.kernel!r}")
+        bt = self.prefill_block_t
+        if isinstance(bt, bool) or not isinstance(bt, int) or bt < 16 or bt & (bt - 1):
+            raise ValueError(f"block_t (prefill_block_t) must be a power of two >= 16, got {bt!r}")
+        for name in ("prefill_block_n", "decode_block_n"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 16
+                                      or value & (value - 1)):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
+        for name in ("prefill_warps", "decode_warps", "decode_tiles_per_program", "prefill_stages", "decode_stages"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    @staticmethod
+    def for_device(device: "torch.device | str | None" = None) -> "ScoresConfig":
+        """The measured defaults of the GPU of ``device`` (the H200 table for GPUs not measured yet)."""
+        return SCORES_DEFAULTS[gpu_key(device, SCORES_DEFAULTS)]
+
+
+# Measured on the H200 (benchmarks/results/scores_h200_c7d9b66.json, T = 8192 x N = 64K and B = 64 x N = 64K /
+# 128K): prefill (BLOCK_T, BLOCK_N, warps, stages) = (64, 128, 4, 3) was fastest for every format; decode
+# (BLOCK_N, tiles per program, warps, stages) = (64, 8, 4, 3) for bf16 / fp8 and (128, 8, 4, 3) for fp4 (the
+# per-format BLOCK_N lives with the format's codec).
+SCORES_DEFAULTS: dict[str, ScoresConfig] = {"H200": ScoresConfig(), "default": ScoresConfig()}
+
+__all__ = ["ScoresConfig", "SCORES_DEFAULTS"]
