@@ -80,6 +80,7 @@ def test_relu_zero_rows_same_set_on_every_backend(triton_backend):
     """Rows made mostly of exact zeros: every run and every backend selects the reference's set (the
     positive entries, then the lowest-index zeros), in the same order."""
     from dsakit.ops.topk import select_topk
+    from dsakit.ops.topk.config import SelectConfig
     from dsakit.ops.topk.triton import select_topk_triton
 
     torch.manual_seed(3)
@@ -90,7 +91,7 @@ def test_relu_zero_rows_same_set_on_every_backend(triton_backend):
     assert paths["ties"] > 0
     assert torch.equal(first, second)
     assert torch.equal(first.cpu(), expected)
-    assert torch.equal(select_topk_triton(scores, 48, block=64, cap=32, bins=32).cpu(), expected)
+    assert torch.equal(select_topk_triton(scores, 48, config=SelectConfig(block=64, cap=32, bins=32)).cpu(), expected)
     assert torch.equal(select_topk(scores.cpu(), 48, backend="reference"), expected)
 
 
