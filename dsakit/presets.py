@@ -33,8 +33,9 @@ class KeyTransform:
             raise ValueError(f"rope_dim must be a positive even int, got {self.rope_dim!r}")
         if not isinstance(self.hadamard, bool):
             raise ValueError(f"hadamard must be a bool, got {self.hadamard!r}")
-        if not self.eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {self.eps!r}")
+        # a string failed with TypeError; inf made every key zero; NaN every key NaN
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0 <= self.eps < float("inf"):
+            raise ValueError(f"eps must be a finite number >= 0, got {self.eps!r}")
 
 
 @dataclass(frozen=True)

@@ -121,14 +121,7 @@ def check_sparse_attention_inputs(q, kv_cache, indices, *, kv_format, topk_lengt
             raise ValueError(f"sink must be a floating [Hq] = [{hq}] tensor, got {_describe(sink)}")
         if sink.device != device:
             raise ValueError(f"sink is on {sink.device} but q is on {device}: all inputs must share q's device")
-    if softmax_scale is None:
-        scale = d ** -0.5
-    else:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
-        scale = float(softmax_scale)
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    scale = d ** -0.5 if softmax_scale is None else _check_softmax_scale(softmax_scale)
     return SparseAttentionInputs(q, kv_cache, fmt, indices, topk_length, extra_kv_cache if has_extra else None,
                                  xfmt, extra_indices if has_extra else None,
                                  extra_topk_length if has_extra else None, sink, scale)
@@ -197,6 +190,16 @@ def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Ten
     return _attend(q.detach().cpu().float(), kv, valid, sink_f, a.softmax_scale)
 
 
+def _check_softmax_scale(softmax_scale) -> float:
+    """softmax_scale as a positive finite float (NaN would turn every output into zeros), else ValueError."""
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    return scale
+
+
 def sparse_attention_dense(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor | None = None,
                            softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense variant: q [T, Hq, Dh], kv [N, Dh] (shared K = V), indices int [T, I] into kv (-1 ignored; any
@@ -219,7 +222,7 @@ def sparse_attention_dense(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
         raise ValueError(f"index {int(bad)} out of range for kv of {n} entries (-1 = none)")
     if sink is not None and (not isinstance(sink, torch.Tensor) or sink.shape != (hq,)):
         raise ValueError(f"sink must be [Hq] = [{hq}], got {_describe(sink)}")
-    scale = dh ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = dh ** -0.5 if softmax_scale is None else _check_softmax_scale(softmax_scale)
     kvf = kv.detach().cpu().float()
     valid = idx >= 0
     gathered = kvf[idx.clamp(min=0)] if n else torch.zeros(t, idx.shape[1], dh)  # [T, I, Dh]
@@ -229,10 +232,12 @@ def sparse_attention_dense(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
 
 def window_topk_indices(query_positions: torch.Tensor, topk_indices: torch.Tensor, window: int,
                         num_raw: int) -> torch.Tensor:
-    """Index set [T, window + K] over [raw kv (num_raw rows) ; compressed kv]: the last ``window`` raw tokens
+    """Index set [T, W + K] over [raw kv (num_raw rows) ; compressed kv]: the last ``window`` raw tokens
     up to each query's position, then the top-k compressed entries offset by ``num_raw``; -1 where none.
 
-    query_positions int [T], topk_indices int [T, K] (-1 padded), window >= 0, num_raw >= 0."""
+    query_positions int [T], topk_indices int [T, K] (-1 padded), window >= 0, num_raw >= 0.
+    W = min(window, num_raw): no query sees more raw rows than there are, so a longer window gives the same
+    index set in num_raw columns (ending at the last raw row a query sees) instead of a [T, window] buffer."""
     if not isinstance(query_positions, torch.Tensor) or query_positions.dim() != 1 \
             or query_positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"query_positions must be an int32/int64 [T] tensor, got "
@@ -248,9 +253,12 @@ def window_topk_indices(query_positions: torch.Tensor, topk_indices: torch.Tenso
         raise ValueError(f"topk_indices must be >= -1 (-1 = none), got {int(topk_indices.min())}")
     query_positions, topk_indices = query_positions.detach().cpu(), topk_indices.detach().cpu()
     pos = query_positions.long().unsqueeze(1)  # [T, 1]
-    offsets = torch.arange(window - 1, -1, -1).unsqueeze(0)  # window-1 .. 0
-    raw = pos - offsets
-    raw = torch.where((raw >= 0) & (raw < num_raw), raw, torch.full_like(raw, -1))
+    width = min(window, num_raw)
+    # the window ends at the query's position; clamped, at the last raw row it can see (same valid rows)
+    last = pos if width == window else pos.clamp(max=num_raw - 1)
+    offsets = torch.arange(width - 1, -1, -1).unsqueeze(0)  # width-1 .. 0
+    raw = last - offsets
+    raw = torch.where((raw >= 0) & (raw < num_raw) & (raw > pos - window), raw, torch.full_like(raw, -1))
     comp = topk_indices.long()
     comp = torch.where(comp >= 0, comp + num_raw, comp)
     return torch.cat([raw, comp], dim=1).to(torch.int32)
