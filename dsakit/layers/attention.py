@@ -188,41 +188,25 @@ def _entry_slots(entries: torch.Tensor, block_table_row: torch.Tensor) -> torch.
 
 
 # --------------------------------------------------------------------------------------------------
-# Ops behind the shared contracts (adapters until the new signatures are on main)
+# Ops behind the shared contracts (top-k: an adapter until the PagedBatch signature is on main)
 # --------------------------------------------------------------------------------------------------
-
-
-def _contract_attention_available() -> bool:
-    fn = getattr(attention_ops, "sparse_attention", None)
-    return fn is not None and "kv_cache" in inspect.signature(fn).parameters
 
 
 def sparse_attention_paged(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, *,
                            kv_format: AttentionKVFormat, extra_kv_cache: torch.Tensor | None = None,
                            extra_indices: torch.Tensor | None = None, sink: torch.Tensor | None = None,
                            softmax_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
-    """Sparse attention over two paged pools (main: ``indices``, extra: ``extra_indices``; global slots, -1
-    skipped) -> out [T, Hq, 512] fp32. Uses ``dsakit.ops.attention.sparse_attention`` (paged contract) when
-    available, else the dense reference over the dequantized pools (CPU, small shapes only)."""
-    if _contract_attention_available():
-        out, _ = attention_ops.sparse_attention(
-            q, kv_cache, indices, kv_format=kv_format, extra_kv_cache=extra_kv_cache,
-            extra_kv_format=kv_format if extra_kv_cache is not None else None, extra_indices=extra_indices,
-            sink=sink, softmax_scale=softmax_scale, backend=backend)
-        return out.float()
-    kv = kv_format.dequantize_pages(kv_cache)
-    idx = indices.detach().cpu().long()
-    if extra_kv_cache is not None:
-        extra = kv_format.dequantize_pages(extra_kv_cache)
-        ex = extra_indices.detach().cpu().long()
-        idx = torch.cat([idx, torch.where(ex >= 0, ex + kv.shape[0], ex)], dim=1)
-        kv = torch.cat([kv, extra])
-    out, _ = attention_ops.reference.sparse_attention(q, kv, idx, sink=sink, softmax_scale=softmax_scale)
-    return out.to(q.device)
+    """Sparse attention over the main pool (``indices``) and the compressed-entry pool (``extra_indices``),
+    global slots, -1 skipped -> out [T, Hq, 512] fp32 (``dsakit.ops.attention.sparse_attention``)."""
+    out, _ = attention_ops.sparse_attention(
+        q, kv_cache, indices, kv_format=kv_format, extra_kv_cache=extra_kv_cache,
+        extra_kv_format=kv_format if extra_kv_cache is not None else None, extra_indices=extra_indices,
+        sink=sink, softmax_scale=softmax_scale, backend=backend)
+    return out.float()
 
 
-def _topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedCache, seq: int, k: int, positions: torch.Tensor,
-          ratio: int, backend: str) -> torch.Tensor:
+def _topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedCache, seq: int, block_table_row: torch.Tensor,
+          k: int, positions: torch.Tensor, ratio: int, backend: str) -> torch.Tensor:
     """index_topk for the queries of one sequence -> int32 [T, k] entry indices (-1 padded), on q's device."""
     t = q.shape[0]
     query_seq = torch.zeros(t, dtype=torch.int32, device=q.device)
@@ -231,9 +215,9 @@ def _topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedCache, seq: int, k
         batch = cache.batch([seq], query_lens=[t], query_positions=positions, ratio=ratio)
         out = topk_ops.index_topk(q, weights, batch, k, backend=backend)
     else:
-        out = topk_ops.index_topk(q, weights, cache.pool, cache.fmt, cache.block_table([seq]),
-                                  cache.entry_counts([seq]), query_seq, k, query_positions=positions,
-                                  ratio=ratio, backend=backend)
+        counts = torch.full((1,), cache.length(seq), dtype=torch.int32, device=q.device)
+        out = topk_ops.index_topk(q, weights, cache.pool, cache.fmt, block_table_row.unsqueeze(0), counts,
+                                  query_seq, k, query_positions=positions, ratio=ratio, backend=backend)
     return out.to(q.device)
 
 
@@ -270,6 +254,7 @@ class V4LayerCache:
             if layer.layer_type == "csa" else None
         self._ids: dict[int, dict[str, int]] = {}
         self._states: dict[int, dict[str, CompressorState]] = {}
+        self._rows: dict[tuple[str, int], tuple[tuple[int, int], torch.Tensor]] = {}
         self._next = 0
 
     def caches(self) -> dict[str, PagedCache]:
@@ -293,6 +278,7 @@ class V4LayerCache:
         for name, c in self.caches().items():
             c.free_sequence(self._ids[seq][name])
         del self._ids[seq], self._states[seq]
+        self._rows = {k: v for k, v in self._rows.items() if k[1] != seq}
 
     @property
     def sequences(self) -> list[int]:
@@ -313,16 +299,31 @@ class V4LayerCache:
     def state(self, seq: int, name: str) -> CompressorState:
         return self._states[seq][name]
 
+    def block_table_row(self, name: str, seq: int) -> torch.Tensor:
+        """int32 [pages] page ids of the sequence in pool ``name``, on the device; rebuilt (one small host to
+        device copy) only when the sequence gains a page or the pool grew, so a decode step usually reuses it."""
+        cache = getattr(self, name)
+        sid = self._ids[seq][name]
+        key = (id(cache), math.ceil(cache.length(sid) / ENTRIES_PER_PAGE))
+        hit = self._rows.get((name, seq))
+        if hit is None or hit[0] != key:
+            hit = (key, cache.block_table([sid])[0])
+            self._rows[(name, seq)] = hit
+        return hit[1]
+
     def reserve(self, name: str, seq: int, n: int) -> torch.Tensor:
         """Append n entries to the sequence in pool ``name`` (growing it if needed) -> slots int64 [n] on device."""
         cache = getattr(self, name)
         sid = self._ids[seq][name]
-        need = math.ceil((cache.length(sid) + n) / ENTRIES_PER_PAGE) - math.ceil(cache.length(sid) / ENTRIES_PER_PAGE)
+        old = cache.length(sid)
+        need = math.ceil((old + n) / ENTRIES_PER_PAGE) - math.ceil(old / ENTRIES_PER_PAGE)
         if need > cache.free_pages:
             setattr(self, name, self._grow(name, cache, need - cache.free_pages))
             cache = getattr(self, name)
             sid = self._ids[seq][name]
-        return cache.append(sid, n).to(self.device)
+        cache.append(sid, n)
+        entries = torch.arange(old, old + n, device=self.device)
+        return _entry_slots(entries, self.block_table_row(name, seq)).long()
 
     def _grow(self, name: str, old: PagedCache, short: int) -> PagedCache:
         new = PagedCache(old.fmt, max(2 * old.num_pages, old.num_pages + short), device=self.device)
@@ -475,6 +476,11 @@ class V4Attention(nn.Module):
                            self.kv_norm.weight, ROPE_V4, self.kv_norm.variance_epsilon, backend=self.backend)
         if self.compressor is None:
             return
+        for lo in range(0, s, self.query_chunk):  # bounded working set: the rings carry state across chunks
+            self._store_compressed(hidden[lo:lo + self.query_chunk], cache, seq, table)
+
+    def _store_compressed(self, hidden: torch.Tensor, cache: V4LayerCache, seq: int, table: torch.Tensor) -> None:
+        device = cache.device
         comp = self.compressor
         entries, first = comp.step(hidden, cache.state(seq, "compressor"))
         n = entries.shape[0]
@@ -507,14 +513,15 @@ class V4Attention(nn.Module):
     def select(self, qi: torch.Tensor, w: torch.Tensor, cache: V4LayerCache, seq: int,
                positions: torch.Tensor) -> torch.Tensor:
         """Top-k compressed entries of each query -> extra-pool slots int32 [S, K] (-1 padded)."""
-        entries = _topk(qi, w, cache.index, cache.id_in("index", seq), self.index_topk, positions, 4, self.backend)
-        return _entry_slots(entries, cache.extra.block_table([cache.id_in("extra", seq)])[0])
+        entries = _topk(qi, w, cache.index, cache.id_in("index", seq), cache.block_table_row("index", seq),
+                        self.index_topk, positions, 4, self.backend)
+        return _entry_slots(entries, cache.block_table_row("extra", seq))
 
     def attend(self, q: torch.Tensor, cache: V4LayerCache, seq: int, positions: torch.Tensor,
                extra_slots: torch.Tensor | None) -> torch.Tensor:
         """q [S, H, D] -> attention output fp32 [S, H, D] over the window (+ the extra-pool slots given)."""
         win = positions.unsqueeze(1) - torch.arange(self.window - 1, -1, -1, device=positions.device)
-        win_slots = _entry_slots(win, cache.kv.block_table([cache.id_in("kv", seq)])[0])
+        win_slots = _entry_slots(win, cache.block_table_row("kv", seq))
         qk = q.to(self.q_b_proj.weight.dtype) if q.is_cuda else q
         return sparse_attention_paged(qk, cache.kv.pool, win_slots, kv_format=self.kv_format,
                                       extra_kv_cache=None if extra_slots is None else cache.extra.pool,
@@ -527,7 +534,7 @@ class V4Attention(nn.Module):
         n = cache.extra.length(sid)
         j = torch.arange(max(n, 1), device=positions.device)
         visible = j.unsqueeze(0) < torch.clamp((positions.unsqueeze(1) + 1) // self.ratio, max=n)
-        return _entry_slots(torch.where(visible, j.unsqueeze(0), -1), cache.extra.block_table([sid])[0])
+        return _entry_slots(torch.where(visible, j.unsqueeze(0), -1), cache.block_table_row("extra", seq))
 
     def output(self, out: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Attention output fp32 [S, H, D] -> rope(-pos) on the rope dims -> grouped o_a -> o_b: [S, hidden]."""

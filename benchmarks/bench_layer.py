@@ -1,0 +1,297 @@
+"""One DeepSeek-V4 attention layer (dsakit.layers.V4Attention) on the GPU: prefill stages and the decode step.
+
+    PYTHONPATH=. python3 benchmarks/bench_layer.py --out DIR --commit $(git rev-parse --short HEAD)
+    PYTHONPATH=. python3 benchmarks/bench_layer.py --out DIR --device cpu --small   # CPU smoke run
+
+Sections (JSON written after each, so a timeout keeps what finished):
+
+* ``prefill``: a CSA layer of V4-Flash geometry (hidden 4096, 64 heads x 512, q_lora 1024, 64 index heads,
+  top-512, bf16 weights) prefilling T = 8K, 32K, 128K tokens of one sequence. The prefill runs stage by
+  stage with the layer's own calls and query chunks; each stage is timed in place with CUDA events (median
+  of ``--reps`` runs after a warm-up) and its peak extra memory recorded (max over its chunks): compress
+  (both compressors' projections and pooling), store (KV projection; raw KV, compressed entries and index
+  keys into the paged pools), project (attention and index queries), top-k, attention, output projection.
+  The whole layer call is timed with do_bench. ``peak / (T x N x 4 B)`` shows that no stage holds a [T, N]
+  fp32 tensor (N = T / 4 entries).
+* ``decode``: the same layer after a prefill of ``--decode-context`` tokens; one decode step (one token
+  through the layer, cache append included) against the sum of its stages run alone. The step's Python
+  bookkeeping (page allocation, block tables) is what the ratio measures beyond the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import environment, timed, write_json  # noqa: E402
+
+from dsakit.layers import V4Attention  # noqa: E402
+from dsakit.ops.compress import CompressorState  # noqa: E402
+from dsakit.ops.store import store_attention_kv, store_index_keys  # noqa: E402
+from dsakit.transforms import ROPE_V4  # noqa: E402
+
+FLASH = dict(hidden=4096, q_lora=1024, heads=64, o_groups=8, o_lora=1024, index_heads=64, topk=512)
+SMALL = dict(hidden=64, q_lora=32, heads=2, o_groups=2, o_lora=16, index_heads=4, topk=16)
+
+
+def build_layer(geo: dict, device: str, key_format: str) -> V4Attention:
+    with torch.device(device):
+        layer = V4Attention("csa", geo["hidden"], geo["q_lora"], num_heads=geo["heads"], o_groups=geo["o_groups"],
+                            o_lora_rank=geo["o_lora"], index_heads=geo["index_heads"], index_topk=geo["topk"],
+                            index_key_format=key_format, kv_format="bf16")
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith("position_bias"):
+                p.normal_(0, 0.5, generator=gen)
+            elif name.endswith("norm.weight"):
+                p.normal_(1, 0.1, generator=gen)
+            elif name == "sinks":
+                p.normal_(0, 1, generator=gen)
+            else:
+                p.normal_(0, p.shape[-1] ** -0.5, generator=gen)
+    if device == "cuda":  # linear weights in bf16 as a served checkpoint; norms, biases and sinks stay fp32
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.to(torch.bfloat16)
+    return layer.eval()
+
+
+def chunks(t: int, size: int):
+    return [(lo, min(t, lo + size)) for lo in range(0, t, size)]
+
+
+class StageClock:
+    """Per-stage time (CUDA events; wall clock on the CPU) and peak extra memory of a pipeline run in place:
+    each stage is timed where it runs, holding only its own chunk's tensors."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.spans: dict[str, list] = {}
+        self.peaks: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        cuda = self.device == "cuda"
+        if cuda:
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        yield
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans.setdefault(name, []).append((start, end))
+            self.peaks[name] = max(self.peaks.get(name, 0), torch.cuda.max_memory_allocated() - base)
+        else:
+            self.spans.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+            self.peaks.setdefault(name, 0)
+
+    def totals_ms(self) -> dict[str, float]:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return {k: sum(a.elapsed_time(b) for a, b in v) for k, v in self.spans.items()}
+        return {k: sum(v) for k, v in self.spans.items()}
+
+
+def prefill_pipeline(layer: V4Attention, hidden: torch.Tensor, clock: StageClock) -> None:
+    """The layer's prefill of one sequence stage by stage (the same calls V4Attention.forward makes)."""
+    device = hidden.device
+    t = hidden.shape[0]
+    comp, ix = layer.compressor, layer.compressor.indexer
+    cache = layer.new_cache(max_tokens=t, device=device)
+    seq = cache.add_sequence()
+    table = layer.rope_table(t, device)
+    positions = torch.arange(t, device=device)
+    entries, keys = [], []
+    with clock("compress"):
+        s1, s2 = cache.state(seq, "compressor"), cache.state(seq, "indexer")
+        for lo, hi in chunks(t, layer.query_chunk):
+            entries.append(comp.step(hidden[lo:hi], s1)[0])
+            keys.append(ix.step(hidden[lo:hi], s2)[0])
+        entries, keys = torch.cat(entries), torch.cat(keys)
+    n = entries.shape[0]
+    with clock("store"):
+        entry_pos = torch.arange(n, device=device) * 4
+        store_attention_kv(torch.nn.functional.linear(hidden, layer.kv_proj.weight), positions,
+                           cache.reserve("kv", seq, t), cache.kv.pool, layer.kv_format, table, layer.kv_norm.weight,
+                           ROPE_V4, layer.eps)
+        store_attention_kv(entries, entry_pos, cache.reserve("extra", seq, n), cache.extra.pool, layer.kv_format,
+                           table, comp.kv_norm.weight, ROPE_V4, layer.eps)
+        store_index_keys(keys, entry_pos, cache.reserve("index", seq, n), cache.index.pool, layer.index_key_format,
+                         table, ix.kv_norm.weight.float(), None, layer.index_transform())
+    del entries, keys
+    for lo, hi in chunks(t, layer.query_chunk):
+        h, pos = hidden[lo:hi], positions[lo:hi]
+        with clock("project"):
+            q, q_res = layer.queries(h, pos, table)
+            qi, w = layer.index_queries(h, q_res, pos, table)
+        with clock("topk"):
+            extra = layer.select(qi, w, cache, seq, pos)
+        del qi, w, q_res
+        with clock("attention"):
+            out = layer.attend(q, cache, seq, pos, extra)
+        del q, extra
+        with clock("output"):
+            layer.output(out, pos, table)
+        del out
+
+
+def prefill_row(layer: V4Attention, t: int, device: str, rep_ms: int, reps: int) -> dict:
+    """Stage-by-stage times and peaks of a T-token prefill of one sequence, and the whole layer call."""
+    gen = torch.Generator(device=device).manual_seed(t)
+    hidden = torch.randn(t, layer.hidden_size, generator=gen, device=device).to(layer.q_a_proj.weight.dtype)
+    n = t // 4
+    txn = t * n * 4 / 2**30
+    row = {"tokens": t, "entries": n, "txn_fp32_gib": txn, "reps": reps}
+    with torch.no_grad():
+        prefill_pipeline(layer, hidden, StageClock(device))  # warm-up (kernel compiles)
+        runs, peaks = [], {}
+        for _ in range(reps):
+            clock = StageClock(device)
+            prefill_pipeline(layer, hidden, clock)
+            runs.append(clock.totals_ms())
+            for k, v in clock.peaks.items():
+                peaks[k] = max(peaks.get(k, 0), v)
+        stages = {}
+        for name in runs[0]:
+            ms = sorted(r[name] for r in runs)[len(runs) // 2]
+            peak = peaks[name] / 2**30
+            stages[name] = {"ms": ms, "peak_extra_gib": peak, "peak_over_txn": peak / txn if txn else 0.0}
+        row["stages"] = stages
+        row["sum_of_stages_ms"] = sum(v["ms"] for v in stages.values() if "ms" in v)
+
+        def whole_layer():
+            c = layer.new_cache(max_tokens=t, device=device)
+            layer(hidden, c, c.add_sequence())
+
+        ms, peak = timed(whole_layer, device, rep_ms)
+        row["layer"] = {"ms": ms, "peak_extra_gib": peak, "peak_over_txn": peak / txn if txn else 0.0}
+    return row
+
+
+def decode_row(layer: V4Attention, context: int, device: str, rep_ms: int) -> dict:
+    """One decode step after a prefill of ``context`` tokens, against its stages alone."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    dtype = layer.q_a_proj.weight.dtype
+    prompt = torch.randn(context, layer.hidden_size, generator=gen, device=device).to(dtype)
+    token = torch.randn(1, layer.hidden_size, generator=gen, device=device).to(dtype)
+    cache = layer.new_cache(max_tokens=context + 8192, device=device)
+    seq = cache.add_sequence()
+    with torch.no_grad():
+        layer(prompt, cache, seq)
+        step_ms, step_peak = timed(lambda: layer(token, cache, seq), device, rep_ms)
+        # stages of one step alone, at the position the cache has reached
+        pos = cache.length(seq)
+        table = layer.rope_table(pos + 1, device)
+        positions = torch.tensor([pos], device=device)
+        comp, ix = layer.compressor, layer.compressor.indexer
+        s1, s2 = cache.state(seq, "compressor"), cache.state(seq, "indexer")
+
+        def compress_one():  # on copies: the real states must not advance (the copy is part of the time)
+            comp.step(token, _clone_state(s1))
+            ix.step(token, _clone_state(s2))
+
+        kv_row = torch.nn.functional.linear(token, layer.kv_proj.weight)
+        slot = cache.reserve("kv", seq, 1)  # one spare slot the stage rewrites
+        ent_row = torch.zeros(1, 512, device=device)
+        key_row = torch.zeros(1, 128, device=device)
+        ent_slot = cache.reserve("extra", seq, 1)
+        key_slot = cache.reserve("index", seq, 1)
+        epos = positions // 4 * 4
+
+        def store_one():  # a quarter of the steps complete a block and store an entry: time that case
+            store_attention_kv(kv_row, positions, slot, cache.kv.pool, layer.kv_format, table,
+                               layer.kv_norm.weight, ROPE_V4, layer.eps)
+            store_attention_kv(ent_row, epos, ent_slot, cache.extra.pool, layer.kv_format, table,
+                               comp.kv_norm.weight, ROPE_V4, layer.eps)
+            store_index_keys(key_row, epos, key_slot, cache.index.pool, layer.index_key_format, table,
+                             ix.kv_norm.weight.float(), None, layer.index_transform())
+
+        q, q_res = layer.queries(token, positions, table)
+        qi, w = layer.index_queries(token, q_res, positions, table)
+        extra = layer.select(qi, w, cache, seq, positions)
+        out = layer.attend(q, cache, seq, positions, extra)
+        stages = {}
+        for name, fn in (("compress", compress_one), ("store", store_one),
+                         ("project", lambda: layer.index_queries(token, layer.queries(token, positions, table)[1],
+                                                                 positions, table)),
+                         ("topk", lambda: layer.select(qi, w, cache, seq, positions)),
+                         ("attention", lambda: layer.attend(q, cache, seq, positions, extra)),
+                         ("output", lambda: layer.output(out, positions, table))):
+            ms, peak = timed(fn, device, rep_ms)
+            stages[name] = {"ms": ms, "peak_extra_gib": peak}
+    total = sum(v["ms"] for v in stages.values())
+    return {"context": context, "step_ms": step_ms, "step_peak_extra_gib": step_peak, "stages": stages,
+            "sum_of_stages_ms": total, "step_over_stages": step_ms / total if total else math.nan,
+            "target_step_over_stages": 1.5}
+
+
+def _clone_state(state: CompressorState) -> CompressorState:
+    twin = CompressorState(state.ratio, state.width, state.device)
+    twin.kv.copy_(state.kv)
+    twin.gate.copy_(state.gate)
+    twin.length = state.length
+    return twin
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--device", default="cuda", help="cpu: smoke run of the code paths (no timing claims)")
+    parser.add_argument("--small", action="store_true", help="tiny geometry and lengths (CPU smoke)")
+    parser.add_argument("--tokens", default=None, help="comma list of prefill lengths (default 8192,32768,131072)")
+    parser.add_argument("--decode-context", type=int, default=None, help="context of the decode section (32768)")
+    parser.add_argument("--key-format", default="fp8", help="index-key format of the layer")
+    parser.add_argument("--rep-ms", type=int, default=100)
+    parser.add_argument("--reps", type=int, default=3, help="recorded pipeline runs per prefill length (median)")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: prefill,decode")
+    args = parser.parse_args(argv)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but CUDA is not available (use --device cpu --small for a smoke run)")
+    geo = SMALL if args.small else FLASH
+    tokens = [int(x) for x in (args.tokens or ("256,512" if args.small else "8192,32768,131072")).split(",")]
+    context = args.decode_context or (300 if args.small else 32768)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "bench_layer.json"
+    report = {**environment(device, args.commit), "geometry": geo, "key_format": args.key_format,
+              "kv_format": "bf16", "prefill": [], "decode": None, "errors": []}
+    layer = build_layer(geo, device, args.key_format)
+    report["query_chunk"] = layer.query_chunk
+    skip = set(filter(None, args.skip.split(",")))
+    if "prefill" not in skip:
+        for t in tokens:
+            try:
+                report["prefill"].append(prefill_row(layer, t, device, args.rep_ms, args.reps))
+            except Exception as err:  # keep going: a failed length is recorded, not fatal
+                report["errors"].append({"section": f"prefill {t}", "error": repr(err),
+                                         "trace": traceback.format_exc(limit=4)})
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            write_json(path, report)
+    if "decode" not in skip:
+        try:
+            report["decode"] = decode_row(layer, context, device, args.rep_ms)
+        except Exception as err:
+            report["errors"].append({"section": "decode", "error": repr(err), "trace": traceback.format_exc(limit=4)})
+        write_json(path, report)
+    print(path.read_text() if args.small else f"wrote {path}")
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
