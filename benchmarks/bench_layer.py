@@ -16,6 +16,10 @@ Sections (JSON written after each, so a timeout keeps what finished):
 * ``decode``: the same layer after a prefill of ``--decode-context`` tokens; one decode step (one token
   through the layer, cache append included) against the sum of its stages run alone. The step's Python
   bookkeeping (page allocation, block tables) is what the ratio measures beyond the kernels.
+* ``patched_model`` (needs transformers with DeepSeek-V4; recorded as skipped otherwise): a two-layer
+  DeepseekV4ForCausalLM (csa + hca, this geometry, small MoE) patched with ``patch_deepseek_v4``; one
+  ``model(token, cache=...)`` decode step after the same context against its stages alone: each attention
+  block's stages plus the rest of the model timed with the attention blocks stubbed out.
 """
 
 from __future__ import annotations
@@ -181,6 +185,66 @@ def prefill_row(layer: V4Attention, t: int, device: str, rep_ms: int, reps: int)
     return row
 
 
+def decode_stages(layer: V4Attention, cache, seq: int, token: torch.Tensor, device: str, rep_ms: int) -> dict:
+    """Each stage of one decode step of ``layer`` run alone at the sequence's current position. Reserves one
+    spare slot per pool (the store stage rewrites it): run after the step itself was timed."""
+    pos = cache.length(seq)
+    table = layer.rope_table(pos + 1, device)
+    positions = torch.full((1,), pos, dtype=torch.long, device=device)
+    comp = layer.compressor
+    kv_row = torch.nn.functional.linear(token.to(layer.kv_proj.weight.dtype), layer.kv_proj.weight)
+    stages = {}
+    with torch.no_grad():
+        fns = {}
+        if comp is not None:
+            parts = [(comp, cache.state(seq, "compressor"))]
+            if layer.layer_type == "csa":
+                parts.append((comp.indexer, cache.state(seq, "indexer")))
+
+            def compress_one():  # on copies: the real states must not advance (the copy is part of the time)
+                for module, state in parts:
+                    module.step(token, _clone_state(state))
+
+            fns["compress"] = compress_one
+        slot = cache.reserve("kv", seq, 1)
+        entry = torch.zeros(1, 512, device=device)
+        key = torch.zeros(1, 128, device=device)
+        ent_slot = cache.reserve("extra", seq, 1) if comp is not None else None
+        key_slot = cache.reserve("index", seq, 1) if layer.layer_type == "csa" else None
+        epos = positions // layer.ratio * layer.ratio if layer.ratio else positions
+
+        def store_one():  # 1 in ratio steps completes a block and stores an entry: time that case
+            store_attention_kv(kv_row, positions, slot, cache.kv.pool, layer.kv_format, table,
+                               layer.kv_norm.weight, ROPE_V4, layer.eps)
+            if ent_slot is not None:
+                store_attention_kv(entry, epos, ent_slot, cache.extra.pool, layer.kv_format, table,
+                                   comp.kv_norm.weight, ROPE_V4, layer.eps)
+            if key_slot is not None:
+                store_index_keys(key, epos, key_slot, cache.index.pool, layer.index_key_format, table,
+                                 comp.indexer.kv_norm.weight.float(), None, layer.index_transform())
+
+        fns["store"] = store_one
+        q, q_res = layer.queries(token, positions, table)
+        if layer.layer_type == "csa":
+            qi, w = layer.index_queries(token, q_res, positions, table)
+            fns["project"] = lambda: layer.index_queries(token, layer.queries(token, positions, table)[1],
+                                                         positions, table)
+            extra = layer.select(qi, w, cache, seq, positions)
+            fns["topk"] = lambda: layer.select(qi, w, cache, seq, positions)
+        else:
+            fns["project"] = lambda: layer.queries(token, positions, table)
+            extra = layer.hca_slots(cache, seq, positions) if layer.layer_type == "hca" else None
+            if extra is not None:
+                fns["topk"] = lambda: layer.hca_slots(cache, seq, positions)
+        out = layer.attend(q, cache, seq, positions, extra)
+        fns["attention"] = lambda: layer.attend(q, cache, seq, positions, extra)
+        fns["output"] = lambda: layer.output(out, positions, table)
+        for name, fn in fns.items():
+            ms, peak = timed(fn, device, rep_ms)
+            stages[name] = {"ms": ms, "peak_extra_gib": peak}
+    return stages
+
+
 def decode_row(layer: V4Attention, context: int, device: str, rep_ms: int) -> dict:
     """One decode step after a prefill of ``context`` tokens, against its stages alone."""
     gen = torch.Generator(device=device).manual_seed(1)
@@ -192,50 +256,72 @@ def decode_row(layer: V4Attention, context: int, device: str, rep_ms: int) -> di
     with torch.no_grad():
         layer(prompt, cache, seq)
         step_ms, step_peak = timed(lambda: layer(token, cache, seq), device, rep_ms)
-        # stages of one step alone, at the position the cache has reached
-        pos = cache.length(seq)
-        table = layer.rope_table(pos + 1, device)
-        positions = torch.tensor([pos], device=device)
-        comp, ix = layer.compressor, layer.compressor.indexer
-        s1, s2 = cache.state(seq, "compressor"), cache.state(seq, "indexer")
-
-        def compress_one():  # on copies: the real states must not advance (the copy is part of the time)
-            comp.step(token, _clone_state(s1))
-            ix.step(token, _clone_state(s2))
-
-        kv_row = torch.nn.functional.linear(token, layer.kv_proj.weight)
-        slot = cache.reserve("kv", seq, 1)  # one spare slot the stage rewrites
-        ent_row = torch.zeros(1, 512, device=device)
-        key_row = torch.zeros(1, 128, device=device)
-        ent_slot = cache.reserve("extra", seq, 1)
-        key_slot = cache.reserve("index", seq, 1)
-        epos = positions // 4 * 4
-
-        def store_one():  # a quarter of the steps complete a block and store an entry: time that case
-            store_attention_kv(kv_row, positions, slot, cache.kv.pool, layer.kv_format, table,
-                               layer.kv_norm.weight, ROPE_V4, layer.eps)
-            store_attention_kv(ent_row, epos, ent_slot, cache.extra.pool, layer.kv_format, table,
-                               comp.kv_norm.weight, ROPE_V4, layer.eps)
-            store_index_keys(key_row, epos, key_slot, cache.index.pool, layer.index_key_format, table,
-                             ix.kv_norm.weight.float(), None, layer.index_transform())
-
-        q, q_res = layer.queries(token, positions, table)
-        qi, w = layer.index_queries(token, q_res, positions, table)
-        extra = layer.select(qi, w, cache, seq, positions)
-        out = layer.attend(q, cache, seq, positions, extra)
-        stages = {}
-        for name, fn in (("compress", compress_one), ("store", store_one),
-                         ("project", lambda: layer.index_queries(token, layer.queries(token, positions, table)[1],
-                                                                 positions, table)),
-                         ("topk", lambda: layer.select(qi, w, cache, seq, positions)),
-                         ("attention", lambda: layer.attend(q, cache, seq, positions, extra)),
-                         ("output", lambda: layer.output(out, positions, table))):
-            ms, peak = timed(fn, device, rep_ms)
-            stages[name] = {"ms": ms, "peak_extra_gib": peak}
+    stages = decode_stages(layer, cache, seq, token, device, rep_ms)
     total = sum(v["ms"] for v in stages.values())
     return {"context": context, "step_ms": step_ms, "step_peak_extra_gib": step_peak, "stages": stages,
             "sum_of_stages_ms": total, "step_over_stages": step_ms / total if total else math.nan,
             "target_step_over_stages": 1.5}
+
+
+class _NoAttention(torch.nn.Module):
+    """Stands in for an attention block to time the rest of the model alone."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states), None
+
+
+def patched_model_row(geo: dict, context: int, device: str, rep_ms: int, key_format: str) -> dict:
+    """A transformers DeepseekV4ForCausalLM with two layers of this geometry (csa, hca; small MoE) patched
+    with dsakit: one decode step of the model against its stages alone (each attention block's stages, plus
+    the rest of the model timed with the attention blocks stubbed out)."""
+    try:
+        from transformers.models.deepseek_v4 import configuration_deepseek_v4, modeling_deepseek_v4
+
+        from dsakit.integrations.transformers import patch_deepseek_v4
+    except ImportError as err:
+        return {"skipped": f"transformers with DeepSeek-V4 is not installed ({err})"}
+    small = geo is SMALL
+    config = configuration_deepseek_v4.DeepseekV4Config(
+        vocab_size=1024, hidden_size=geo["hidden"], num_hidden_layers=2, num_attention_heads=geo["heads"],
+        head_dim=512, q_lora_rank=geo["q_lora"], index_n_heads=geo["index_heads"], index_head_dim=128,
+        index_topk=geo["topk"], n_routed_experts=2, num_experts_per_tok=2, moe_intermediate_size=64 if small else 512,
+        o_groups=geo["o_groups"], o_lora_rank=geo["o_lora"], sliding_window=128,
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"], mlp_layer_types=["moe", "moe"],
+        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1})
+    with torch.device(device):
+        model = modeling_deepseek_v4.DeepseekV4ForCausalLM(config)
+    if device == "cuda":
+        model = model.to(torch.bfloat16)
+    model.eval()
+    patch_deepseek_v4(model, index_key_format=key_format, max_tokens=context + 8192)
+    gen = torch.Generator(device=device).manual_seed(2)
+    ids = torch.randint(0, config.vocab_size, (1, context + 1), generator=gen, device=device)
+    with torch.no_grad():
+        out = model(ids[:, :context], use_cache=True)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        step = ids[:, context:]
+        step_ms, step_peak = timed(lambda: model(step, cache=cache, use_cache=True), device, rep_ms)
+        layers = model.model.layers
+        blocks = [layer.self_attn for layer in layers]
+        try:
+            for layer in layers:
+                layer.self_attn = _NoAttention()
+            rest_ms, _ = timed(lambda: model(step, cache=cache, use_cache=True), device, rep_ms)
+        finally:
+            for layer, block in zip(layers, blocks):
+                layer.self_attn = block
+    per_layer = []
+    token = torch.randn(1, config.hidden_size, generator=gen, device=device).to(model.dtype)
+    for block in blocks:
+        state = getattr(cache.layers[block.layer_idx], "_dsakit_layer_state")
+        stages = decode_stages(block, state.cache, state.seqs[0], token, device, rep_ms)
+        per_layer.append({"layer_type": block.layer_type, "stages": stages,
+                          "sum_ms": sum(v["ms"] for v in stages.values())})
+    total = rest_ms + sum(r["sum_ms"] for r in per_layer)
+    return {"context": context, "layers": per_layer, "model_step_ms": step_ms, "model_step_peak_extra_gib": step_peak,
+            "rest_of_model_ms": rest_ms, "sum_of_stages_ms": total,
+            "step_over_stages": step_ms / total if total else math.nan, "target_step_over_stages": 1.5}
 
 
 def _clone_state(state: CompressorState) -> CompressorState:
@@ -257,7 +343,7 @@ def main(argv=None) -> int:
     parser.add_argument("--key-format", default="fp8", help="index-key format of the layer")
     parser.add_argument("--rep-ms", type=int, default=100)
     parser.add_argument("--reps", type=int, default=3, help="recorded pipeline runs per prefill length (median)")
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: prefill,decode")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: prefill,decode,patched_model")
     args = parser.parse_args(argv)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -269,7 +355,8 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "bench_layer.json"
     report = {**environment(device, args.commit), "geometry": geo, "key_format": args.key_format,
-              "kv_format": "bf16", "prefill": [], "decode": None, "errors": []}
+              "kv_format": "bf16", "prefill": [], "decode": None, "patched_model": None,
+              "errors": []}
     layer = build_layer(geo, device, args.key_format)
     report["query_chunk"] = layer.query_chunk
     skip = set(filter(None, args.skip.split(",")))
@@ -288,6 +375,16 @@ def main(argv=None) -> int:
             report["decode"] = decode_row(layer, context, device, args.rep_ms)
         except Exception as err:
             report["errors"].append({"section": "decode", "error": repr(err), "trace": traceback.format_exc(limit=4)})
+        write_json(path, report)
+    if "patched_model" not in skip:
+        del layer
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            report["patched_model"] = patched_model_row(geo, context, device, args.rep_ms, args.key_format)
+        except Exception as err:
+            report["errors"].append({"section": "patched_model", "error": repr(err),
+                                     "trace": traceback.format_exc(limit=4)})
         write_json(path, report)
     print(path.read_text() if args.small else f"wrote {path}")
     return 1 if report["errors"] else 0

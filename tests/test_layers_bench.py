@@ -31,3 +31,9 @@ def test_bench_layer_smoke(tmp_path):
     decode = report["decode"]
     assert decode["context"] == 70 and set(decode["stages"]) == set(row["stages"])
     assert decode["step_ms"] > 0 and decode["sum_of_stages_ms"] > 0
+    model = report["patched_model"]
+    if importlib.util.find_spec("transformers") is None:
+        assert "skipped" in model
+    else:
+        assert [layer["layer_type"] for layer in model["layers"]] == ["csa", "hca"]
+        assert model["model_step_ms"] > 0 and model["rest_of_model_ms"] > 0
