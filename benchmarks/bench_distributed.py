@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, timing_pool, write_json  # noqa: E402
 
 from dsakit.distributed import ContextParallelPlan, all_gather_pages, context_parallel_index_topk  # noqa: E402
-from dsakit.distributed import _batch, gather_rows, zigzag_ranges  # noqa: E402
+from dsakit import PagedBatch  # noqa: E402
+from dsakit.distributed import gather_rows, zigzag_ranges  # noqa: E402
 from dsakit.formats import ENTRIES_PER_PAGE, KeyFormat  # noqa: E402
 
 RATIO = 4
@@ -89,8 +90,7 @@ class Workload:
         self.positions = torch.arange(tokens, dtype=torch.int64, device=device)
 
     def batch(self):
-        return _batch.build_batch(self.pool, self.fmt, self.table, self.counts, self.query_seq, self.positions,
-                                  RATIO)
+        return PagedBatch.build(self.pool, self.fmt, self.table, self.counts, self.query_seq, self.positions, RATIO)
 
     def owned_pages(self, world: int, rank: int) -> torch.Tensor:
         pages = []

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dsakit import PagedBatch
 from dsakit.cache import PagedCache
 from dsakit.distributed import (ContextParallelPlan, all_gather_entries, all_gather_pages,
                                 context_parallel_index_topk, gather_rows, zigzag_owner, zigzag_ranges)
-from dsakit.distributed import _batch
+from dsakit.ops.topk import index_topk
 from dsakit.formats import ENTRIES_PER_PAGE, KEY_FORMATS, KeyFormat
 
 SPAWN_TIMEOUT_S = 300  # generous: a healthy run takes well under a minute on 2 busy cores
@@ -125,7 +126,7 @@ def test_validation_names_the_bad_value():
     cache = PagedCache(KeyFormat.FP8, 2)
     seq = cache.add_sequence()
     cache.append(seq, 10)
-    batch = _batch.build_batch(cache.pool, cache.fmt, cache.block_table([seq]), cache.entry_counts([seq]), qs)
+    batch = cache.batch([seq], query_lens=[4])
     q, w = torch.zeros(2, 4, 128), torch.ones(2, 4)
     with pytest.raises(ValueError, match="plan must be"):
         context_parallel_index_topk(q, w, batch, 4, "plan")
@@ -205,10 +206,10 @@ def _case(fmt: KeyFormat, ratio: int, world: int, rank: int, group) -> None:
     k = 16 if ratio == 1 else 8
 
     def batch_of(cache):
-        return _batch.build_batch(cache.pool, fmt, cache.block_table(seqs), cache.entry_counts(seqs), query_seq,
-                                  positions, ratio)
+        return PagedBatch.build(cache.pool, fmt, cache.block_table(seqs), cache.entry_counts(seqs), query_seq,
+                                positions, ratio)
 
-    want_idx, want_slots = _batch.index_topk(q, w, batch_of(full), k, backend="reference", return_slots=True)
+    want_idx, want_slots = index_topk(q, w, batch_of(full), k, backend="reference", return_slots=True)
 
     # each rank writes only its share, then the pages are exchanged: byte-identical pools
     mine, _, my_slots = new_cache()
@@ -253,9 +254,7 @@ def _case(fmt: KeyFormat, ratio: int, world: int, rank: int, group) -> None:
             write_keys(cache, cache.append(s, 1), x[n:])
     dq = torch.randint(-2, 3, (len(seqs), heads, 128), generator=g).float()
     dw = torch.ones(len(seqs), heads)
-    dseq = torch.arange(len(seqs), dtype=torch.int32)
-    decode = [_batch.index_topk(dq, dw, _batch.build_batch(c.pool, fmt, c.block_table(seqs), c.entry_counts(seqs),
-                                                           dseq), k, backend="reference") for c in (full, mine)]
+    decode = [index_topk(dq, dw, c.batch(seqs), k, backend="reference") for c in (full, mine)]
     assert torch.equal(decode[0], decode[1])
 
 

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from ..batch import PagedBatch
 from . import _batch
 from .exchange import gather_rows
 from .split import ContextParallelPlan
 
 
-def context_parallel_index_topk(q: torch.Tensor, weights: torch.Tensor, batch, k: int, plan: ContextParallelPlan,
+def context_parallel_index_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int,
+                                plan: ContextParallelPlan,
                                 *, group=None, gather: bool = False, backend: str = "auto",
                                 return_slots: bool = False, local_rows: slice | None = None):
     """Top-k of this rank's query rows of a ragged batch; optionally gathered back to the full [T, k].
 
     q [T_r, H, 128] and weights [T_r, H]: this rank's rows (``plan.take(q_full)``, T_r = plan.num_local).
-    batch: the FULL batch (query_seq / query_positions [T] of every rank's queries) over this rank's pool,
-    which must already hold every entry the queries see (:func:`all_gather_entries` after a
-    context-parallel store). plan: :meth:`ContextParallelPlan.zigzag` of the batch's query_seq.
+    batch: the FULL :class:`dsakit.PagedBatch` (query_seq / query_positions [T] of every rank's queries)
+    over this rank's pool, which must already hold every entry the queries see (:func:`all_gather_pages` or
+    :func:`all_gather_entries` after a context-parallel store). plan: :meth:`ContextParallelPlan.zigzag` of
+    the batch's query_seq. The local batch is built without a device sync (the full batch's values hold).
 
     Runs the ordinary single-device top-k on the local rows, so each row equals the single-device result
     (same set, same order, ties to the lower index). Returns int32 [T_r, k] (-1 padded) in ``plan.rows``
@@ -31,8 +34,7 @@ def context_parallel_index_topk(q: torch.Tensor, weights: torch.Tensor, batch, k
     """
     if not isinstance(plan, ContextParallelPlan):
         raise ValueError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
-    if not isinstance(batch, _batch.BATCH_TYPES):
-        raise ValueError(f"batch must be a PagedBatch, got {type(batch).__name__}")
+    _batch.check_batch(batch)
     if not isinstance(gather, bool):
         raise ValueError(f"gather must be a bool, got {gather!r}")
     if batch.num_queries != plan.num_queries:
