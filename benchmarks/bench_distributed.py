@@ -3,8 +3,9 @@
 Workload of one configuration (context L tokens, key format, top-K):
   one sequence, a full causal prefill from position 0: T = L query tokens at positions 0..L-1, ratio 4, so
   N = L / 4 compressed entries (65536 at 256K tokens, 262144 at 1M); every query gets the top-K of the
-  entries it sees ((pos + 1) // 4 of them). H = 64 heads, D = 128, bf16 queries for every key format (the
-  public index_topk path), keys as random valid page bytes (benchmarks/_common.timing_pool).
+  entries it sees ((pos + 1) // 4 of them). H = 64 heads, D = 128; fp8 keys with fp8 e4m3 queries (scale
+  folded into the head weights), bf16 keys with bf16 queries (benchmarks/_common.make_queries); keys as
+  random valid page bytes (benchmarks/_common.timing_pool).
   The queries are run in calls of --rows-per-call (8192) rows, each output reduced to a per-row checksum
   before the next call (an engine consumes each chunk's indices in the same layer), so memory stays bounded.
 
@@ -44,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, timing_pool, write_json  # noqa: E402
+from _common import environment, make_queries, timing_pool, write_json  # noqa: E402
 
 from dsakit.distributed import ContextParallelPlan, all_gather_pages, context_parallel_index_topk  # noqa: E402
 from dsakit import PagedBatch  # noqa: E402
@@ -82,10 +83,12 @@ class Workload:
         pool, table, counts = timing_pool(fmt, [self.entries], device, seed=7)  # same bytes on every rank
         self.full_pool = pool.clone()
         self.pool, self.table, self.counts = pool, table, counts
-        g = torch.Generator(device=device).manual_seed(11)
-        # one bank of rows_per_call query rows: query t uses bank row t % rows_per_call (its position differs)
-        self.q = torch.randn(rows_per_call, heads, DIM, device=device, generator=g).to(torch.bfloat16)
-        self.w = torch.rand(rows_per_call, heads, device=device, generator=g) + 0.05
+        # one bank of rows_per_call query rows: query t uses bank row t % rows_per_call (its position differs).
+        # fp8 keys on CUDA get fp8 e4m3 q (the fp8 tensor-core path) with its per-(row, head) scale folded into
+        # the head weights (relu(c x) = c relu(x), c > 0); other formats bf16 q.
+        self.q, self.w, q_scale = make_queries(fmt.kind, rows_per_call, heads, device, seed=11)
+        if q_scale is not None:
+            self.w = self.w * q_scale
         self.query_seq = torch.zeros(tokens, dtype=torch.int32, device=device)
         self.positions = torch.arange(tokens, dtype=torch.int64, device=device)
 
@@ -178,9 +181,9 @@ def worker(rank: int, world: int, port: int | None, args: argparse.Namespace) ->
     report = {"environment": environment(device, args.commit), "gpus": world, "ratio": RATIO,
               "heads": args.heads, "rows_per_call": args.rows_per_call, "backend": args.backend,
               "workload": ("one sequence, full causal prefill from position 0: T = L query tokens at positions "
-                           "0..L-1, N = L/4 entries; queries in calls of rows_per_call rows, bf16 q for every "
-                           "key format; G GPUs: zigzag query split + all_gather_pages of each rank's "
-                           "page-aligned zigzag share of the entries"),
+                           "0..L-1, N = L/4 entries; queries in calls of rows_per_call rows; fp8 keys with fp8 "
+                           "q (q scale folded into the weights), bf16 keys with bf16 q; G GPUs: zigzag query "
+                           "split + all_gather_pages of each rank's page-aligned zigzag share of the entries"),
               "results": [], "skipped": []}
     out_path = Path(args.out) / f"distributed_{world}gpu.json"
     try:
@@ -335,7 +338,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, default=2, help="processes / GPUs of the context-parallel group")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--smoke", action="store_true", help="toy sizes (with --device cpu: gloo, reference backend)")
-    p.add_argument("--contexts", default=None, help="comma list of context tokens (default 1048576,262144: the targets first)")
+    p.add_argument("--contexts", default=None,
+                   help="comma list of context tokens (default 1048576,262144: the targets first)")
     p.add_argument("--formats", default="fp8,bf16")
     p.add_argument("--ks", default=None, help="comma list of top-K (default 512,2048)")
     p.add_argument("--rows-per-call", type=int, default=None, help="query rows per top-k call (default 8192)")

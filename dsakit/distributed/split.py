@@ -56,8 +56,9 @@ def zigzag_owner(query_seq: torch.Tensor, world_size: int) -> torch.Tensor:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(query_seq, torch.Tensor) or query_seq.dim() != 1 \
             or query_seq.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"query_seq must be an int32/int64 tensor [T], got "
-                         f"{(query_seq.dtype, list(query_seq.shape)) if isinstance(query_seq, torch.Tensor) else type(query_seq).__name__}")
+        got = (query_seq.dtype, list(query_seq.shape)) if isinstance(query_seq, torch.Tensor) \
+            else type(query_seq).__name__
+        raise ValueError(f"query_seq must be an int32/int64 tensor [T], got {got}")
     seq = query_seq.detach().cpu().long()  # metadata: one copy to the host
     t = seq.shape[0]
     if t == 0:
