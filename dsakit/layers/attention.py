@@ -36,7 +36,6 @@ parameter names mirror transformers' ``DeepseekV4Attention`` so its state dict l
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 from collections.abc import Sequence
@@ -188,7 +187,7 @@ def _entry_slots(entries: torch.Tensor, block_table_row: torch.Tensor) -> torch.
 
 
 # --------------------------------------------------------------------------------------------------
-# Ops behind the shared contracts (top-k: an adapter until the PagedBatch signature is on main)
+# Ops behind the shared contracts (sparse attention, PagedBatch top-k)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -205,20 +204,12 @@ def sparse_attention_paged(q: torch.Tensor, kv_cache: torch.Tensor, indices: tor
     return out.float()
 
 
-def _topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedCache, seq: int, block_table_row: torch.Tensor,
-          k: int, positions: torch.Tensor, ratio: int, backend: str) -> torch.Tensor:
-    """index_topk for the queries of one sequence -> int32 [T, k] entry indices (-1 padded), on q's device."""
-    t = q.shape[0]
-    query_seq = torch.zeros(t, dtype=torch.int32, device=q.device)
-    params = inspect.signature(topk_ops.index_topk).parameters
-    if "batch" in params:  # the PagedBatch contract
-        batch = cache.batch([seq], query_lens=[t], query_positions=positions, ratio=ratio)
-        out = topk_ops.index_topk(q, weights, batch, k, backend=backend)
-    else:
-        counts = torch.full((1,), cache.length(seq), dtype=torch.int32, device=q.device)
-        out = topk_ops.index_topk(q, weights, cache.pool, cache.fmt, block_table_row.unsqueeze(0), counts,
-                                  query_seq, k, query_positions=positions, ratio=ratio, backend=backend)
-    return out.to(q.device)
+def _topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedCache, seq: int, k: int, positions: torch.Tensor,
+          ratio: int, backend: str) -> torch.Tensor:
+    """index_topk for the queries of one sequence -> int32 [T, k] entry indices (-1 padded), on q's device.
+    The batch comes from the cache's host metadata (no device sync)."""
+    batch = cache.batch([seq], query_lens=[q.shape[0]], query_positions=positions, ratio=ratio)
+    return topk_ops.index_topk(q, weights, batch, k, backend=backend).to(q.device)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -513,8 +504,7 @@ class V4Attention(nn.Module):
     def select(self, qi: torch.Tensor, w: torch.Tensor, cache: V4LayerCache, seq: int,
                positions: torch.Tensor) -> torch.Tensor:
         """Top-k compressed entries of each query -> extra-pool slots int32 [S, K] (-1 padded)."""
-        entries = _topk(qi, w, cache.index, cache.id_in("index", seq), cache.block_table_row("index", seq),
-                        self.index_topk, positions, 4, self.backend)
+        entries = _topk(qi, w, cache.index, cache.id_in("index", seq), self.index_topk, positions, 4, self.backend)
         return _entry_slots(entries, cache.block_table_row("extra", seq))
 
     def attend(self, q: torch.Tensor, cache: V4LayerCache, seq: int, positions: torch.Tensor,
