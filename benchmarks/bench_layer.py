@@ -38,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, timed, write_json  # noqa: E402
 
 from dsakit.layers import V4Attention  # noqa: E402
-from dsakit.ops.compress import CompressorState  # noqa: E402
 from dsakit.ops.store import store_attention_kv, store_index_keys  # noqa: E402
 from dsakit.transforms import ROPE_V4  # noqa: E402
 
@@ -201,9 +200,11 @@ def decode_stages(layer: V4Attention, cache, seq: int, token: torch.Tensor, devi
             if layer.layer_type == "csa":
                 parts.append((comp.indexer, cache.state(seq, "indexer")))
 
-            def compress_one():  # on copies: the real states must not advance (the copy is part of the time)
+            def compress_one():  # the same token again: it rewrites its own ring row; the count is put back
                 for module, state in parts:
-                    module.step(token, _clone_state(state))
+                    length = state.length
+                    module.step(token, state)
+                    state.length = length
 
             fns["compress"] = compress_one
         slot = cache.reserve("kv", seq, 1)
@@ -234,8 +235,8 @@ def decode_stages(layer: V4Attention, cache, seq: int, token: torch.Tensor, devi
         else:
             fns["project"] = lambda: layer.queries(token, positions, table)
             extra = layer.hca_slots(cache, seq, positions) if layer.layer_type == "hca" else None
-            if extra is not None:
-                fns["topk"] = lambda: layer.hca_slots(cache, seq, positions)
+            if extra is not None:  # hca: every visible entry instead of a top-k
+                fns["entries"] = lambda: layer.hca_slots(cache, seq, positions)
         out = layer.attend(q, cache, seq, positions, extra)
         fns["attention"] = lambda: layer.attend(q, cache, seq, positions, extra)
         fns["output"] = lambda: layer.output(out, positions, table)
@@ -322,14 +323,6 @@ def patched_model_row(geo: dict, context: int, device: str, rep_ms: int, key_for
     return {"context": context, "layers": per_layer, "model_step_ms": step_ms, "model_step_peak_extra_gib": step_peak,
             "rest_of_model_ms": rest_ms, "sum_of_stages_ms": total,
             "step_over_stages": step_ms / total if total else math.nan, "target_step_over_stages": 1.5}
-
-
-def _clone_state(state: CompressorState) -> CompressorState:
-    twin = CompressorState(state.ratio, state.width, state.device)
-    twin.kv.copy_(state.kv)
-    twin.gate.copy_(state.gate)
-    twin.length = state.length
-    return twin
 
 
 def main(argv=None) -> int:
