@@ -1,0 +1,209 @@
+"""Sparse attention on the H200: full-size correctness, prefill TFLOP/s, decode TB/s.
+
+    PYTHONPATH=. python3 benchmarks/bench_attention.py --out DIR --commit $(git rev-parse --short HEAD)
+
+Writes DIR/attention_bench.json (after every section, so a timeout keeps what was measured):
+
+1. correctness at full size, for each (cache format, heads): the kernel and a plain PyTorch bf16
+   implementation (every op in bf16) are both compared with an fp32 PyTorch implementation on the same
+   dequantized entries, on a subset of the queries; the flash-attention rule asks kernel error <= 2x the
+   bf16 error (+1e-5), for out and lse.
+2. prefill: T = 4096 queries, K = 512 / 1024 / 2048 random distinct slots of a pool of 8192 tokens, and the
+   causal 128-token window (K = 128); Hq 64 and 128; bf16 and fp8 caches; sink on.
+   FLOPs = T * Hq * K_valid * (2 * 512 (q . kv over 448 nope + 64 rope dims) + 2 * 512 (p @ kv)).
+3. decode: B = 64 / 128 sequences of 8192 tokens each, next_n = 1 / 2 queries per sequence (each its own
+   K = 2048 slots of its sequence), Hq 64 / 128, both caches.
+   bytes = T * K * bytes_per_token + q bytes + out bytes (the index reads, 4 B per index, are left out);
+   TB/s against the 4.27 TB/s copy ceiling; TFLOP/s by the formula above, since the shape is compute-heavy.
+4. (--sweep) a few kernel configurations (BLOCK_N, warps, stages) on the bf16 / fp8 prefill at K 2048.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+from _common import environment, median_ms, write_json
+
+from dsakit.formats import AttentionKVFormat
+from dsakit.ops.attention import reference as ref
+from dsakit.ops.attention import triton as attn_triton
+
+COPY_CEILING_TBS = 4.27
+D = 512
+FORMATS = {"bf16": AttentionKVFormat.BF16, "fp8-rope-bf16": AttentionKVFormat.FP8_ROPE_BF16}
+
+
+def random_pool(fmt: AttentionKVFormat, tokens: int, gen: torch.Generator) -> torch.Tensor:
+    """Valid random page bytes built on the GPU: randn values, e4m3 codes with ue8m0 scales near 2^-6."""
+    pages = tokens // 64
+    pool = torch.zeros(pages, fmt.page_bytes, dtype=torch.uint8, device="cuda")
+    if fmt.kind == "bf16":
+        x = torch.randn(pages * 64, D, device="cuda", generator=gen).bfloat16()
+        pool.copy_(x.view(torch.uint8).reshape(pages, -1))
+        return pool
+    nope = torch.randn(pages, 64, 448, device="cuda", generator=gen).clamp(-448, 448).to(torch.float8_e4m3fn)
+    rope = torch.randn(pages, 64, 64, device="cuda", generator=gen).bfloat16()
+    data = torch.cat([nope.view(torch.uint8), rope.view(torch.uint8).reshape(pages, 64, 128)], dim=2)
+    pool[:, : 64 * 576] = data.reshape(pages, -1)
+    scales = torch.randint(118, 124, (pages, 64, 8), device="cuda", generator=gen, dtype=torch.uint8)
+    scales[:, :, 7] = 0
+    pool[:, 64 * 576: 64 * 584] = scales.reshape(pages, -1)
+    return pool
+
+
+def random_indices(t: int, k: int, first_slot: torch.Tensor, span: int, gen: torch.Generator) -> torch.Tensor:
+    """int32 [t, k]: k distinct random slots in [first_slot[i], first_slot[i] + span) per row."""
+    order = torch.rand(t, span, device="cuda", generator=gen).argsort(dim=1)[:, :k]
+    return (order + first_slot.view(-1, 1)).to(torch.int32)
+
+
+def dequant_gather(pool: torch.Tensor, fmt: AttentionKVFormat, idx: torch.Tensor) -> torch.Tensor:
+    """fp32 [t, k, 512] entries of the (all valid) slots idx, dequantized with torch ops on the GPU."""
+    slots = idx.long()
+    page, e = slots // 64, slots % 64
+    flat = pool.reshape(-1)
+    if fmt.kind == "bf16":
+        off = (page * fmt.page_bytes + e * 1024).unsqueeze(-1) + torch.arange(1024, device="cuda")
+        return flat[off].view(torch.bfloat16).float()
+    base = (page * fmt.page_bytes + e * 576).unsqueeze(-1)
+    nope = flat[base + torch.arange(448, device="cuda")].view(torch.float8_e4m3fn).float()
+    rope = flat[base + 448 + torch.arange(128, device="cuda")].view(torch.bfloat16).float()
+    sc = flat[(page * fmt.page_bytes + 64 * 576 + e * 8).unsqueeze(-1) + torch.arange(7, device="cuda")]
+    scale = torch.exp2(sc.float() - 127).repeat_interleave(64, dim=-1)
+    return torch.cat([nope * scale, rope], dim=-1)
+
+
+def torch_attention(q, kv, sink, scale, dtype):
+    """Dense attention over gathered kv [t, k, D] with every op in ``dtype`` -> (out fp32, lse fp32)."""
+    qd, kvd = q.to(dtype), kv.to(dtype)
+    logits = torch.einsum("thd,tkd->thk", qd, kvd) * torch.tensor(scale, dtype=dtype, device=q.device)
+    lse = torch.logsumexp(logits, dim=-1)
+    col = sink.to(dtype).view(1, -1, 1).expand(logits.shape[0], -1, 1)
+    probs = torch.softmax(torch.cat([logits, col], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, kvd).float(), lse.float()
+
+
+def run_kernel(q, pool, fmt, idx, sink, **cfg):
+    a = ref.check_sparse_attention_inputs(q, pool, idx, kv_format=fmt, sink=sink)
+    return attn_triton.sparse_attention_triton(a, **cfg)
+
+
+def check(q, pool, fmt, idx, sink, rows: int) -> dict:
+    out, lse = run_kernel(q, pool, fmt, idx, sink)
+    sel = torch.linspace(0, q.shape[0] - 1, rows, device="cuda").long()
+    kv = dequant_gather(pool, fmt, idx[sel])
+    scale = D ** -0.5
+    want_out, want_lse = torch_attention(q[sel].float(), kv, sink, scale, torch.float32)
+    b_out, b_lse = torch_attention(q[sel].float(), kv, sink, scale, torch.bfloat16)
+    e_out = (out[sel].float() - want_out).abs().max().item()
+    e_lse = (lse[sel] - want_lse).abs().max().item()
+    b_e_out = (b_out - want_out).abs().max().item()
+    b_e_lse = (b_lse - want_lse).abs().max().item()
+    ok = e_out <= 2 * b_e_out + 1e-5 and e_lse <= 2 * b_e_lse + 1e-5 and bool(torch.isfinite(out).all())
+    again = run_kernel(q, pool, fmt, idx, sink)
+    det = bool(torch.equal(again[0], out) and torch.equal(again[1], lse))
+    return {"rows_checked": rows, "kernel_err_out": e_out, "bf16_torch_err_out": b_e_out, "kernel_err_lse": e_lse,
+            "bf16_torch_err_lse": b_e_lse, "ok": ok, "deterministic": det}
+
+
+def prefill_inputs(fmt, hq, k, gen, t=4096, pool_tokens=8192):
+    pool = random_pool(fmt, pool_tokens, gen)
+    q = torch.randn(t, hq, D, device="cuda", generator=gen).bfloat16()
+    sink = torch.randn(hq, device="cuda", generator=gen)
+    if k == "window128":
+        pos = torch.arange(t, device="cuda") + (pool_tokens - t)  # the last t tokens of the pool attend
+        idx = (pos.view(-1, 1) - torch.arange(127, -1, -1, device="cuda").view(1, -1)).to(torch.int32)
+    else:
+        idx = random_indices(t, k, torch.zeros(t, dtype=torch.long, device="cuda"), pool_tokens, gen)
+    return q, pool, idx, sink
+
+
+def decode_inputs(fmt, hq, b, next_n, gen, k=2048, ctx=8192):
+    pool = random_pool(fmt, b * ctx, gen)
+    t = b * next_n
+    q = torch.randn(t, hq, D, device="cuda", generator=gen).bfloat16()
+    sink = torch.randn(hq, device="cuda", generator=gen)
+    first = (torch.arange(t, device="cuda") // next_n) * ctx  # sequence b owns slots [b * ctx, (b + 1) * ctx)
+    return q, pool, random_indices(t, k, first, ctx, gen), sink
+
+
+def flops(t, hq, k):
+    return t * hq * k * 4 * D
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--sections", default="prefill,decode", help="comma list of prefill, decode, sweep")
+    parser.add_argument("--rows", type=int, default=64, help="queries checked against fp32 torch per case")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention needs a CUDA GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "attention_bench.json"
+    report = {"env": environment("cuda", args.commit), "copy_ceiling_tbs": COPY_CEILING_TBS,
+              "flop_formula": "T * Hq * K * (2 * 512 + 2 * 512)",
+              "decode_bytes_formula": "T * K * bytes_per_token + q bytes + out bytes",
+              "prefill": [], "decode": [], "sweep": []}
+    sections = args.sections.split(",")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if "prefill" in sections:
+        for fmt_name, hq in [("bf16", 64), ("bf16", 128), ("fp8-rope-bf16", 64), ("fp8-rope-bf16", 128)]:
+            fmt = FORMATS[fmt_name]
+            for k in [512, 1024, 2048, "window128"]:
+                q, pool, idx, sink = prefill_inputs(fmt, hq, k, gen)
+                row = {"format": fmt_name, "heads": hq, "T": q.shape[0], "K": k}
+                if k in (2048, "window128"):
+                    row["check"] = check(q, pool, fmt, idx, sink, args.rows)
+                ms = median_ms(lambda: run_kernel(q, pool, fmt, idx, sink), "cuda")
+                kk = idx.shape[1]
+                row.update(ms=ms, tflops=flops(q.shape[0], hq, kk) / ms / 1e9)
+                report["prefill"].append(row)
+                print(row, flush=True)
+                write_json(path, report)
+                del q, pool, idx
+    if "decode" in sections:
+        for fmt_name in FORMATS:
+            fmt = FORMATS[fmt_name]
+            for hq in (64, 128):
+                for b in (64, 128):
+                    for next_n in (1, 2):
+                        q, pool, idx, sink = decode_inputs(fmt, hq, b, next_n, gen)
+                        t, k = idx.shape
+                        row = {"format": fmt_name, "heads": hq, "B": b, "next_n": next_n, "K": k,
+                               "splits": attn_triton.choose_num_splits(t, hq, math.ceil(k / 64), q.device)}
+                        if b == 64 and next_n == 1:
+                            row["check"] = check(q, pool, fmt, idx, sink, min(args.rows, t))
+                        ms = median_ms(lambda: run_kernel(q, pool, fmt, idx, sink), "cuda")
+                        nbytes = t * k * fmt.bytes_per_entry + 2 * q.numel() * q.element_size()
+                        row.update(ms=ms, tbs=nbytes / ms / 1e9, frac_of_copy=nbytes / ms / 1e9 / COPY_CEILING_TBS,
+                                   tflops=flops(t, hq, k) / ms / 1e9)
+                        report["decode"].append(row)
+                        print(row, flush=True)
+                        write_json(path, report)
+                        del q, pool, idx
+    if "sweep" in sections:
+        for fmt_name, hq in [("bf16", 64), ("fp8-rope-bf16", 64), ("bf16", 128)]:
+            fmt = FORMATS[fmt_name]
+            q, pool, idx, sink = prefill_inputs(fmt, hq, 2048, gen)
+            for block_n, warps, stages in [(64, 8, 2), (32, 8, 2), (64, 8, 1), (32, 8, 3), (32, 8, 4)]:
+                cfg = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+                try:
+                    ms = median_ms(lambda: run_kernel(q, pool, fmt, idx, sink, **cfg), "cuda")
+                    row = {"format": fmt_name, "heads": hq, "K": 2048, **cfg, "ms": ms,
+                           "tflops": flops(q.shape[0], hq, 2048) / ms / 1e9}
+                except Exception as exc:  # a configuration that does not compile (shared memory) is reported
+                    row = {"format": fmt_name, "heads": hq, **cfg, "error": repr(exc)[:300]}
+                report["sweep"].append(row)
+                print(row, flush=True)
+                write_json(path, report)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
