@@ -64,12 +64,12 @@ def assert_flash_close(out, lse, want_out, want_lse, base_out, base_lse):
         assert err_lse <= 2 * base_err_lse + 1e-5, (err_lse, base_err_lse)
 
 
-def run_both(q, pool, indices, fmt, *, num_splits=None, **kw):
+def run_both(q, pool, indices, fmt, *, num_splits=None, defer_pv=True, **kw):
     """-> kernel (out, lse), reference (out, lse), bf16 torch (out, lse)."""
     from dsakit.ops.attention.triton import sparse_attention_triton
 
     a = ref.check_sparse_attention_inputs(q, pool, indices, kv_format=fmt, **kw)
-    got = sparse_attention_triton(a, num_splits=num_splits)
+    got = sparse_attention_triton(a, num_splits=num_splits, defer_pv=defer_pv)
     want = ref.sparse_attention(q, pool, indices, kv_format=fmt, **kw)
     kv, valid = gather_entries(pool, a.kv_format, indices, a.topk_length)
     if a.extra_kv_cache is not None:
@@ -181,12 +181,16 @@ def test_kernel_prefill_cases(fmt_name, hq):
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and out.shape == (4, hq, D)
     assert_flash_close(out, lse, *want, *base)
     assert bool(torch.isneginf(lse[3]).all()) and bool((out[3] == 0).all())
-    if hq == 64 and fmt_name == "bf16":  # determinism: a rerun is bitwise equal
+    if hq == 64 and fmt_name == "bf16":
         from dsakit.ops.attention.triton import sparse_attention_triton
 
-        out2, lse2 = sparse_attention_triton(ref.check_sparse_attention_inputs(q, pool, idx, kv_format=fmt,
-                                                                               sink=sink))
+        a = ref.check_sparse_attention_inputs(q, pool, idx, kv_format=fmt, sink=sink)
+        out2, lse2 = sparse_attention_triton(a)  # determinism: a rerun is bitwise equal
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
+        # the other loop forms compute the same products in the same order
+        for cfg in (dict(defer_pv=False), dict(defer_pv=True, prefetch=True), dict(defer_pv=True, prefetch=False)):
+            out3, lse3 = sparse_attention_triton(a, **cfg)
+            assert torch.equal(out, out3) and torch.equal(lse, lse3), cfg
 
 
 @needs_interpreter

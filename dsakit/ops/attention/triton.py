@@ -45,13 +45,27 @@ def choose_num_splits(num_queries: int, num_heads: int, tiles: int, device: torc
     return max(1, min(tiles, sms // programs))
 
 
+# Kernel configuration per (main-pool format, Hq), measured on the H200 (benchmarks/bench_attention.py sweep).
+DEFAULT_CONFIG: dict[tuple[str, int], dict] = {
+    ("bf16", 64): dict(defer_pv=True, prefetch=False, num_stages=1),
+    ("bf16", 128): dict(defer_pv=True, prefetch=False, num_stages=1),
+    ("fp8-rope-bf16", 64): dict(defer_pv=True, prefetch=False, num_stages=1),
+    ("fp8-rope-bf16", 128): dict(defer_pv=True, prefetch=False, num_stages=1),
+}
+
+
 def _is_fp8(fmt: AttentionKVFormat) -> bool:
     return fmt.kind == "fp8-rope-bf16"
 
 
 def sparse_attention_triton(a: SparseAttentionInputs, *, num_splits: int | None = None, block_n: int = 64,
-                            num_warps: int = 8, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked inputs -> (out [T, Hq, 512] in q.dtype, lse fp32 [T, Hq]). ``num_splits`` None = automatic."""
+                            num_warps: int = 8, num_stages: int | None = None, defer_pv: bool | None = None,
+                            prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked inputs -> (out [T, Hq, 512] in q.dtype, lse fp32 [T, Hq]).
+
+    ``num_splits`` None = automatic; ``num_stages`` / ``defer_pv`` / ``prefetch`` None = ``DEFAULT_CONFIG``; ``defer_pv`` and
+    ``prefetch`` (index prefetch, deferred form only): see ``_attend_range`` / ``_deferred_step`` in ``_kernels.py``. The defaults are the configuration measured fastest on the H200
+    (docs/attention.md)."""
     q = a.q
     t, hq, d = q.shape
     if hq not in TRITON_HEADS:
@@ -84,6 +98,10 @@ def sparse_attention_triton(a: SparseAttentionInputs, *, num_splits: int | None 
     else:
         dst_out, dst_lse = out, lse
     fmt, xfmt = a.kv_format, a.extra_kv_format or a.kv_format
+    default = DEFAULT_CONFIG[(fmt.kind, hq)]
+    num_stages = default["num_stages"] if num_stages is None else num_stages
+    defer_pv = default["defer_pv"] if defer_pv is None else defer_pv
+    prefetch = default["prefetch"] if prefetch is None else prefetch
     dummy = indices
     tiles_per_split, xtiles_per_split = _tiles(main_tiles, num_splits), _tiles(extra_tiles, num_splits)
     interp = triton_interpreted() and not q.is_cuda
@@ -102,7 +120,7 @@ def sparse_attention_triton(a: SparseAttentionInputs, *, num_splits: int | None 
         FP8=_is_fp8(fmt), PAGE_BYTES=fmt.page_bytes, XFP8=_is_fp8(xfmt), XPAGE_BYTES=xfmt.page_bytes,
         HAS_LEN=a.topk_length is not None, HAS_EXTRA=has_extra, HAS_XLEN=a.extra_topk_length is not None,
         HAS_SINK=sink is not None,
-        INTERPRET=interp, INTERP_TILES=tiles_per_split if interp else 0, INTERP_XTILES=xtiles_per_split if interp else 0,
+        DEFER_PV=defer_pv, PREFETCH=prefetch, INTERPRET=interp, INTERP_TILES=tiles_per_split if interp else 0, INTERP_XTILES=xtiles_per_split if interp else 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
