@@ -15,9 +15,9 @@ Writes DIR/attention_bench.json (after every section, so a timeout keeps what wa
    K = 2048 slots of its sequence), Hq 64 / 128, both caches.
    bytes = T * K * bytes_per_token + q bytes + out bytes (the index reads, 4 B per index, are left out);
    TB/s against the 4.27 TB/s copy ceiling; TFLOP/s by the formula above, since the shape is compute-heavy.
-0. (section "sweep", runs first) the kernel's loop forms (deferred p @ kv or not, index prefetch, pipeline
-   stages) on the prefill at K 2048 for every (format, heads); the fastest is then used by sections 1-3
-   (otherwise the library's DEFAULT_CONFIG). Every row records its configuration.
+0. (section "sweep", runs first) pipeline stages and tile size on the prefill at K 2048 for every (format,
+   heads); the fastest is then used by sections 1-3 (without the sweep: the library's DEFAULT_STAGES).
+   Every row records its configuration.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ from dsakit.ops.attention import triton as attn_triton
 
 COPY_CEILING_TBS = 4.27
 COMBOS = [("bf16", 64), ("bf16", 128), ("fp8-rope-bf16", 64), ("fp8-rope-bf16", 128)]
-SWEEP = [dict(defer_pv=False, prefetch=False, num_stages=1), dict(defer_pv=False, prefetch=False, num_stages=2),
-         dict(defer_pv=True, prefetch=False, num_stages=1), dict(defer_pv=True, prefetch=True, num_stages=1)]
+SWEEP = [dict(num_stages=1), dict(num_stages=2), dict(block_n=32, num_stages=1), dict(block_n=32, num_stages=3)]
 D = 512
 FORMATS = {"bf16": AttentionKVFormat.BF16, "fp8-rope-bf16": AttentionKVFormat.FP8_ROPE_BF16}
 
@@ -157,7 +156,7 @@ def main() -> None:
               "prefill": [], "decode": [], "sweep": []}
     sections = args.sections.split(",")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    configs = {}  # (format, heads) -> kernel configuration used below (the library default unless --sweep)
+    configs = {}  # (format, heads) -> kernel configuration used below (the library default without the sweep)
     if "sweep" in sections:
         for fmt_name, hq in COMBOS:
             fmt = FORMATS[fmt_name]
@@ -180,7 +179,7 @@ def main() -> None:
             del q, pool, idx
         report["chosen_configs"] = {f"{f}/{h}": c for (f, h), c in configs.items()}
     for combo in COMBOS:
-        configs.setdefault(combo, dict(attn_triton.DEFAULT_CONFIG[(FORMATS[combo[0]].kind, combo[1])]))
+        configs.setdefault(combo, dict(num_stages=attn_triton.DEFAULT_STAGES[(FORMATS[combo[0]].kind, combo[1])]))
     if "prefill" in sections:
         for fmt_name, hq in COMBOS:
             fmt, cfg = FORMATS[fmt_name], configs[(fmt_name, hq)]

@@ -64,12 +64,12 @@ def assert_flash_close(out, lse, want_out, want_lse, base_out, base_lse):
         assert err_lse <= 2 * base_err_lse + 1e-5, (err_lse, base_err_lse)
 
 
-def run_both(q, pool, indices, fmt, *, num_splits=None, defer_pv=True, **kw):
+def run_both(q, pool, indices, fmt, *, num_splits=None, **kw):
     """-> kernel (out, lse), reference (out, lse), bf16 torch (out, lse)."""
     from dsakit.ops.attention.triton import sparse_attention_triton
 
     a = ref.check_sparse_attention_inputs(q, pool, indices, kv_format=fmt, **kw)
-    got = sparse_attention_triton(a, num_splits=num_splits, defer_pv=defer_pv)
+    got = sparse_attention_triton(a, num_splits=num_splits)
     want = ref.sparse_attention(q, pool, indices, kv_format=fmt, **kw)
     kv, valid = gather_entries(pool, a.kv_format, indices, a.topk_length)
     if a.extra_kv_cache is not None:
@@ -187,10 +187,6 @@ def test_kernel_prefill_cases(fmt_name, hq):
         a = ref.check_sparse_attention_inputs(q, pool, idx, kv_format=fmt, sink=sink)
         out2, lse2 = sparse_attention_triton(a)  # determinism: a rerun is bitwise equal
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
-        # the other loop forms compute the same products in the same order
-        for cfg in (dict(defer_pv=False), dict(defer_pv=True, prefetch=True), dict(defer_pv=True, prefetch=False)):
-            out3, lse3 = sparse_attention_triton(a, **cfg)
-            assert torch.equal(out, out3) and torch.equal(lse, lse3), cfg
 
 
 @needs_interpreter
@@ -231,3 +227,37 @@ def test_kernel_no_sink_and_public_dispatch():
     assert_flash_close(out, lse, want_out, want_lse, *bf16_torch_attention(q.float(), kv, valid, None, D ** -0.5))
     with pytest.raises(ValueError, match="Hq in"):
         sparse_attention(q[:, :32], pool, idx, kv_format="bf16", backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+@pytest.mark.parametrize("hq", [64, 128])
+def test_kernel_on_gpu(fmt_name, hq):
+    """Compiled kernel (every default stage count) vs the reference: one split, automatic decode splits,
+    an extra pool and a topk_length; rerun bitwise equal."""
+    gen = torch.Generator().manual_seed(5)
+    fmt = FORMATS[fmt_name]
+    pool, xpool = make_pool(fmt, 8, gen), make_pool(AttentionKVFormat.BF16, 2, gen)
+    t, k, xk = 6, 300, 100
+    idx = torch.stack([torch.randperm(512, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    idx[1, 50:] = -1
+    xidx = torch.randint(-1, 128, (t, xk), generator=gen, dtype=torch.int32)
+    length = torch.tensor([300, 300, 0, 17, 299, 1], dtype=torch.int32)
+    q = (torch.randn(t, hq, D, generator=gen) * 2).bfloat16()
+    sink = torch.randn(hq, generator=gen)
+    kw = dict(topk_length=length, extra_kv_cache=xpool, extra_kv_format="bf16", extra_indices=xidx, sink=sink)
+    want = ref.sparse_attention(q, pool, idx, kv_format=fmt, **kw)
+    a = ref.check_sparse_attention_inputs(q, pool, idx, kv_format=fmt, **kw)
+    kv, valid = gather_entries(pool, a.kv_format, idx, length)
+    xkv, xvalid = gather_entries(xpool, a.extra_kv_format, xidx, None)
+    base = bf16_torch_attention(q.float(), torch.cat([kv, xkv], 1), torch.cat([valid, xvalid], 1), sink,
+                                D ** -0.5)
+    cuda = {name: (v.cuda() if isinstance(v, torch.Tensor) else v) for name, v in kw.items()}
+    for splits in (1, None):  # None: automatic, several splits for these few queries
+        from dsakit.ops.attention.triton import sparse_attention_triton
+
+        ga = ref.check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
+        out, lse = sparse_attention_triton(ga, num_splits=splits)
+        assert_flash_close(out, lse, *want, *base)
+        again = sparse_attention_triton(ga, num_splits=splits)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse)

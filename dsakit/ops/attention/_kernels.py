@@ -49,27 +49,14 @@ def _dot(a, b, INTERPRET: tl.constexpr):
 @triton.jit
 def _load_kv_tile(pool_ptr, num_slots, idx_row_ptr, start, end,
                   FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """-> (kv bf16 [BLOCK_N, 512], valid [BLOCK_N]) for index positions start + [0, BLOCK_N) (those >= end
-    skipped)."""
-    slot, valid = _load_slots(idx_row_ptr, start, end, num_slots, BLOCK_N)
-    return _gather_kv(pool_ptr, slot, valid, FP8, PAGE_BYTES, BLOCK_N), valid
-
-
-@triton.jit
-def _load_slots(idx_row_ptr, start, end, num_slots, BLOCK_N: tl.constexpr):
-    """-> (slot int32 [BLOCK_N] (0 where invalid), valid [BLOCK_N]) of index positions start + [0, BLOCK_N)."""
+    """-> (kv bf16 [BLOCK_N, 512] (zeros where not valid; those rows are not read), valid [BLOCK_N]) for the
+    index positions start + [0, BLOCK_N) (those >= end skipped)."""
     pos = start + tl.arange(0, BLOCK_N)
     in_row = pos < end
     slot = tl.load(idx_row_ptr + pos, mask=in_row, other=-1)
     valid = in_row & (slot >= 0) & (slot < num_slots)
-    return tl.where(valid, slot, 0), valid
-
-
-@triton.jit
-def _gather_kv(pool_ptr, slot, valid, FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Dequantized rows of the slots -> bf16 [BLOCK_N, 512] (zeros where not valid; those are not read)."""
     offs_d = tl.arange(0, 512)
-    slot = slot.to(tl.int64)
+    slot = tl.where(valid, slot, 0).to(tl.int64)
     page_base = (slot // 64) * PAGE_BYTES
     entry = slot % 64
     if FP8:
@@ -90,85 +77,26 @@ def _gather_kv(pool_ptr, slot, valid, FP8: tl.constexpr, PAGE_BYTES: tl.constexp
     else:
         row_ptr = (pool_ptr + page_base + entry * 1024).to(tl.pointer_type(tl.bfloat16))
         kv = tl.load(row_ptr[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-    return kv
+    return kv, valid
 
 
 @triton.jit
 def _attend_range(q, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, start, end, scale_log2,
-                  FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, DEFER_PV: tl.constexpr,
-                  PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, INTERP_TILES: tl.constexpr):
+                  FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+                  INTERPRET: tl.constexpr, INTERP_TILES: tl.constexpr):
     """Online softmax over index positions [start, end) in tiles of BLOCK_N (scores in log2 units).
 
-    DEFER_PV: the p @ kv product of a tile runs one iteration later (its kv rows are gathered again, an L2
-    hit), so that no value computed from a q . kv product feeds a dot in the same iteration. Triton gives a
-    dot whose result feeds another dot all warps along M ("chained dot"); with M = 64 heads and 8 warps that
-    makes both warp groups compute the same q . kv tile, and the deferred form avoids the duplicate.
     INTERPRET (the interpreter, which cannot take a computed loop bound): a fixed count of tiles from start,
     the positions at or past ``end`` masked out."""
-    if DEFER_PV:
-        # first tile (fully masked when the range is empty: then p = 0 and nothing changes)
-        slot, valid = _load_slots(idx_row_ptr, start, end, num_slots, BLOCK_N)
-        kv = _gather_kv(pool_ptr, slot, valid, FP8, PAGE_BYTES, BLOCK_N)
-        p, alpha, m_i, l_i = _softmax_step(q, kv, valid, m_i, l_i, scale_log2, INTERPRET)
-        n_prev = start
-        slot, valid = _load_slots(idx_row_ptr, start + BLOCK_N, end, num_slots, BLOCK_N)
-        if INTERPRET:
-            for i in range(1, INTERP_TILES):
-                acc, p, alpha, m_i, l_i, slot, valid = _deferred_step(
-                    q, acc, p, alpha, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, n_prev, slot, valid,
-                    start + (i + 1) * BLOCK_N, end, scale_log2, FP8, PAGE_BYTES, BLOCK_N, PREFETCH, INTERPRET)
-                n_prev = start + i * BLOCK_N
-        else:
-            for n0 in range(start + BLOCK_N, end, BLOCK_N):
-                acc, p, alpha, m_i, l_i, slot, valid = _deferred_step(
-                    q, acc, p, alpha, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, n_prev, slot, valid,
-                    n0 + BLOCK_N, end, scale_log2, FP8, PAGE_BYTES, BLOCK_N, PREFETCH, INTERPRET)
-                n_prev = n0
-        kv_prev, _ = _load_kv_tile(pool_ptr, num_slots, idx_row_ptr, n_prev, end, FP8, PAGE_BYTES, BLOCK_N)
-        acc = acc * alpha[:, None] + _dot(p, kv_prev, INTERPRET)
+    if INTERPRET:
+        for i in range(INTERP_TILES):
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, start + i * BLOCK_N,
+                                         end, scale_log2, FP8, PAGE_BYTES, BLOCK_N, True)
     else:
-        if INTERPRET:
-            for i in range(INTERP_TILES):
-                acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr,
-                                             start + i * BLOCK_N, end, scale_log2, FP8, PAGE_BYTES, BLOCK_N, True)
-        else:
-            for n0 in range(start, end, BLOCK_N):
-                acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, n0, end,
-                                             scale_log2, FP8, PAGE_BYTES, BLOCK_N, False)
+        for n0 in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, n0, end, scale_log2,
+                                         FP8, PAGE_BYTES, BLOCK_N, False)
     return acc, m_i, l_i
-
-
-@triton.jit
-def _softmax_step(q, kv, valid, m_i, l_i, scale_log2, INTERPRET: tl.constexpr):
-    """Scores of one tile and the online-softmax update -> (p (bf16 values) [BLOCK_H, BLOCK_N], alpha [BLOCK_H]
-    = rescale factor of the accumulator, m, l)."""
-    s = _dot(q, tl.trans(kv), INTERPRET) * scale_log2  # fp32 [BLOCK_H, BLOCK_N]
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-invalid so far: keep exp2 finite
-    p = tl.exp2(s - m_use[:, None])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return _round_bf16(p, INTERPRET), alpha, m_new, l_i
-
-
-@triton.jit
-def _deferred_step(q, acc, p, alpha, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, n_prev, slot, valid, n_next, end,
-                   scale_log2, FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc += p @ kv of the previous tile (at n_prev, gathered again), then the scores of the current tile.
-    PREFETCH: the current tile's slots were loaded one step earlier and this step loads those of the tile at
-    n_next (hides one dependent global load per tile, costs registers); else they are loaded here."""
-    if PREFETCH:
-        slot_next, valid_next = _load_slots(idx_row_ptr, n_next, end, num_slots, BLOCK_N)
-    else:
-        slot, valid = _load_slots(idx_row_ptr, n_next - BLOCK_N, end, num_slots, BLOCK_N)
-        slot_next, valid_next = slot, valid
-    kv_prev, _ = _load_kv_tile(pool_ptr, num_slots, idx_row_ptr, n_prev, end, FP8, PAGE_BYTES, BLOCK_N)
-    kv = _gather_kv(pool_ptr, slot, valid, FP8, PAGE_BYTES, BLOCK_N)
-    acc = acc * alpha[:, None] + _dot(p, kv_prev, INTERPRET)
-    p, alpha, m_i, l_i = _softmax_step(q, kv, valid, m_i, l_i, scale_log2, INTERPRET)
-    return acc, p, alpha, m_i, l_i, slot_next, valid_next
 
 
 @triton.jit
@@ -176,9 +104,15 @@ def _attend_tile(q, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, n0, end, sc
                  FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
     """One online-softmax step over the tile of index positions [n0, n0 + BLOCK_N) (those >= end skipped)."""
     kv, valid = _load_kv_tile(pool_ptr, num_slots, idx_row_ptr, n0, end, FP8, PAGE_BYTES, BLOCK_N)
-    p, alpha, m_i, l_i = _softmax_step(q, kv, valid, m_i, l_i, scale_log2, INTERPRET)
-    acc = acc * alpha[:, None] + _dot(p, kv, INTERPRET)
-    return acc, m_i, l_i
+    s = _dot(q, tl.trans(kv), INTERPRET) * scale_log2  # fp32 [BLOCK_H, BLOCK_N]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-invalid so far: keep exp2 finite
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(_round_bf16(p, INTERPRET), kv, INTERPRET)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -192,7 +126,7 @@ def _sparse_attention_kernel(
     HQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, XFP8: tl.constexpr, XPAGE_BYTES: tl.constexpr,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_XLEN: tl.constexpr, HAS_SINK: tl.constexpr,
-    DEFER_PV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, INTERP_TILES: tl.constexpr, INTERP_XTILES: tl.constexpr,
+    INTERPRET: tl.constexpr, INTERP_TILES: tl.constexpr, INTERP_XTILES: tl.constexpr,
 ):
     HB: tl.constexpr = HQ // BLOCK_H
     pid = tl.program_id(0)
@@ -214,7 +148,7 @@ def _sparse_attention_kernel(
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, length)
     acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, pool_ptr, num_slots, idx_ptr + t * stride_it, start, end,
-                                  scale_log2, FP8, PAGE_BYTES, BLOCK_N, DEFER_PV, PREFETCH, INTERPRET, INTERP_TILES)
+                                  scale_log2, FP8, PAGE_BYTES, BLOCK_N, INTERPRET, INTERP_TILES)
     if HAS_EXTRA:
         xlength = XK
         if HAS_XLEN:
@@ -222,7 +156,7 @@ def _sparse_attention_kernel(
         xstart = split * xtiles_per_split * BLOCK_N
         xend = tl.minimum(xstart + xtiles_per_split * BLOCK_N, xlength)
         acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, xpool_ptr, x_num_slots, xidx_ptr + t * stride_xt, xstart,
-                                      xend, scale_log2, XFP8, XPAGE_BYTES, BLOCK_N, DEFER_PV, PREFETCH, INTERPRET, INTERP_XTILES)
+                                      xend, scale_log2, XFP8, XPAGE_BYTES, BLOCK_N, INTERPRET, INTERP_XTILES)
 
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse2 = m_use + tl.log2(l_i)  # -inf for an empty index set

@@ -45,12 +45,12 @@ def choose_num_splits(num_queries: int, num_heads: int, tiles: int, device: torc
     return max(1, min(tiles, sms // programs))
 
 
-# Kernel configuration per (main-pool format, Hq), measured on the H200 (benchmarks/bench_attention.py sweep).
-DEFAULT_CONFIG: dict[tuple[str, int], dict] = {
-    ("bf16", 64): dict(defer_pv=True, prefetch=False, num_stages=1),
-    ("bf16", 128): dict(defer_pv=True, prefetch=False, num_stages=1),
-    ("fp8-rope-bf16", 64): dict(defer_pv=True, prefetch=False, num_stages=1),
-    ("fp8-rope-bf16", 128): dict(defer_pv=True, prefetch=False, num_stages=1),
+# Pipeline stages per (main-pool format, Hq), measured on the H200 (benchmarks/bench_attention.py sweep):
+# with 128 heads the two head blocks of a query run side by side and the cp.async pipeline (2 stages) pays
+# off; with 64 heads, and for the fp8 dequantization in registers, gathering straight through registers
+# (1 stage, no shared-memory double buffer) is faster.
+DEFAULT_STAGES: dict[tuple[str, int], int] = {
+    ("bf16", 64): 1, ("bf16", 128): 2, ("fp8-rope-bf16", 64): 1, ("fp8-rope-bf16", 128): 1,
 }
 
 
@@ -59,13 +59,12 @@ def _is_fp8(fmt: AttentionKVFormat) -> bool:
 
 
 def sparse_attention_triton(a: SparseAttentionInputs, *, num_splits: int | None = None, block_n: int = 64,
-                            num_warps: int = 8, num_stages: int | None = None, defer_pv: bool | None = None,
-                            prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            num_warps: int = 8, num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Checked inputs -> (out [T, Hq, 512] in q.dtype, lse fp32 [T, Hq]).
 
-    ``num_splits`` None = automatic; ``num_stages`` / ``defer_pv`` / ``prefetch`` None = ``DEFAULT_CONFIG``; ``defer_pv`` and
-    ``prefetch`` (index prefetch, deferred form only): see ``_attend_range`` / ``_deferred_step`` in ``_kernels.py``. The defaults are the configuration measured fastest on the H200
-    (docs/attention.md)."""
+    ``num_splits`` None = automatic (``choose_num_splits``); ``num_stages`` None = ``DEFAULT_STAGES``.
+    ``block_n`` (gathered rows per tile), ``num_warps`` and ``num_stages`` are tuning knobs for benchmarks;
+    one program holds a [64, 512] fp32 accumulator, so 8 warps is the only count without heavy spills."""
     q = a.q
     t, hq, d = q.shape
     if hq not in TRITON_HEADS:
@@ -98,10 +97,8 @@ def sparse_attention_triton(a: SparseAttentionInputs, *, num_splits: int | None 
     else:
         dst_out, dst_lse = out, lse
     fmt, xfmt = a.kv_format, a.extra_kv_format or a.kv_format
-    default = DEFAULT_CONFIG[(fmt.kind, hq)]
-    num_stages = default["num_stages"] if num_stages is None else num_stages
-    defer_pv = default["defer_pv"] if defer_pv is None else defer_pv
-    prefetch = default["prefetch"] if prefetch is None else prefetch
+    if num_stages is None:
+        num_stages = DEFAULT_STAGES[(fmt.kind, hq)]
     dummy = indices
     tiles_per_split, xtiles_per_split = _tiles(main_tiles, num_splits), _tiles(extra_tiles, num_splits)
     interp = triton_interpreted() and not q.is_cuda
@@ -120,7 +117,8 @@ def sparse_attention_triton(a: SparseAttentionInputs, *, num_splits: int | None 
         FP8=_is_fp8(fmt), PAGE_BYTES=fmt.page_bytes, XFP8=_is_fp8(xfmt), XPAGE_BYTES=xfmt.page_bytes,
         HAS_LEN=a.topk_length is not None, HAS_EXTRA=has_extra, HAS_XLEN=a.extra_topk_length is not None,
         HAS_SINK=sink is not None,
-        DEFER_PV=defer_pv, PREFETCH=prefetch, INTERPRET=interp, INTERP_TILES=tiles_per_split if interp else 0, INTERP_XTILES=xtiles_per_split if interp else 0,
+        INTERPRET=interp, INTERP_TILES=tiles_per_split if interp else 0,
+        INTERP_XTILES=xtiles_per_split if interp else 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
