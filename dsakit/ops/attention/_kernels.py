@@ -21,8 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+# log2(e) and ln(2) appear as literals inside the kernels (scores run in base 2)
 
 
 @triton.jit
