@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import subprocess
 import sys
 import time
 import traceback
@@ -328,7 +329,7 @@ def patched_model_row(geo: dict, context: int, device: str, rep_ms: int, key_for
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse, else 'unknown')")
     parser.add_argument("--device", default="cuda", help="cpu: smoke run of the code paths (no timing claims)")
     parser.add_argument("--small", action="store_true", help="tiny geometry and lengths (CPU smoke)")
     parser.add_argument("--tokens", default=None, help="comma list of prefill lengths (default 8192,32768,131072)")
@@ -338,6 +339,12 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="recorded pipeline runs per prefill length (median)")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: prefill,decode,patched_model")
     args = parser.parse_args(argv)
+    if args.commit is None:
+        try:
+            args.commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                         cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
+        except (OSError, subprocess.SubprocessError):
+            args.commit = "unknown"
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but CUDA is not available (use --device cpu --small for a smoke run)")
