@@ -191,7 +191,12 @@ def test_validation():
         layer(torch.zeros(3, HIDDEN), cache, seq + 1)
     with pytest.raises(ValueError, match="made for this layer"):
         other(torch.zeros(3, HIDDEN), cache, seq)
-    assert cache.length(seq) == 0  # nothing was stored by the failed calls
+    second = cache.add_sequence()
+    with pytest.raises(ValueError, match="unknown sequence"):  # the bad id of row 1 is caught before row 0 runs
+        layer(torch.zeros(2, 3, HIDDEN), cache, [second, 99])
+    with pytest.raises(ValueError, match="must differ"):
+        layer(torch.zeros(2, 3, HIDDEN), cache, [second, second])
+    assert cache.length(seq) == 0 and cache.length(second) == 0  # nothing was stored by the failed calls
 
 
 def random_layer(layer_type: str, backend: str, device: str, **kwargs) -> V4Attention:

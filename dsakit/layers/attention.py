@@ -75,6 +75,15 @@ def resolve_index_key_format(index_key_format: "KeyFormat | str | None", preset:
     return preset.default_key_format
 
 
+def _device(device: "str | torch.device") -> torch.device:
+    """A device with its index: 'cuda' means the current CUDA device, so comparisons with tensors' devices
+    (always indexed) hold."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _positive_int(value, what: str, allow_zero: bool = False) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
         raise ValueError(f"{what} must be a {'non-negative' if allow_zero else 'positive'} int, got {value!r}")
@@ -151,6 +160,7 @@ class _RopeTable:
         self.table: torch.Tensor | None = None
 
     def get(self, max_position: int, device: torch.device) -> torch.Tensor:
+        device = _device(device)
         if self.table is None or self.table.shape[0] < max_position or self.table.device != device:
             size = max(max_position, 1024 if self.table is None else 2 * self.table.shape[0])
             self.table = self.rope.cos_sin_table(size).to(device)
@@ -236,7 +246,7 @@ class V4LayerCache:
         _positive_int(max_tokens, "max_tokens")
         _positive_int(max_sequences, "max_sequences")
         self.layer = layer
-        self.device = torch.device(device) if device is not None else layer.q_a_proj.weight.device
+        self.device = _device(device) if device is not None else layer.q_a_proj.weight.device
         pages = lambda tokens: max(1, math.ceil(tokens / ENTRIES_PER_PAGE)) * max_sequences  # noqa: E731
         self.kv = PagedCache(layer.kv_format, pages(max_tokens), device=self.device)
         self.extra = PagedCache(layer.kv_format, pages(max_tokens // layer.ratio), device=self.device) \
@@ -440,7 +450,7 @@ class V4Attention(nn.Module):
 
     def rope_table(self, max_position: int, device: "str | torch.device") -> torch.Tensor:
         """fp32 [>= max_position, 64] cos|sin table of the block's rope on ``device`` (cached, grown by doubling)."""
-        return self._rope_table.get(max_position, torch.device(device))
+        return self._rope_table.get(max_position, device)
 
     def _check_hidden(self, hidden) -> None:
         if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() != 2 \
@@ -546,14 +556,23 @@ class V4Attention(nn.Module):
             seqs = [seq] if isinstance(seq, int) else list(seq)
             if len(seqs) != hidden.shape[0]:
                 raise ValueError(f"hidden has {hidden.shape[0]} sequences, got {len(seqs)} sequence ids")
+            if len(set(seqs)) != len(seqs):
+                raise ValueError(f"sequence ids of a batch must differ, got {seqs}")
+            self._check_hidden(hidden[0])
+            for s in seqs:  # every row is checked before the first one is stored
+                self._check_seq(cache, s)
             return torch.stack([self._forward_one(h, cache, s) for h, s in zip(hidden, seqs)])
         return self._forward_one(hidden, cache, seq)
 
-    def _forward_one(self, hidden: torch.Tensor, cache: V4LayerCache, seq: int) -> torch.Tensor:
-        self._check_hidden(hidden)
+    @staticmethod
+    def _check_seq(cache: V4LayerCache, seq) -> None:
         if not isinstance(seq, int) or isinstance(seq, bool):
             raise ValueError(f"seq must be a sequence id (int) for a [S, hidden] input, got {seq!r}")
         cache._check(seq)
+
+    def _forward_one(self, hidden: torch.Tensor, cache: V4LayerCache, seq: int) -> torch.Tensor:
+        self._check_hidden(hidden)
+        self._check_seq(cache, seq)
         if hidden.device != cache.device:
             raise ValueError(f"hidden is on {hidden.device}, the cache on {cache.device}")
         s = hidden.shape[0]
