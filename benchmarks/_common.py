@@ -76,25 +76,29 @@ def timing_pool(fmt: KeyFormat, lengths: list[int], device: str, seed: int):
 
     -> (pool uint8 [P, page_bytes], block_table int32 [B, max_pages], entry_counts int32 [B]).
     bf16: randn values; fp8: randn as e4m3 with fp32 scales in [0.5, 1.5); fp4: random nibbles with ue8m0
-    scale bytes 120..130. Never zeros (zeros hide bugs and can run faster).
+    scale bytes 120..130; any other format: its reference codec on randn keys (CPU). Never zeros (zeros hide
+    bugs and can run faster).
     """
     g = torch.Generator(device=device).manual_seed(seed)
     pages_per = [max(1, math.ceil(n / 64)) for n in lengths]
     num_pages = sum(pages_per)
     pool = torch.empty(num_pages, fmt.page_bytes, dtype=torch.uint8, device=device)
     values = pool[:, : fmt.scale_offset_in_page]
-    if fmt.kind == "bf16":
+    if fmt.kind == "bf16" and fmt.page_bytes == 64 * 256:
         values.copy_(torch.randn(num_pages, 64 * DIM, device=device, generator=g).to(torch.bfloat16)
                      .view(torch.uint8))
-    elif fmt.kind == "fp8":
+    elif fmt.kind == "fp8" and fmt.page_bytes == 64 * 132:
         values.copy_(torch.randn(num_pages, 64 * DIM, device=device, generator=g).to(torch.float8_e4m3fn)
                      .view(torch.uint8))
         scales = torch.rand(num_pages, 64, device=device, generator=g) + 0.5
         pool[:, fmt.scale_offset_in_page:].copy_(scales.view(torch.uint8))
-    else:
+    elif fmt.kind == "fp4" and fmt.page_bytes == 64 * 68:
         values.copy_(torch.randint(0, 256, values.shape, device=device, generator=g, dtype=torch.uint8))
         pool[:, fmt.scale_offset_in_page:].copy_(
             torch.randint(120, 131, (num_pages, 256), device=device, generator=g, dtype=torch.uint8))
+    else:  # any other format: its own reference codec on randn keys (CPU, slower; no per-format code here)
+        keys = torch.randn(num_pages * 64, DIM, generator=torch.Generator().manual_seed(seed))
+        pool.copy_(fmt.quantize_pages(keys).to(device))
     perm = torch.randperm(num_pages, device=device, generator=g).to(torch.int32)
     table = torch.full((len(lengths), max(pages_per)), -1, dtype=torch.int32, device=device)
     used = 0

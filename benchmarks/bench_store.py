@@ -29,9 +29,12 @@ import torch
 from _common import environment, median_ms, peak_extra_bytes, write_json
 
 from dsakit.cache import read_entries
-from dsakit.formats import ENTRIES_PER_PAGE, AttentionKVFormat, KeyFormat, _finite_amax, _sanitize
+from dsakit.formats import ENTRIES_PER_PAGE, AttentionKVFormat, KeyFormat
 from dsakit.formats import fp8_scale, ue8m0_exponent_ceil, ue8m0_to_float
+from dsakit.formats.common import finite_amax as _finite_amax
+from dsakit.formats.common import sanitize as _sanitize
 from dsakit.ops.store import reference as store_reference
+from dsakit.ops.store.config import StoreConfig
 from dsakit.ops.store.triton import launch_store_attention_kv, launch_store_index_keys
 from dsakit.presets import KeyTransform
 from dsakit.transforms import ROPE_V4, ROPE_V32, RopeConfig, apply_norm, apply_rope, hadamard_transform
@@ -76,14 +79,14 @@ def make_case(n: int, dim: int, page_bytes: int, table_rows: int, ratio: int, se
 
 
 def unfused_quantize_keys(fmt: KeyFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device-side copy of KeyFormat.quantize (formats.py), op by op."""
+    """Device-side copy of KeyFormat.quantize (dsakit/formats/fp8.py, fp4.py), op by op."""
     n = x.shape[0]
     inf = torch.tensor(float("inf"), device=x.device)
     if fmt.kind == "bf16":
         return x.to(torch.bfloat16).view(torch.uint8).reshape(n, 256), x.new_zeros(n, 0, dtype=torch.uint8)
     if fmt.kind == "fp8":
         scale = fp8_scale(_finite_amax(x), fmt.scale_fmt)
-        v = torch.clamp(_sanitize(x, inf) / scale.unsqueeze(-1), -448.0, 448.0)
+        v = torch.clamp(_sanitize(x, inf) * (1.0 / scale).unsqueeze(-1), -448.0, 448.0)
         return v.to(torch.float8_e4m3fn).view(torch.uint8), scale.reshape(n, 1).view(torch.uint8).reshape(n, 4)
     blocks = x.reshape(n, 4, 32)
     amax = torch.clamp(_finite_amax(blocks), min=1e-4)
@@ -96,7 +99,7 @@ def unfused_quantize_keys(fmt: KeyFormat, x: torch.Tensor) -> tuple[torch.Tensor
     if fmt.rounding == "rne":
         tie = (mag.unsqueeze(-1) == thresholds).any(dim=-1)
         code = torch.where(tie & (code % 2 == 1), code + 1, code)
-    code = (code | ((v < 0).to(torch.uint8) << 3)).reshape(n, 128)
+    code = (code | (((v < 0) & (code != 0)).to(torch.uint8) << 3)).reshape(n, 128)
     return code[:, 0::2] | (code[:, 1::2] << 4), exponent.to(torch.uint8)
 
 
@@ -279,7 +282,8 @@ def bandwidth_row(kind: str, fmt_name: str, n: int, table: torch.Tensor, block_n
     cycle = itertools.cycle(cases)
     kw = {"generic": generic}
     if block_n:
-        kw.update(block_n=block_n, num_warps=num_warps)
+        kw["config"] = (StoreConfig(index_block_n=block_n, index_warps=num_warps) if kind == "index"
+                        else StoreConfig(attention_block_n=block_n, attention_warps=num_warps))
 
     def run():
         rows, positions, slots, pool = next(cycle)
@@ -320,10 +324,11 @@ def configs_identical(table: torch.Tensor, index_configs, attention_configs) -> 
             out = pool.clone()
             if kind == "index":
                 launch_store_index_keys(rows, positions, slots, out, table, w, None, fmt, "rmsnorm", "interleaved",
-                                        "trailing", True, 1e-6, block_n=block_n, num_warps=warps)
+                                        "trailing", True, 1e-6,
+                                        config=StoreConfig(index_block_n=block_n, index_warps=warps))
             else:
                 launch_store_attention_kv(rows, positions, slots, out, table, w, fmt, "interleaved", "trailing", 1e-6,
-                                          block_n=block_n, num_warps=warps)
+                                          config=StoreConfig(attention_block_n=block_n, attention_warps=warps))
             outs.append(out)
         verdict[f"{kind}/{fmt_name}"] = all(torch.equal(outs[0], o) for o in outs[1:])
     return verdict

@@ -17,12 +17,19 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+_KEYS: dict[tuple, str] = {}  # (device, table id) -> key: the lookup runs on every op call
+
+
 def gpu_key(device: "torch.device | str | None", table: dict) -> str:
     """The key of ``table`` for ``device``: the first key (other than "default") found in the GPU's name."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type == "cuda":
-        name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
-        for key in table:
-            if key != "default" and key.lower() in name.lower():
-                return key
-    return "default"
+    cache_key = (device, id(table))
+    found = _KEYS.get(cache_key)
+    if found is not None:
+        return found
+    key = "default"
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        name = _device_name(dev.index if dev.index is not None else torch.cuda.current_device()).lower()
+        key = next((k for k in table if k != "default" and k.lower() in name), "default")
+    _KEYS[cache_key] = key
+    return key

@@ -1,13 +1,16 @@
 """Triton kernels of the lightning-indexer scores (launch code: :mod:`dsakit.ops.scores.triton`).
 
-Keys are decoded in registers by the format codecs; the page layout and the numerical semantics are
-described in :mod:`dsakit.ops.scores.triton`.
+Keys are read and decoded in registers by the format codecs of :mod:`dsakit.formats.triton` (``CODE`` = the
+format's :class:`dsakit.formats.codes.KeyCode`); the numerical semantics are described in
+:mod:`dsakit.ops.scores.triton`.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ...formats.triton import load_key_tile, scale_key_scores
 
 
 @triton.jit
@@ -24,49 +27,6 @@ def _dot(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _load_key_tile(values_ptr, scales_ptr, pages, slot, valid, KIND: tl.constexpr, FP8_DOT: tl.constexpr,
-                   D: tl.constexpr):
-    """Key tile [BLOCK_N, D] in the dot dtype for entries (pages[n], slot[n]); invalid entries read as 0.
-
-    pages int64 [BLOCK_N] page ids, slot [BLOCK_N] entry in page, valid [BLOCK_N] bool.
-    values_ptr / scales_ptr are typed views of the pool (bf16 / uint8 / fp32 / uint8, see the launcher).
-    """
-    dims = tl.arange(0, D)
-    if KIND == 0:  # bf16: 64 x 128 bf16 values per page, no scales
-        k = tl.load(values_ptr + pages[:, None] * (64 * D) + slot[:, None] * D + dims[None, :],
-                    mask=valid[:, None], other=0.0)
-    elif KIND == 1:  # fp8: 64 x 128 e4m3 bytes then 64 fp32 scales (applied by the caller, per column)
-        raw = tl.load(values_ptr + pages[:, None] * (64 * D + 64 * 4) + slot[:, None] * D + dims[None, :],
-                      mask=valid[:, None], other=0)
-        k = raw.to(tl.float8e4nv, bitcast=True)
-        if not FP8_DOT:
-            k = k.to(tl.bfloat16)
-    else:  # fp4: 64 x 64 packed bytes then 64 x 4 ue8m0 bytes; page = 64 * 68 bytes
-        half = tl.arange(0, D // 2)
-        page_base = pages[:, None] * (64 * (D // 2 + 4))
-        raw = tl.load(values_ptr + page_base + slot[:, None] * (D // 2) + half[None, :],
-                      mask=valid[:, None], other=0).to(tl.int32)
-        # element 2i = low nibble, 2i + 1 = high nibble: join on a new last axis, then flatten
-        codes = tl.reshape(tl.join(raw & 0xF, raw >> 4), (raw.shape[0], D))
-        sbyte = tl.load(scales_ptr + page_base + 64 * (D // 2) + slot[:, None] * 4 + dims[None, :] // 32,
-                        mask=valid[:, None], other=127).to(tl.int32)
-        mag_code = codes & 7
-        exponent = mag_code >> 1
-        mantissa = mag_code & 1
-        # e2m1: exponent 0 -> 0 or 0.5 (subnormal); else 2^(exponent - 1) * (1 + mantissa / 2), built as fp32
-        # bits with integer arithmetic only (no boolean selects: when the tile feeds the dot from registers,
-        # Triton 3.6 fails to lower i1 tensors in the dot-operand layout)
-        is_normal = (exponent | (exponent >> 1)) & 1
-        normal_bits = ((exponent + 126) << 23) | (mantissa << 22)
-        mag_bits = is_normal * normal_bits + (1 - is_normal) * (mantissa * 0x3F000000)
-        magnitude = mag_bits.to(tl.float32, bitcast=True)
-        scale = (sbyte << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) for s in 1..254
-        value_bits = (magnitude * scale).to(tl.int32, bitcast=True) | ((codes & 8) << 28)  # sign bit 3 -> 31
-        k = value_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-    return k
-
-
-@triton.jit
 def _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages):
     """int64 [BLOCK_N] page of each entry, clamped to the block-table row and to the pool (memory safety)."""
     column = tl.minimum(offs_n // 64, max_pages - 1)
@@ -75,19 +35,12 @@ def _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, ma
 
 
 @triton.jit
-def _load_key_scales(scales_ptr, pages, slot, valid, D: tl.constexpr):
-    """fp8 per-entry fp32 scales [BLOCK_N] (scales_ptr is the fp32 view of the pool)."""
-    page_words = (64 * D + 64 * 4) // 4
-    return tl.load(scales_ptr + pages * page_words + (64 * D) // 4 + slot, mask=valid, other=0.0)
-
-
-@triton.jit
 def _index_scores_tile_kernel(
     q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
     tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
     width, ratio, num_pages, num_seqs, max_pages,
     stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
-    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, KIND: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
     FP8_DOT: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -123,7 +76,7 @@ def _index_scores_tile_kernel(
         entry_ok = offs_n < tile_visible
         pages = _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages)
         slot = offs_n % 64
-        k = _load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, KIND, FP8_DOT, D)  # [BLOCK_N, D]
+        k = load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, CODE, FP8_DOT, D)  # [BLOCK_N, D]
         k_t = tl.trans(k)  # [D, BLOCK_N], K-major for the tensor cores
 
         dims = tl.arange(0, D)
@@ -141,8 +94,7 @@ def _index_scores_tile_kernel(
             logits = _dot(q_h, k_t, INTERPRET)  # [BLOCK_T, BLOCK_N] fp32
             # NaN propagates like torch.relu so that a NaN key or query is visible downstream
             acc += tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w_h[:, None]
-        if KIND == 1:
-            acc *= _load_key_scales(scales_ptr, pages, slot, entry_ok, D)[None, :]
+        acc = scale_key_scores(acc, scales_ptr, pages, slot, entry_ok, CODE, D, 1)
         result = tl.where(offs_n[None, :] < visible[:, None], acc, float("-inf"))
         tl.store(out_ptrs, result, mask=store_mask)
     else:
@@ -155,7 +107,7 @@ def _index_scores_group_kernel(
     tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
     width, ratio, num_pages, num_seqs, max_pages,
     stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
-    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, KIND: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
     FP8_DOT: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -201,14 +153,14 @@ def _index_scores_group_kernel(
         for i in range(TILES_PER_PROGRAM):
             _score_group_tile(chunk_start + i * BLOCK_N, q_t, w, seq, g_rows, g_ok, visible, group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                              num_pages, max_pages, KIND, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
+                              num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
     else:
         # tiles holding visible entries: a counted loop without a branch inside, so the key loads pipeline
         busy_tiles = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, BLOCK_N), 0), TILES_PER_PROGRAM)
         for i in range(0, busy_tiles):
             _score_group_tile(chunk_start + i * BLOCK_N, q_t, w, seq, g_rows, g_ok, visible, group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                              num_pages, max_pages, KIND, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
+                              num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
         for i in range(busy_tiles, TILES_PER_PROGRAM):
             offs_n = chunk_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None],
@@ -219,7 +171,7 @@ def _index_scores_group_kernel(
 @triton.jit
 def _score_group_tile(n_start, q_t, w, seq, g_rows, g_ok, visible, group_visible,
                       values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                      num_pages, max_pages, KIND: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr,
+                      num_pages, max_pages, CODE: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr,
                       H: tl.constexpr,
                       BLOCK_N: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr):
     """Scores of one key tile (entries n_start ..+BLOCK_N) for a query group: store [BLOCK_N, GROUP] columns."""
@@ -227,15 +179,14 @@ def _score_group_tile(n_start, q_t, w, seq, g_rows, g_ok, visible, group_visible
     entry_ok = offs_n < group_visible
     pages = _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages)
     slot = offs_n % 64
-    k = _load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, KIND, FP8_DOT, D)  # [BLOCK_N, D]
+    k = load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, CODE, FP8_DOT, D)  # [BLOCK_N, D]
     logits = _dot(k, q_t, INTERPRET)  # [BLOCK_N, GROUP * H]
     weighted = tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
     if GROUP == 1:
         scores = tl.sum(weighted, axis=1)[:, None]  # [BLOCK_N, 1]
     else:
         scores = tl.sum(tl.reshape(weighted, (BLOCK_N, GROUP, H)), axis=2)  # [BLOCK_N, GROUP]
-    if KIND == 1:
-        scores *= _load_key_scales(scales_ptr, pages, slot, entry_ok, D)[:, None]
+    scores = scale_key_scores(scores, scales_ptr, pages, slot, entry_ok, CODE, D, 0)
     result = tl.where(offs_n[:, None] < visible[None, :], scores, float("-inf"))
     tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None], result,
              mask=g_ok[None, :] & (offs_n[:, None] < width))

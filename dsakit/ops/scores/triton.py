@@ -239,11 +239,6 @@ def plan_batch_tiles(batch: PagedBatch, num_heads: int, config: ScoresConfig | N
     return tiles_from_lens(batch.query_lens, num_heads, batch.device, config, rows)
 
 
-def pool_views(pool: torch.Tensor, fmt: KeyFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """Typed flat views (values, scales) of the uint8 pool, as the kernels index them."""
-    return key_codec(fmt).pool_views(pool)
-
-
 def check_q_inputs(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, q_scale: torch.Tensor | None) -> None:
     """q / weights / q_scale against the batch: shapes, dtypes, devices (no sync)."""
     check_batch_queries(q, weights, batch)
@@ -291,7 +286,6 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         # kernels clamp page ids / columns to num_pages - 1 / max_pages - 1, which would be -1 here.
         return out.fill_(float("-inf"))
     codec = key_codec(fmt)
-    seq = batch.query_seq[start:start + t]
     positions = None if batch.query_positions is None else batch.query_positions[start:start + t]
     fp8_dot = q.dtype in _FP8_Q_DTYPES and codec.fp8_dot
     values_view, scales_view = codec.pool_views(pool)
@@ -299,13 +293,12 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
     pos_arg = positions if has_pos else batch.entry_counts  # any int tensor; never read when HAS_POS is False
     qs_arg = q_scale if q_scale is not None else weights
     qs_strides = (q_scale.stride(0), q_scale.stride(1)) if q_scale is not None else (0, 0)
-    del seq  # the tiles map sorted positions to rows; the kernels read the sequence from the tile
     args = (q, weights, qs_arg, values_view, scales_view, table, batch.entry_counts, pos_arg, tiles.rows,
             tiles.tile_seq, tiles.tile_start, tiles.tile_len, out,
             width, batch.ratio, pool.shape[0], table.shape[0], table.shape[1],
             q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), *qs_strides,
             table.stride(0), out.stride(0))
-    common = dict(HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, KIND=int(codec.code), FP8_DOT=fp8_dot,
+    common = dict(HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, CODE=int(codec.code), FP8_DOT=fp8_dot,
                   H=num_heads, D=d, INTERPRET=interpreting())
     if tiles.kernel == "group":
         bn = config.decode_block_n or codec.decode_block_n

@@ -50,6 +50,7 @@ next tile. Rows with few candidates stop after the stats pass.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -176,11 +177,13 @@ def workspace_width(max_entries: int) -> int:
     return max(64, triton.next_power_of_2(max(1, max_entries)))
 
 
-def _chunk_lens(batch: PagedBatch, chunk: int) -> list[list[int]]:
+def _chunk_lens(batch: PagedBatch, chunk: int) -> list[Sequence[int]]:
     """Queries per sequence within each chunk of ``chunk`` rows: host arithmetic when the rows are grouped
     by sequence, else one device->host sync for every chunk at once."""
     t, b = batch.num_queries, batch.num_seqs
     starts = range(0, t, chunk)
+    if batch.query_lens is not None and chunk >= t:
+        return [batch.query_lens]
     if batch.query_lens is not None and batch.rows_sorted:
         out = []
         bounds = [0]

@@ -63,107 +63,22 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import ClassVar
 
 import torch
+
+from .bf16 import dequantize_bf16, quantize_bf16
+from .codes import KEY_CODECS, KeyCode, KeyCodec
+from .common import SCALE_FLOOR, finite_amax, sanitize, ue8m0_exponent_ceil, ue8m0_to_float
+from .fp4 import (FP4_BLOCK, FP4_MAGNITUDES, FP4_MAX, FP4_THRESHOLDS, decode_e2m1, dequantize_fp4, encode_e2m1,
+                  quantize_fp4)
+from .fp8 import FP8_MAX, decode_e4m3, dequantize_fp8, encode_e4m3, fp8_scale, quantize_fp8
 
 ENTRIES_PER_PAGE = 64
 INDEX_HEAD_DIM = 128
 ATTENTION_HEAD_DIM = 512
 ATTENTION_ROPE_DIM = 64
-SCALE_FLOOR = 1e-4
-FP8_MAX = 448.0
-FP4_MAX = 6.0
-FP4_BLOCK = 32
 ATTENTION_FP8_BLOCK = 64
-
-# e2m1 magnitudes by 3-bit code, and the decision thresholds between consecutive codes.
-FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-FP4_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-
-
-# --------------------------------------------------------------------------------------------------
-# Elementwise codecs (fp32 in, codes out). Shared by every format below.
-# --------------------------------------------------------------------------------------------------
-
-
-def _finite_amax(x: torch.Tensor) -> torch.Tensor:
-    """Largest finite |x| along the last dim (0 if none), fp32 [..]."""
-    finite = torch.isfinite(x)
-    return torch.where(finite, x.abs(), torch.zeros_like(x)).amax(dim=-1)
-
-
-def _sanitize(x: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
-    """NaN -> 0, +-Inf -> +-limit (broadcast), everything else unchanged."""
-    x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
-    return torch.where(torch.isinf(x), torch.sign(x) * limit, x)
-
-
-def ue8m0_exponent_ceil(s: torch.Tensor) -> torch.Tensor:
-    """Biased exponent (int32) of the smallest power of two >= s, for positive normal fp32 s.
-
-    Exact bit arithmetic rather than ceil(log2(s)), which can misround next to powers of two:
-    biased exponent of s, plus one unless the mantissa bits are all zero.
-    """
-    bits = s.float().contiguous().view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    mantissa = bits & 0x7FFFFF
-    return exponent + (mantissa != 0).to(torch.int32)
-
-
-def ue8m0_to_float(byte: torch.Tensor) -> torch.Tensor:
-    """ue8m0 byte (uint8) -> fp32 power of two 2^(byte - 127)."""
-    return torch.exp2(byte.to(torch.float32) - 127.0)
-
-
-def fp8_scale(amax: torch.Tensor, scale_fmt: str) -> torch.Tensor:
-    """fp32 scale for e4m3 from amax [..]: max(amax, 1e-4) / 448, optionally rounded up to 2^n."""
-    scale = torch.clamp(amax.float(), min=SCALE_FLOOR) / FP8_MAX
-    if scale_fmt == "ue8m0":
-        scale = ue8m0_to_float(ue8m0_exponent_ceil(scale).to(torch.uint8))
-    return scale
-
-
-def encode_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 x [.., n], scale [..] -> e4m3fn bytes uint8 [.., n] of e4m3(clamp(x * (1 / scale), +-448)).
-
-    The fp32 reciprocal is computed once per scale and the elements are multiplied by it (not divided by the
-    scale): that is the engines' quantizer arithmetic, and it differs from x / scale at e4m3 rounding ties
-    (e.g. x = 0.890625 in a row of amax 2.375: x / scale is exactly 168, a tie stored as 0x72; x * (1 / scale)
-    lies just above it and is stored as 0x73). For a power-of-two scale both are exact and equal.
-    """
-    inv_scale = (1.0 / scale.float()).unsqueeze(-1)  # correctly rounded fp32 division
-    x = _sanitize(x.float(), torch.tensor(float("inf")))
-    v = torch.clamp(x * inv_scale, -FP8_MAX, FP8_MAX)  # Inf * inv_scale -> Inf -> clamped to +-448
-    return v.to(torch.float8_e4m3fn).view(torch.uint8)
-
-
-def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
-    """e4m3fn bytes uint8 [..] -> fp32 [..]."""
-    return codes.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
-
-
-def encode_e2m1(v: torch.Tensor, rounding: str) -> torch.Tensor:
-    """Scaled fp32 values [..] (|v| <= 6 after sanitizing) -> 4-bit codes uint8 [..] (sign in bit 3)."""
-    mag = v.abs()
-    thresholds = torch.tensor(FP4_THRESHOLDS, dtype=torch.float32)
-    # threshold mode: code = number of thresholds strictly below |v| (ties go to the smaller code)
-    code = (mag.unsqueeze(-1) > thresholds).sum(dim=-1).to(torch.uint8)
-    if rounding == "rne":
-        # a tie sits exactly on a threshold: go up when the upper code is even
-        is_tie = (mag.unsqueeze(-1) == thresholds).any(dim=-1)
-        code = torch.where(is_tie & (code % 2 == 1), code + 1, code)
-    # the sign only on non-zero codes: a negative value that rounds to magnitude 0 encodes as 0x0, never 0x8
-    sign = ((v < 0) & (code != 0)).to(torch.uint8) << 3
-    return code | sign
-
-
-def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes uint8 [..] -> fp32 [..] (unscaled)."""
-    table = torch.tensor(FP4_MAGNITUDES, dtype=torch.float32)
-    mag = table[(codes & 7).long()]
-    return torch.where((codes & 8) != 0, -mag, mag)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,8 +110,7 @@ class EntryFormat(ABC):
         """fp32 [N, head_dim] -> (values uint8 [N, value_bytes], scales uint8 [N, scale_bytes])."""
         x = self.check_entries(x)
         if self.kind == "bf16":  # plain round-to-nearest-even cast, little endian, no scales
-            n = x.shape[0]
-            return x.to(torch.bfloat16).view(torch.uint8).reshape(n, self.value_bytes), torch.zeros(n, 0, dtype=torch.uint8)
+            return quantize_bf16(x)
         return self._quantize_scaled(x)
 
     def dequantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -204,7 +118,7 @@ class EntryFormat(ABC):
         self.check_encoded(values, scales)
         values, scales = values.cpu(), scales.cpu()
         if self.kind == "bf16":
-            return values.contiguous().view(torch.bfloat16).reshape(values.shape[0], self.head_dim).float()
+            return dequantize_bf16(values, self.head_dim)
         return self._dequantize_scaled(values, scales)
 
     @abstractmethod
@@ -313,31 +227,15 @@ class KeyFormat(EntryFormat):
         return name if isinstance(name, KeyFormat) else _lookup(KEY_FORMATS, name, "key format")
 
     def _quantize_scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = x.shape[0]
+        # the element codecs live in the per-format modules (dsakit/formats/fp8.py, fp4.py)
         if self.kind == "fp8":
-            scale = fp8_scale(_finite_amax(x), self.scale_fmt)  # [N]
-            values = encode_e4m3(x, scale)
-            scales = scale.reshape(n, 1).contiguous().view(torch.uint8).reshape(n, 4)
-            return values, scales
-        # fp4: blocks of 32 elements, one ue8m0 byte each
-        blocks = x.reshape(n, self.head_dim // FP4_BLOCK, FP4_BLOCK)
-        amax = torch.clamp(_finite_amax(blocks), min=SCALE_FLOOR)
-        exponent = ue8m0_exponent_ceil(amax / FP4_MAX)  # [N, 4]
-        scale = ue8m0_to_float(exponent.to(torch.uint8))
-        v = _sanitize(blocks, torch.tensor(float("inf"))) * (1.0 / scale).unsqueeze(-1)  # exact: scale is 2^k
-        v = torch.clamp(v, -FP4_MAX, FP4_MAX)
-        codes = encode_e2m1(v, self.rounding).reshape(n, self.head_dim)
-        values = codes[:, 0::2] | (codes[:, 1::2] << 4)
-        return values.contiguous(), exponent.to(torch.uint8).contiguous()
+            return quantize_fp8(x, self.scale_fmt)
+        return quantize_fp4(x, self.rounding)
 
     def _dequantize_scaled(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        n = values.shape[0]
         if self.kind == "fp8":
-            scale = scales.contiguous().view(torch.float32).reshape(n, 1)
-            return decode_e4m3(values) * scale
-        codes = torch.stack([values & 0xF, values >> 4], dim=-1).reshape(n, self.head_dim)
-        scale = ue8m0_to_float(scales).repeat_interleave(FP4_BLOCK, dim=1)
-        return decode_e2m1(codes) * scale
+            return dequantize_fp8(values, scales)
+        return dequantize_fp4(values, scales)
 
 
 def _key_format(name: str, kind: str, value_bytes: int, scale_bytes: int, **kw) -> KeyFormat:
@@ -377,7 +275,7 @@ class AttentionKVFormat(EntryFormat):
     def _quantize_scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.shape[0]
         nope = x[:, : self.nope_dim].reshape(n, -1, ATTENTION_FP8_BLOCK)  # [N, 7, 64]
-        scale = fp8_scale(_finite_amax(nope), "ue8m0")  # [N, 7], powers of two
+        scale = fp8_scale(finite_amax(nope), "ue8m0")  # [N, 7], powers of two
         nope_codes = encode_e4m3(nope, scale).reshape(n, self.nope_dim)
         rope = x[:, self.nope_dim:].to(torch.bfloat16).view(torch.uint8).reshape(n, 2 * self.rope_dim)
         exponent = ue8m0_exponent_ceil(scale).to(torch.uint8)  # exact: scale is already 2^k
@@ -548,7 +446,7 @@ class CentredKeyFormat(KeyFormat):
         against its page's centre (new or already in the pool). Everything is validated and computed before
         the first byte is written.
         """
-        from .cache import check_pool, check_slots, num_slots, write_entries
+        from ..cache import check_pool, check_slots, num_slots, write_entries
 
         check_pool(pool, self)
         x = self.check_entries(x)
@@ -593,48 +491,9 @@ def is_centred(fmt) -> bool:
     return isinstance(fmt, CentredKeyFormat)
 
 
-# --------------------------------------------------------------------------------------------------
-# Key codecs: what the Triton kernels need to know about an index-key format
-# --------------------------------------------------------------------------------------------------
-
-
-class KeyCode(IntEnum):
-    """Compile-time code of an index-key encoding, passed to the Triton kernels as ``CODE``."""
-
-    BF16 = 0
-    FP8 = 1
-    FP4 = 2
-
-
-@dataclass(frozen=True)
-class KeyCodec:
-    """Kernel-side description of a key encoding.
-
-    code: the KeyCode the kernels' codec functions switch on; decode_block_n: key tile of the decode scores
-    kernel measured fastest on the H200; fp8_dot: the stored values can feed fp8 tensor cores as they are.
-    """
-
-    code: KeyCode
-    decode_block_n: int
-    fp8_dot: bool = False
-
-    def pool_views(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Typed flat views (values, scales) of a uint8 pool, as the kernels index them."""
-        flat = pool.view(-1)
-        if self.code == KeyCode.BF16:
-            return flat.view(torch.bfloat16), flat
-        if self.code == KeyCode.FP8:
-            return flat, flat.view(torch.float32)
-        return flat, flat
-
-
-KEY_CODECS: dict[str, KeyCodec] = {
-    "bf16": KeyCodec(KeyCode.BF16, decode_block_n=64),
-    "fp8": KeyCodec(KeyCode.FP8, decode_block_n=64, fp8_dot=True),
-    "fp4": KeyCodec(KeyCode.FP4, decode_block_n=128),
-}
-
-
 def key_codec(fmt: "KeyFormat | str") -> KeyCodec:
-    """The kernel codec of an index-key format."""
-    return KEY_CODECS[KeyFormat.parse(fmt).kind]
+    """The kernel codec of an index-key format (:mod:`dsakit.formats.codes`)."""
+    fmt = KeyFormat.parse(fmt)
+    if is_centred(fmt):
+        raise ValueError(f"the Triton kernels do not read or write {fmt.name} pages yet; use backend='reference'")
+    return KEY_CODECS[fmt.kind]

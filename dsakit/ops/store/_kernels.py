@@ -1,0 +1,373 @@
+"""Triton kernels of the fused store (launch code: :mod:`dsakit.ops.store.triton`, which documents the
+pipeline, the byte-exactness rules and the safety without validation).
+
+Index keys are encoded and written by the format codecs of :mod:`dsakit.formats.triton` (``CODE`` = the
+format's :class:`dsakit.formats.codes.KeyCode`); the element codecs of the attention-KV entry (e4m3, bf16, ue8m0
+scales) come from the same per-format modules.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...formats.bf16 import bf16_bits, bf16_u16
+from ...formats.common import finite_abs_tl, pow2_tl, sanitize_tl, ue8m0_ceil_tl
+from ...formats.fp8 import e4m3_bits, e4m3_u8
+from ...formats.triton import store_key_halves, store_key_rows
+
+# 128^-0.5 as the fp32 constant hadamard_matrix() scales by (dsakit.transforms)
+HADAMARD_SCALE = tl.constexpr(0.08838834764831845)
+
+
+# --------------------------------------------------------------------------------------------------
+# Device helpers (all exact, portable between the GPU and the interpreter)
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position):
+    """Row indices (any shape) -> (slot, position, live), int64 / int64 / bool of the same shape.
+
+    A row is live when it exists, its slot is in 0..num_slots-1 and its position in 0..max_position-1.
+    Rows that are padding or would address outside the pool / rope table are never read nor written:
+    every load and store of the kernels is masked by ``live``, and the slot / position of a dead row are
+    replaced by 0 so that even the masked addresses stay inside the pool and the table.
+    """
+    in_range = rows < n_rows
+    slot = tl.load(slots_ptr + rows, mask=in_range, other=-1).to(tl.int64)
+    pos = tl.load(positions_ptr + rows, mask=in_range, other=-1).to(tl.int64)
+    live = in_range & (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < max_position)
+    return tl.where(live, slot, 0), tl.where(live, pos, 0), live
+
+
+@triton.jit
+def _norm_rope(row_ptrs, partner_ptrs, row_mask, w_ptr, b_ptr, cos_ptrs, sin_ptrs, rope_mask, is_second,
+               partner_cols, cols, eps, D: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Load a [BLOCK_N, D] tile, normalize it and rotate its rope pairs; fp32 [BLOCK_N, D].
+
+    The rope partner of each dim (b of an a, a of a b) is loaded a second time from global memory (an L1
+    hit) and normalized with the very same operations, so both halves of a pair round identically to the
+    reference without any cross-lane shuffle; the layout lives entirely in ``partner_cols``.
+    """
+    x = tl.load(row_ptrs, mask=row_mask, other=0.0).to(tl.float32)
+    partner = tl.load(partner_ptrs, mask=row_mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols).to(tl.float32)[None, :]
+    w_partner = tl.load(w_ptr + partner_cols).to(tl.float32)
+    inv_d = 1.0 / D  # exact: D is a power of two
+    if NORM == 0:  # RMSNorm: x * rsqrt(mean(x^2) + eps) * w
+        mean_sq = tl.sum(x * x, axis=1) * inv_d
+        r = tl.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))[:, None]
+        x = x * r * w
+        partner = partner * r * w_partner
+    else:  # LayerNorm: (x - mean) * rsqrt(mean((x - mean)^2) + eps) * w + b
+        mean = (tl.sum(x, axis=1) * inv_d)[:, None]
+        centered = x - mean
+        var = tl.sum(centered * centered, axis=1) * inv_d
+        r = tl.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.sqrt_rn(var + eps))[:, None]
+        x = centered * r * w
+        partner = (partner - mean) * r * w_partner
+        if HAS_BIAS:
+            x = x + tl.load(b_ptr + cols).to(tl.float32)[None, :]
+            partner = partner + tl.load(b_ptr + partner_cols).to(tl.float32)
+    c = tl.load(cos_ptrs, mask=rope_mask, other=1.0)
+    s = tl.load(sin_ptrs, mask=rope_mask, other=0.0)
+    # first of a pair:  a c - b s (x = a, partner = b);  second: a s + b c (partner = a, x = b)
+    rotated = tl.where(is_second, partner * s + x * c, x * c - partner * s)
+    return tl.where(rope_mask, rotated, x)
+
+
+@triton.jit
+def _rope_geometry(cols, D: tl.constexpr, ROPE_DIM: tl.constexpr, PAIRING: tl.constexpr,
+                   PLACEMENT: tl.constexpr):
+    """Per dim [D]: (inside the rope segment, is the second of its pair, partner dim, pair index)."""
+    start = D - ROPE_DIM if PLACEMENT == 0 else 0
+    local = cols - start
+    in_rope = (local >= 0) & (local < ROPE_DIM)
+    if PAIRING == 0:  # interleaved: pair i = (2i, 2i + 1)
+        is_second = (local % 2) == 1
+        pair = local // 2
+        partner_local = local ^ 1
+    else:  # half-split: pair i = (i, i + ROPE_DIM / 2)
+        half = ROPE_DIM // 2
+        is_second = local >= half
+        pair = tl.where(is_second, local - half, local)
+        partner_local = tl.where(is_second, local - half, local + half)
+    partner = tl.where(in_rope, start + partner_local, cols)
+    pair = tl.where(in_rope, pair, 0)
+    return in_rope, is_second, partner, pair
+
+
+@triton.jit
+def _hadamard128(x, BLOCK_N: tl.constexpr):
+    """x [BLOCK_N, 128] -> x @ H128 (Sylvester order, unscaled) with a constant-geometry butterfly.
+
+    Each stage combines neighbours (2p, 2p + 1) into outputs p (sum) and p + 64 (difference); after
+    log2(128) = 7 stages the result is in natural Sylvester order. 7 x 128 adds per row, in registers.
+    """
+    for _ in tl.static_range(7):
+        pairs = tl.reshape(x, [BLOCK_N, 64, 2])
+        a, b = tl.split(pairs)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [BLOCK_N, 128])
+    return x
+
+
+# --------------------------------------------------------------------------------------------------
+# Index keys: [N, 128] -> bf16 / fp8 / fp4 entries
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_index_keys_generic_kernel(
+        keys_ptr, positions_ptr, slots_ptr, pool_ptr, table_ptr, w_ptr, b_ptr,
+        n_rows, keys_row_stride, num_slots, max_position, eps,
+        NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ROPE_DIM: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
+        HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
+        VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr,
+        BLOCK_N: tl.constexpr):
+    D: tl.constexpr = 128
+    PAGE: tl.constexpr = 64
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    cols = tl.arange(0, D)  # [D]
+    slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
+
+    in_rope, is_second, partner_cols, pair = _rope_geometry(cols, D, ROPE_DIM, PAIRING, PLACEMENT)
+    row_base = keys_ptr + rows[:, None] * keys_row_stride
+    rope_mask = live[:, None] & in_rope[None, :]
+    table_row = table_ptr + pos[:, None] * ROPE_DIM + pair[None, :]
+    x = _norm_rope(row_base + cols[None, :], row_base + partner_cols[None, :], live[:, None], w_ptr, b_ptr,
+                   table_row, table_row + ROPE_DIM // 2, rope_mask, is_second[None, :], partner_cols[None, :],
+                   cols, eps, D, NORM, HAS_BIAS)  # [BLOCK_N, D]
+    if HADAMARD:
+        x = _hadamard128(x, BLOCK_N) * HADAMARD_SCALE
+
+    page = slot // PAGE
+    entry = slot % PAGE
+    value_base = page * PAGE_BYTES + entry * VALUE_BYTES  # [BLOCK_N] byte offsets
+    scale_base = page * PAGE_BYTES + PAGE * VALUE_BYTES + entry * SCALE_BYTES
+    store_key_rows(x, pool_ptr, page * PAGE_BYTES, value_base, scale_base, cols, live, CODE, UE8M0, FP4_RNE,
+                   BLOCK_N)
+
+
+# --------------------------------------------------------------------------------------------------
+# V4 main-attention KV: [N, 512] -> fp8-rope-bf16 (584 B) or bf16 (1024 B)
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_attention_kv_generic_kernel(
+        kv_ptr, positions_ptr, slots_ptr, pool_ptr, table_ptr, w_ptr,
+        n_rows, kv_row_stride, num_slots, max_position, eps,
+        ROPE_DIM: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr, KIND: tl.constexpr,
+        VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr,
+        BLOCK_N: tl.constexpr):
+    D: tl.constexpr = 512
+    NOPE: tl.constexpr = 448  # fp8 part of the fp8-rope-bf16 entry: 7 blocks of 64
+    PAGE: tl.constexpr = 64
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, D)
+    slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
+
+    in_rope, is_second, partner_cols, pair = _rope_geometry(cols, D, ROPE_DIM, PAIRING, PLACEMENT)
+    row_base = kv_ptr + rows[:, None] * kv_row_stride
+    rope_mask = live[:, None] & in_rope[None, :]
+    table_row = table_ptr + pos[:, None] * ROPE_DIM + pair[None, :]
+    x = _norm_rope(row_base + cols[None, :], row_base + partner_cols[None, :], live[:, None], w_ptr, w_ptr,
+                   table_row, table_row + ROPE_DIM // 2, rope_mask, is_second[None, :], partner_cols[None, :],
+                   cols, eps, D, 0, False)  # RMSNorm, [BLOCK_N, D]
+
+    page = slot // PAGE
+    entry = slot % PAGE
+    value_base = page * PAGE_BYTES + entry * VALUE_BYTES
+    scale_base = page * PAGE_BYTES + PAGE * VALUE_BYTES + entry * SCALE_BYTES
+    bits = bf16_bits(x).to(tl.uint16)
+    halfword_ptr = pool_ptr.to(tl.pointer_type(tl.uint16))
+    if KIND == 0:  # bf16 [512]
+        tl.store(halfword_ptr + (value_base // 2)[:, None] + cols[None, :], bits, mask=live[:, None])
+    else:
+        # 8 blocks of 64: blocks 0..6 are fp8 with a ue8m0 scale each, block 7 the bf16 tail
+        blocks = tl.reshape(x, [BLOCK_N, 8, 64])
+        amax = tl.maximum(tl.max(finite_abs_tl(blocks), axis=2), 1e-4)  # [BLOCK_N, 8]
+        exponent = ue8m0_ceil_tl(tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+        v = sanitize_tl(blocks) * pow2_tl(254 - exponent)[:, :, None]  # exact: dividing by 2^k
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        codes = tl.reshape(e4m3_bits(v), [BLOCK_N, D]).to(tl.uint8)
+        is_nope = cols < NOPE
+        tl.store(pool_ptr + value_base[:, None] + cols[None, :], codes, mask=live[:, None] & is_nope[None, :])
+        tail = tl.where(is_nope, 0, cols - NOPE)  # bf16 element index of the tail, 0..63
+        tl.store(halfword_ptr + ((value_base + NOPE) // 2)[:, None] + tail[None, :], bits,
+                 mask=live[:, None] & (cols >= NOPE)[None, :])
+        # scale part: 7 exponent bytes then one zero pad byte
+        block_ids = tl.arange(0, 8)
+        scale_bytes = tl.where(block_ids[None, :] < 7, exponent, 0).to(tl.uint8)
+        tl.store(pool_ptr + scale_base[:, None] + block_ids[None, :], scale_bytes, mask=live[:, None])
+
+
+# --------------------------------------------------------------------------------------------------
+# Fast path for the preset geometry (rope_dim 64): rows are handled as 32-column pieces so that every
+# operation is elementwise between identically laid out tiles (no gathers, few layout conversions)
+# --------------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------------
+# Index keys, fast path (rope_dim 64, every preset). The tile is x [2, BLOCK_N, 8, 8] = (half, row,
+# piece, e) with dim = 64 * half + 8 * piece + e. Listing the half first makes Triton give each thread
+# one 64-dim half of one row (two 16-byte loads per piece row... all in registers) and put a row's two
+# halves on two neighbouring lanes: the norm sums, the rope pairs, the fp4 blocks and Hadamard bits 0..5
+# stay in registers; only the sums and Hadamard bit 6 cross the two lanes (shuffle reductions).
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _wht_stage(x, BLOCK_N: tl.constexpr, M: tl.constexpr):
+    """Walsh-Hadamard stage on dim bit log2(M) < 6 of x [2, BLOCK_N, 8, 8]: (u, v) -> (u + v, u - v)."""
+    u, v = tl.split(tl.permute(tl.reshape(x, [2, BLOCK_N, 32 // M, 2, M]), (0, 1, 2, 4, 3)))
+    return tl.reshape(tl.permute(tl.join(u + v, u - v), (0, 1, 2, 4, 3)), [2, BLOCK_N, 8, 8])
+
+
+@triton.jit
+def _wht128_halves(x, half, BLOCK_N: tl.constexpr):
+    """x [2, BLOCK_N, 8, 8] -> x @ H128 (Sylvester order, unscaled).
+
+    Bit 6 pairs the two halves of a row, which live on two lanes: sum over the size-2 axis gives u + v,
+    the sum of x * (+1, -1) gives u - v (each one exact fp32 add, like the other stages). Bits 0..5 are
+    in-register stages.
+    """
+    plus = tl.sum(x, axis=0)
+    minus = tl.sum(x * tl.where(half == 0, 1.0, -1.0), axis=0)
+    x = tl.where(half == 0, plus[None, :, :, :], minus[None, :, :, :])
+    x = _wht_stage(x, BLOCK_N, 1)
+    x = _wht_stage(x, BLOCK_N, 2)
+    x = _wht_stage(x, BLOCK_N, 4)
+    x = _wht_stage(x, BLOCK_N, 8)
+    x = _wht_stage(x, BLOCK_N, 16)
+    x = _wht_stage(x, BLOCK_N, 32)
+    return x
+
+
+@triton.jit
+def _rope_half(x, half, table_row, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rope on the 64 trailing (half 1) or leading (half 0) dims of x [2, BLOCK_N, 8, 8].
+
+    Both lanes of a row rotate their half with the row's cos / sin (the instructions run once per warp
+    either way); the rope half keeps the result. Pairs: dim bit 0 (interleaved (2i, 2i + 1), pair
+    i = 4 * piece + j) or dim bit 5 (half-split (i, i + 32), pair i = 8 * piece + e).
+    """
+    pair = tl.arange(0, 8)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+    c = tl.load(table_row + pair)  # [2, BLOCK_N, 8, 4]
+    s = tl.load(table_row + 32 + pair)
+    if PAIRING == 0:
+        a, b = tl.split(tl.reshape(x, [2, BLOCK_N, 8, 4, 2]))
+        rotated = tl.reshape(tl.join(a * c - b * s, a * s + b * c), [2, BLOCK_N, 8, 8])
+    else:
+        a, b = tl.split(tl.permute(tl.reshape(x, [2, BLOCK_N, 2, 4, 8]), (0, 1, 3, 4, 2)))
+        c = tl.reshape(c, [2, BLOCK_N, 4, 8])
+        s = tl.reshape(s, [2, BLOCK_N, 4, 8])
+        rotated = tl.reshape(tl.permute(tl.join(a * c - b * s, a * s + b * c), (0, 1, 4, 2, 3)),
+                             [2, BLOCK_N, 8, 8])
+    rope_half = 1 if PLACEMENT == 0 else 0
+    return tl.where(half == rope_half, rotated, x)
+
+
+@triton.jit
+def _store_index_keys_kernel(
+        keys_ptr, positions_ptr, slots_ptr, pool_ptr, table_ptr, w_ptr, b_ptr,
+        n_rows, keys_row_stride, num_slots, max_position, eps,
+        NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
+        HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
+        VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr,
+        BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
+    """Index keys with rope_dim 64: x [2, BLOCK_N, 8, 8] (half, row, piece, e), two lanes per row.
+
+    Per-row values (slot, position, validity) are kept as [1, BLOCK_N, 1, 1] tensors from the start:
+    1-D row vectors used in several layouts trip a Triton 3.6 layout pass (RemoveLayoutConversions).
+    """
+    PAGE: tl.constexpr = 64
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None]  # [1, BLOCK_N, 1, 1]
+    slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
+    half = tl.arange(0, 2)[:, None, None, None]
+    cols = half * 64 + tl.arange(0, 8)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
+    x = tl.load(keys_ptr + rows * keys_row_stride + cols, mask=live, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols + rows * 0).to(tl.float32)  # broadcast over rows, in the tile's layout
+
+    # norm: x * rsqrt(mean(x^2) + eps) * w   or   (x - mean) * rsqrt(mean((x - mean)^2) + eps) * w + b
+    if NORM == 1:
+        total = tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=0)
+        x = x - (total * (1.0 / 128))[None, :, None, None]
+    mean_sq = tl.sum(tl.sum(tl.sum(x * x, axis=3), axis=2), axis=0) * (1.0 / 128)
+    r = tl.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
+    x = x * r[None, :, None, None] * w
+    if HAS_BIAS:
+        x = x + tl.load(b_ptr + cols + rows * 0).to(tl.float32)
+    x = _rope_half(x, half, table_ptr + pos * 64 + half * 0, PAIRING, PLACEMENT, BLOCK_N)
+    if HADAMARD:
+        x = _wht128_halves(x, half, BLOCK_N) * HADAMARD_SCALE
+
+    page = slot // PAGE
+    entry = slot % PAGE
+    value_base = page * PAGE_BYTES + entry * VALUE_BYTES  # [1, BLOCK_N, 1, 1] byte offsets
+    scale_base = page * PAGE_BYTES + PAGE * VALUE_BYTES + entry * SCALE_BYTES
+    store_key_halves(x, pool_ptr, page * PAGE_BYTES, value_base, scale_base, cols, half, live, CODE, UE8M0,
+                     FP4_RNE, NATIVE, BLOCK_N)
+
+
+@triton.jit
+def _store_attention_kv_kernel(
+        kv_ptr, positions_ptr, slots_ptr, pool_ptr, table_ptr, w_ptr,
+        n_rows, kv_row_stride, num_slots, max_position, eps,
+        PAIRING: tl.constexpr,
+        VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr,
+        BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
+    """V4 attention KV in the fp8-rope-bf16 entry, rope on the trailing 64 dims (either pairing).
+
+    The tile is x [8, BLOCK_N, 8, 8]: (64-dim block, row, piece, e), dim = 64 * block + 8 * piece + e.
+    Listing the block first makes Triton spread a row's 8 blocks over 8 lanes of one warp, each lane
+    holding one whole 64-dim block: the fp8 block amax and the rope pairs stay in registers and the norm
+    sum is one 8-lane shuffle reduction. Block 7 is the rope segment (stored as bf16).
+    """
+    NOPE: tl.constexpr = 448
+    PAGE: tl.constexpr = 64
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None]  # [1, BLOCK_N, 1, 1]
+    slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
+    block = tl.arange(0, 8)[:, None, None, None]
+    cols = block * 64 + tl.arange(0, 8)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
+    x = tl.load(kv_ptr + rows * kv_row_stride + cols, mask=live, other=0.0).to(tl.float32)  # [8, BLOCK_N, 8, 8]
+    w = tl.load(w_ptr + cols + rows * 0).to(tl.float32)  # broadcast over rows, in the tile's layout
+    mean_sq = tl.sum(tl.sum(tl.sum(x * x, axis=3), axis=2), axis=0) * (1.0 / 512)  # [BLOCK_N]
+    r = tl.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
+    x = x * r[None, :, None, None] * w
+
+    # rope: every lane rotates its block with the row's cos / sin, block 7 keeps the result
+    pair = tl.arange(0, 8)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+    table_row = table_ptr + pos * 64 + block * 0
+    c = tl.load(table_row + pair)  # [8, BLOCK_N, 8, 4]: pair i = 4 * piece + j
+    s = tl.load(table_row + 32 + pair)
+    if PAIRING == 0:  # interleaved pairs (2i, 2i + 1)
+        a, b = tl.split(tl.reshape(x, [8, BLOCK_N, 8, 4, 2]))
+        rotated = tl.reshape(tl.join(a * c - b * s, a * s + b * c), [8, BLOCK_N, 8, 8])
+    else:  # half-split pairs (i, i + 32): dim bit 5 = piece bit 2
+        a, b = tl.split(tl.permute(tl.reshape(x, [8, BLOCK_N, 2, 4, 8]), (0, 1, 3, 4, 2)))
+        c = tl.reshape(c, [8, BLOCK_N, 4, 8])
+        s = tl.reshape(s, [8, BLOCK_N, 4, 8])
+        rotated = tl.reshape(tl.permute(tl.join(a * c - b * s, a * s + b * c), (0, 1, 4, 2, 3)), [8, BLOCK_N, 8, 8])
+    is_rope = block == 7
+    x = tl.where(is_rope, rotated, x)
+
+    page = slot // PAGE
+    entry = slot % PAGE
+    value_base = page * PAGE_BYTES + entry * VALUE_BYTES  # [1, BLOCK_N, 1, 1]
+    scale_base = page * PAGE_BYTES + PAGE * VALUE_BYTES + entry * SCALE_BYTES
+    halfword_ptr = pool_ptr.to(tl.pointer_type(tl.uint16))
+    # blocks 0..6: e4m3 with one ue8m0 scale each; block 7: 64 bf16 right after the 448 fp8 bytes
+    amax = tl.maximum(tl.max(tl.max(finite_abs_tl(x), axis=3), axis=2), 1e-4)  # [8, BLOCK_N]
+    exponent = ue8m0_ceil_tl(tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+    v = sanitize_tl(x) * pow2_tl(254 - exponent)[:, :, None, None]  # exact: dividing by 2^k
+    codes = e4m3_u8(tl.minimum(tl.maximum(v, -448.0), 448.0), NATIVE)
+    tl.store(pool_ptr + value_base + cols, codes, mask=live & (block < 7))
+    tl.store(halfword_ptr + (value_base + NOPE) // 2 + (cols - NOPE), bf16_u16(x, NATIVE), mask=live & is_rope)
+    scale_byte = tl.where(block < 7, exponent[:, :, None, None], 0).to(tl.uint8)  # 7 scales + 1 zero pad
+    tl.store(pool_ptr + scale_base + block, scale_byte, mask=live)
