@@ -15,8 +15,8 @@ Writes DIR/attention_bench.json (after every section, so a timeout keeps what wa
    K = 2048 slots of its sequence), Hq 64 / 128, both caches.
    bytes = T * K * bytes_per_token + q bytes + out bytes (the index reads, 4 B per index, are left out);
    TB/s against the 4.27 TB/s copy ceiling; TFLOP/s by the formula above, since the shape is compute-heavy.
-0. (section "sweep", runs first) pipeline stages and tile size on the prefill at K 2048 for every (format,
-   heads); the fastest is then used by sections 1-3 (without the sweep: the library's DEFAULT_STAGES).
+0. (section "sweep", runs first) pipeline stages, tile size and the two-programs-per-output (dv_split 2,
+   4 warps: two CTAs per SM) form on the prefill at K 2048 for every (format, heads); the fastest is then used by sections 1-3 (without the sweep: the library's DEFAULT_STAGES).
    Every row records its configuration.
 """
 
@@ -36,7 +36,8 @@ from dsakit.ops.attention import triton as attn_triton
 
 COPY_CEILING_TBS = 4.27
 COMBOS = [("bf16", 64), ("bf16", 128), ("fp8-rope-bf16", 64), ("fp8-rope-bf16", 128)]
-SWEEP = [dict(num_stages=1), dict(num_stages=2), dict(block_n=32, num_stages=1), dict(block_n=32, num_stages=3)]
+SWEEP = [dict(num_stages=1), dict(num_stages=2), dict(block_n=32, num_stages=3),
+         dict(dv_split=2, num_warps=4, block_n=32, num_stages=1)]
 D = 512
 FORMATS = {"bf16": AttentionKVFormat.BF16, "fp8-rope-bf16": AttentionKVFormat.FP8_ROPE_BF16}
 

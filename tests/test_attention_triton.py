@@ -64,12 +64,12 @@ def assert_flash_close(out, lse, want_out, want_lse, base_out, base_lse):
         assert err_lse <= 2 * base_err_lse + 1e-5, (err_lse, base_err_lse)
 
 
-def run_both(q, pool, indices, fmt, *, num_splits=None, **kw):
+def run_both(q, pool, indices, fmt, *, num_splits=None, dv_split=1, **kw):
     """-> kernel (out, lse), reference (out, lse), bf16 torch (out, lse)."""
     from dsakit.ops.attention.triton import sparse_attention_triton
 
     a = ref.check_sparse_attention_inputs(q, pool, indices, kv_format=fmt, **kw)
-    got = sparse_attention_triton(a, num_splits=num_splits)
+    got = sparse_attention_triton(a, num_splits=num_splits, dv_split=dv_split)
     want = ref.sparse_attention(q, pool, indices, kv_format=fmt, **kw)
     kv, valid = gather_entries(pool, a.kv_format, indices, a.topk_length)
     if a.extra_kv_cache is not None:
@@ -190,10 +190,11 @@ def test_kernel_prefill_cases(fmt_name, hq):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
-def test_kernel_decode_splits_extra_pool_topk_length(fmt_name):
+@pytest.mark.parametrize("fmt_name,dv_split", [("bf16", 1), ("fp8", 2)])
+def test_kernel_decode_splits_extra_pool_topk_length(fmt_name, dv_split):
     """Three splits merged by the combine kernel; main window + extra (compressed) pool in the other
-    format, both with a per-row valid length; fp32 q gives an fp32 output."""
+    format, both with a per-row valid length; fp32 q gives an fp32 output. dv_split 2: two programs per
+    (query, head block), each owning half of the output dims (both pools' formats in one case)."""
     gen = torch.Generator().manual_seed(3)
     fmt = FORMATS[fmt_name]
     xfmt = FORMATS["fp8" if fmt_name == "bf16" else "bf16"]
@@ -208,7 +209,7 @@ def test_kernel_decode_splits_extra_pool_topk_length(fmt_name):
     sink = torch.randn(hq, generator=gen)
     kw = dict(topk_length=length, extra_kv_cache=xpool, extra_kv_format=xfmt, extra_indices=xidx,
               extra_topk_length=xlength, sink=sink, softmax_scale=0.06)
-    (out, lse), want, base = run_both(q, pool, idx, fmt, num_splits=3, **kw)
+    (out, lse), want, base = run_both(q, pool, idx, fmt, num_splits=3, dv_split=dv_split, **kw)
     assert out.dtype == torch.float32
     assert_flash_close(out, lse, *want, *base)
     assert bool(torch.isneginf(lse[2]).all()) and bool((out[2] == 0).all())
@@ -253,11 +254,12 @@ def test_kernel_on_gpu(fmt_name, hq):
     base = bf16_torch_attention(q.float(), torch.cat([kv, xkv], 1), torch.cat([valid, xvalid], 1), sink,
                                 D ** -0.5)
     cuda = {name: (v.cuda() if isinstance(v, torch.Tensor) else v) for name, v in kw.items()}
-    for splits in (1, None):  # None: automatic, several splits for these few queries
-        from dsakit.ops.attention.triton import sparse_attention_triton
+    from dsakit.ops.attention.triton import sparse_attention_triton
 
-        ga = ref.check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
-        out, lse = sparse_attention_triton(ga, num_splits=splits)
+    ga = ref.check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
+    # num_splits None: automatic, several splits for these few queries; dv_split 2: the two-program form
+    for cfg in (dict(num_splits=1), dict(), dict(dv_split=2, num_warps=4, block_n=32)):
+        out, lse = sparse_attention_triton(ga, **cfg)
         assert_flash_close(out, lse, *want, *base)
-        again = sparse_attention_triton(ga, num_splits=splits)
-        assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+        again = sparse_attention_triton(ga, **cfg)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse), cfg

@@ -50,33 +50,47 @@ def _load_kv_tile(pool_ptr, num_slots, idx_row_ptr, start, end,
                   FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
     """-> (kv bf16 [BLOCK_N, 512] (zeros where not valid; those rows are not read), valid [BLOCK_N]) for the
     index positions start + [0, BLOCK_N) (those >= end skipped)."""
+    slot, valid = _tile_slots(idx_row_ptr, start, end, num_slots, BLOCK_N)
+    return _load_kv_cols(pool_ptr, slot, valid, 0, 512, FP8, PAGE_BYTES, BLOCK_N), valid
+
+
+@triton.jit
+def _tile_slots(idx_row_ptr, start, end, num_slots, BLOCK_N: tl.constexpr):
+    """-> (slot int64 [BLOCK_N] (0 where invalid), valid [BLOCK_N]) of the index positions start + [0, BLOCK_N)."""
     pos = start + tl.arange(0, BLOCK_N)
     in_row = pos < end
     slot = tl.load(idx_row_ptr + pos, mask=in_row, other=-1)
     valid = in_row & (slot >= 0) & (slot < num_slots)
-    offs_d = tl.arange(0, 512)
-    slot = tl.where(valid, slot, 0).to(tl.int64)
+    return tl.where(valid, slot, 0).to(tl.int64), valid
+
+
+@triton.jit
+def _load_kv_cols(pool_ptr, slot, valid, COL0: tl.constexpr, W: tl.constexpr, FP8: tl.constexpr,
+                  PAGE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Dims [COL0, COL0 + W) of the slots' rows, dequantized -> bf16 [BLOCK_N, W] (zeros where not valid)."""
+    offs_d = COL0 + tl.arange(0, W)
     page_base = (slot // 64) * PAGE_BYTES
     entry = slot % 64
     if FP8:
         base = page_base + entry * 576  # [BLOCK_N] first data byte of the token
         is_nope = offs_d < 448
         nope = tl.load(pool_ptr + base[:, None] + offs_d[None, :],
-                       mask=valid[:, None] & is_nope[None, :], other=0)  # uint8 e4m3 [BLOCK_N, 512]
+                       mask=valid[:, None] & is_nope[None, :], other=0)  # uint8 e4m3 [BLOCK_N, W]
         rope_ptr = (pool_ptr + base + 448).to(tl.pointer_type(tl.bfloat16))
         rope = tl.load(rope_ptr[:, None] + (offs_d - 448)[None, :],
                        mask=valid[:, None] & (offs_d >= 448)[None, :], other=0.0)  # bf16, dims 448..511
-        offs_s = tl.arange(0, 8)
+        NB: tl.constexpr = W // 64
+        offs_s = COL0 // 64 + tl.arange(0, NB)
         sc = tl.load(pool_ptr + (page_base + 64 * 576 + entry * 8)[:, None] + offs_s[None, :],
-                     mask=valid[:, None] & (offs_s < 7)[None, :], other=127)  # ue8m0 [BLOCK_N, 8]
+                     mask=valid[:, None] & (offs_s < 7)[None, :], other=127)  # ue8m0 [BLOCK_N, NB]
         scale = tl.exp2(sc.to(tl.float32) - 127.0)
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, 8, 64)), (BLOCK_N, 512))
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, NB, 64)), (BLOCK_N, W))
         nope_f = nope.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
         kv = tl.where(is_nope[None, :], nope_f, rope.to(tl.float32)).to(tl.bfloat16)
     else:
         row_ptr = (pool_ptr + page_base + entry * 1024).to(tl.pointer_type(tl.bfloat16))
         kv = tl.load(row_ptr[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-    return kv, valid
+    return kv
 
 
 @triton.jit
@@ -115,6 +129,51 @@ def _attend_tile(q, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, n0, end, sc
 
 
 @triton.jit
+def _attend_range_half(q_a, q_b, dv, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, start, end, scale_log2,
+                       FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+                       INTERPRET: tl.constexpr, INTERP_TILES: tl.constexpr):
+    """_attend_range for a program owning output dims [256 dv, 256 dv + 256) (DV_SPLIT = 2): the scores use
+    all 512 dims (q_a / q_b: dims 0..255 / 256..511, the same order in both halves, so both compute identical
+    scores), the accumulator acc [BLOCK_H, 256] only this half."""
+    if INTERPRET:
+        for i in range(INTERP_TILES):
+            acc, m_i, l_i = _attend_tile_half(q_a, q_b, dv, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr,
+                                              start + i * BLOCK_N, end, scale_log2, FP8, PAGE_BYTES, BLOCK_N, True)
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile_half(q_a, q_b, dv, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, n0,
+                                              end, scale_log2, FP8, PAGE_BYTES, BLOCK_N, False)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tile_half(q_a, q_b, dv, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, n0, end, scale_log2,
+                      FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    slot, valid = _tile_slots(idx_row_ptr, n0, end, num_slots, BLOCK_N)
+    kv_a = _load_kv_cols(pool_ptr, slot, valid, 0, 256, FP8, PAGE_BYTES, BLOCK_N)
+    kv_b = _load_kv_cols(pool_ptr, slot, valid, 256, 256, FP8, PAGE_BYTES, BLOCK_N)
+    s = _dot(q_a, tl.trans(kv_a), INTERPRET) + _dot(q_b, tl.trans(kv_b), INTERPRET)
+    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    kv_mine = tl.where(dv == 0, kv_a, kv_b)
+    acc = acc * alpha[:, None] + _dot(_round_bf16(p, INTERPRET), kv_mine, INTERPRET)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _store_lse(ptrs, lse, dv, DV_SPLIT: tl.constexpr):
+    """The LSE is the same in every output half: only half 0 writes it."""
+    if DV_SPLIT == 1:
+        tl.store(ptrs, lse)
+    else:
+        tl.store(ptrs, lse, mask=tl.full(lse.shape, 0, tl.int32) == dv)
+
+
+@triton.jit
 def _sparse_attention_kernel(
     q_ptr, stride_qt, stride_qh,  # q [T, HQ, 512]
     pool_ptr, num_slots, idx_ptr, stride_it, K, len_ptr,  # main pool uint8, indices int32 [T, K], len [T]
@@ -125,37 +184,56 @@ def _sparse_attention_kernel(
     HQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, XFP8: tl.constexpr, XPAGE_BYTES: tl.constexpr,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_XLEN: tl.constexpr, HAS_SINK: tl.constexpr,
-    INTERPRET: tl.constexpr, INTERP_TILES: tl.constexpr, INTERP_XTILES: tl.constexpr,
+    DV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr, INTERP_TILES: tl.constexpr, INTERP_XTILES: tl.constexpr,
 ):
     HB: tl.constexpr = HQ // BLOCK_H
+    DV: tl.constexpr = 512 // DV_SPLIT  # output dims owned by this program
     pid = tl.program_id(0)
-    hb = pid % HB  # head blocks of one query are neighbours: they share the gathered rows in L2
-    rest = pid // HB
+    # the output halves and head blocks of one query are neighbours: they share the gathered rows in L2
+    dv = pid % DV_SPLIT
+    rest = pid // DV_SPLIT
+    hb = rest % HB
+    rest = rest // HB
     split = rest % NUM_SPLITS
     t = (rest // NUM_SPLITS).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, 512)
-    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :])
-    q = _round_bf16(q.to(tl.float32), INTERPRET)
+    offs_d = dv * DV + tl.arange(0, DV)
+    q_rows = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+    if DV_SPLIT == 1:
+        q = _round_bf16(tl.load(q_rows + offs_d[None, :]).to(tl.float32), INTERPRET)
+    else:
+        q_a = _round_bf16(tl.load(q_rows + tl.arange(0, 256)[None, :]).to(tl.float32), INTERPRET)
+        q_b = _round_bf16(tl.load(q_rows + 256 + tl.arange(0, 256)[None, :]).to(tl.float32), INTERPRET)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, 512], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV], tl.float32)
 
     length = K
     if HAS_LEN:
         length = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), K)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, length)
-    acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, pool_ptr, num_slots, idx_ptr + t * stride_it, start, end,
-                                  scale_log2, FP8, PAGE_BYTES, BLOCK_N, INTERPRET, INTERP_TILES)
+    if DV_SPLIT == 1:
+        acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, pool_ptr, num_slots, idx_ptr + t * stride_it, start, end,
+                                      scale_log2, FP8, PAGE_BYTES, BLOCK_N, INTERPRET, INTERP_TILES)
+    else:
+        acc, m_i, l_i = _attend_range_half(q_a, q_b, dv, acc, m_i, l_i, pool_ptr, num_slots,
+                                           idx_ptr + t * stride_it, start, end, scale_log2, FP8, PAGE_BYTES,
+                                           BLOCK_N, INTERPRET, INTERP_TILES)
     if HAS_EXTRA:
         xlength = XK
         if HAS_XLEN:
             xlength = tl.minimum(tl.maximum(tl.load(xlen_ptr + t), 0), XK)
         xstart = split * xtiles_per_split * BLOCK_N
         xend = tl.minimum(xstart + xtiles_per_split * BLOCK_N, xlength)
-        acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, xpool_ptr, x_num_slots, xidx_ptr + t * stride_xt, xstart,
-                                      xend, scale_log2, XFP8, XPAGE_BYTES, BLOCK_N, INTERPRET, INTERP_XTILES)
+        if DV_SPLIT == 1:
+            acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, xpool_ptr, x_num_slots, xidx_ptr + t * stride_xt,
+                                          xstart, xend, scale_log2, XFP8, XPAGE_BYTES, BLOCK_N, INTERPRET,
+                                          INTERP_XTILES)
+        else:
+            acc, m_i, l_i = _attend_range_half(q_a, q_b, dv, acc, m_i, l_i, xpool_ptr, x_num_slots,
+                                               xidx_ptr + t * stride_xt, xstart, xend, scale_log2, XFP8,
+                                               XPAGE_BYTES, BLOCK_N, INTERPRET, INTERP_XTILES)
 
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse2 = m_use + tl.log2(l_i)  # -inf for an empty index set
@@ -169,12 +247,12 @@ def _sparse_attention_kernel(
             out = _round_bf16(out, True)
         row = t * HQ + offs_h
         tl.store(out_ptr + row[:, None] * 512 + offs_d[None, :], out.to(out_ptr.dtype.element_ty))
-        tl.store(lse_ptr + row, lse2 * 0.6931471805599453)
+        _store_lse(lse_ptr + row, lse2 * 0.6931471805599453, dv, DV_SPLIT)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         row = (split * T + t) * HQ + offs_h
         tl.store(out_ptr + row[:, None] * 512 + offs_d[None, :], out)
-        tl.store(lse_ptr + row, lse2)
+        _store_lse(lse_ptr + row, lse2, dv, DV_SPLIT)
 
 
 @triton.jit

@@ -59,14 +59,20 @@ def _is_fp8(fmt: AttentionKVFormat) -> bool:
 
 
 def sparse_attention_triton(a: SparseAttentionInputs, *, num_splits: int | None = None, block_n: int = 64,
-                            num_warps: int = 8, num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            num_warps: int = 8, num_stages: int | None = None,
+                            dv_split: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Checked inputs -> (out [T, Hq, 512] in q.dtype, lse fp32 [T, Hq]).
 
     ``num_splits`` None = automatic (``choose_num_splits``); ``num_stages`` None = ``DEFAULT_STAGES``.
     ``block_n`` (gathered rows per tile), ``num_warps`` and ``num_stages`` are tuning knobs for benchmarks;
-    one program holds a [64, 512] fp32 accumulator, so 8 warps is the only count without heavy spills."""
+    one program holds a [64, 512] fp32 accumulator, so 8 warps is the only count without heavy spills.
+    ``dv_split=2`` (experimental, not the default, not yet timed on a GPU): two programs per (query, head block),
+    each owning 256 of the 512 output dims (half the accumulator, so with ``num_warps=4`` and ``block_n=32``
+    two programs fit on an SM and can hide each other's gathers) and both computing the full q . kv."""
     q = a.q
     t, hq, d = q.shape
+    if dv_split not in (1, 2) or isinstance(dv_split, bool):
+        raise ValueError(f"dv_split must be 1 or 2, got {dv_split!r}")
     if hq not in TRITON_HEADS:
         raise ValueError(f"the Triton kernel supports Hq in {TRITON_HEADS}, got q {list(q.shape)}; "
                          f"use backend='reference'")
@@ -102,7 +108,7 @@ def sparse_attention_triton(a: SparseAttentionInputs, *, num_splits: int | None 
     dummy = indices
     tiles_per_split, xtiles_per_split = _tiles(main_tiles, num_splits), _tiles(extra_tiles, num_splits)
     interp = triton_interpreted() and not q.is_cuda
-    grid = (t * (hq // BLOCK_H) * num_splits,)
+    grid = (t * (hq // BLOCK_H) * num_splits * dv_split,)
     _sparse_attention_kernel[grid](
         q, q.stride(0), q.stride(1),
         a.kv_cache, num_slots(a.kv_cache), indices, indices.stride(0), k,
@@ -117,7 +123,7 @@ def sparse_attention_triton(a: SparseAttentionInputs, *, num_splits: int | None 
         FP8=_is_fp8(fmt), PAGE_BYTES=fmt.page_bytes, XFP8=_is_fp8(xfmt), XPAGE_BYTES=xfmt.page_bytes,
         HAS_LEN=a.topk_length is not None, HAS_EXTRA=has_extra, HAS_XLEN=a.extra_topk_length is not None,
         HAS_SINK=sink is not None,
-        INTERPRET=interp, INTERP_TILES=tiles_per_split if interp else 0,
+        DV_SPLIT=dv_split, INTERPRET=interp, INTERP_TILES=tiles_per_split if interp else 0,
         INTERP_XTILES=xtiles_per_split if interp else 0,
         num_warps=num_warps, num_stages=num_stages,
     )
