@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build the DeepGEMM anchor, run the GPU tests and the benchmarks, pack results.
+#
+#   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_session.sh OUTDIR SECTION...
+#
+# Sections: tests host select deepgemm attention centred layer store indexer distributed (see the case below).
+# Sections named "x@N" run pinned to GPU N (CUDA_VISIBLE_DEVICES=N); sections joined with "+" in one argument
+# run one after the other, separate arguments run concurrently (one per GPU on a multi-GPU machine).
+# Each benchmark writes JSON under /tmp/dsakit-res/<section>; everything is packed into OUTDIR/results.tgz
+# with one log per section (the device tool returns at most 8 files).
+set -u
+out=${1:?OUTDIR}; shift
+commit=${COMMIT:-unknown}
+res=/tmp/dsakit-res; mkdir -p "$res"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$res/gpu.txt" 2>&1
+
+deepgemm_ready() {
+  # DeepGEMM is an anchor to time against, never a dependency; build once per machine (~100 s).
+  if [ -f .anchors/deepgemm-54e2261.tgz ]; then
+    # shellcheck disable=SC1091
+    source .anchors/build_deepgemm.sh .anchors/deepgemm-54e2261.tgz > "$res/deepgemm_build.log" 2>&1 || return 1
+  fi
+}
+
+run_section() {
+  local name=$1 gpu=${2:-} limit=${3:-540}
+  local dir="$res/$name"; mkdir -p "$dir"
+  local env_gpu=()
+  [ -n "$gpu" ] && env_gpu=(env CUDA_VISIBLE_DEVICES="$gpu")
+  local start=$SECONDS
+  case "$name" in
+    tests)       "${env_gpu[@]}" timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    host)        "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_host.py --out "$dir" --commit "$commit" ;;
+    select)      "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_select.py --out "$dir" --commit "$commit" ;;
+    deepgemm*)   "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_vs_deepgemm.py --out "$dir" --commit "$commit" ;;
+    attention)   "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_attention.py --out "$dir" --commit "$commit" ;;
+    centred)     "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_centred.py --out "$dir" --commit "$commit" ;;
+    layer)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_layer.py --out "$dir" --commit "$commit" ;;
+    store)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_store.py --out "$dir" --commit "$commit" --skip memory ;;
+    distributed) timeout "$limit" python3 benchmarks/bench_distributed.py --out "$dir" --gpus 2 --commit "$commit" ;;
+    *) echo "unknown section $name"; return 2 ;;
+  esac > "$res/$name.log" 2>&1
+  local rc=$?
+  echo "section $name gpu=${gpu:-all} rc=$rc ${SECONDS}s total, $((SECONDS - start))s" | tee -a "$res/summary.txt"
+}
+
+run_chain() {
+  # "a@0+b@0": one after the other
+  local item
+  IFS='+' read -ra items <<< "$1"
+  for item in "${items[@]}"; do
+    local name=${item%@*} gpu=""
+    [[ "$item" == *@* ]] && gpu=${item#*@}
+    run_section "$name" "$gpu"
+  done
+}
+
+if [[ " $* " == *deepgemm* ]]; then deepgemm_ready || echo "DeepGEMM build failed" | tee -a "$res/summary.txt"; fi
+pids=()
+for chain in "$@"; do run_chain "$chain" & pids+=($!); done
+wait "${pids[@]}"
+tar -czf "$out/results.tgz" -C "$res" .
+cp "$res/summary.txt" "$out/" 2>/dev/null
+tail -n 5 "$res"/*.log
