@@ -48,6 +48,14 @@ def _describe(x) -> str:
     return type(x).__name__
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device`` without a device sync: through pinned memory and an asynchronous copy on CUDA
+    (the caching host allocator keeps the pinned block until the copy is done); a plain copy elsewhere."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def check_positive_int(name: str, value, minimum: int = 1) -> int:
     """``value`` as an int >= minimum (bools refused), else ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -263,21 +271,26 @@ class PagedBatch:
             raise ValueError(f"block table width must be an int >= {widest} (the longest page list), got {width!r}")
         t = sum(query_lens)
         device = pool.device
-        table = torch.full((b, width), -1, dtype=torch.int32)
-        for row, p in enumerate(pages):
-            if p:
-                table[row, : len(p)] = torch.tensor(list(p), dtype=torch.int32)
-        counts = torch.tensor(list(lengths), dtype=torch.int32)
-        seq = torch.repeat_interleave(torch.arange(b, dtype=torch.int32), torch.tensor(query_lens, dtype=torch.long),
-                                      output_size=t)
+        # one host buffer [B * W + B + T] int32 (block table, counts, query_seq), one asynchronous upload
+        flat: list[int] = []
+        for p in pages:
+            flat.extend(p)
+            flat.extend([-1] * (width - len(p)))
+        flat.extend(lengths)
+        for i, n in enumerate(query_lens):
+            flat.extend([i] * n)
+        buf = upload(torch.tensor(flat, dtype=torch.int32), device)
+        table = buf[: b * width].view(b, width)
+        counts, seq = buf[b * width: b * width + b], buf[b * width + b:]
         positions = None
         if query_positions is not None:
             if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (t,) \
                     or query_positions.dtype not in _INT_DTYPES:
                 raise ValueError(f"query_positions must be int [T] = [{t}] or None, got "
                                  f"{_describe(query_positions)}")
-            positions = query_positions.to(device=device, dtype=torch.int64).contiguous()
-        return cls(pool, fmt, table.to(device), counts.to(device), seq.to(device), positions, ratio, t,
+            positions = query_positions.to(torch.int64)
+            positions = upload(positions.contiguous(), device) if positions.device != device else positions.contiguous()
+        return cls(pool, fmt, table, counts, seq, positions, ratio, t,
                    max(lengths, default=0), tuple(query_lens), True)
 
     def __repr__(self) -> str:
@@ -286,5 +299,5 @@ class PagedBatch:
                 f"device={self.device})")
 
 
-__all__ = ["PagedBatch", "check_batch_queries", "check_pool", "check_queries", "check_same_device",
+__all__ = ["PagedBatch", "upload", "check_batch_queries", "check_pool", "check_queries", "check_same_device",
            "check_positive_int", "check_ratio", "check_k", "visible_counts"]

@@ -484,7 +484,8 @@ def test_decode_plan_cuda_graph_replay():
                          ids=["decode", "prefill"])
 def test_public_index_topk_steady_state_has_no_sync_and_allocates_only_outputs(query_lens, positions):
     """From the second call with the same shapes on, the plain public index_topk makes no device->host sync
-    (torch.cuda.set_sync_debug_mode("error") raises on one) and allocates nothing but its output."""
+    (torch.cuda.set_sync_debug_mode("error") raises on one), also on a freshly built PagedCache.batch, and
+    allocates nothing but its output (and the new batch's metadata)."""
     from dsakit import PagedCache
 
     fmt = KeyFormat.parse("fp8")
@@ -508,11 +509,13 @@ def test_public_index_topk_steady_state_has_no_sync_and_allocates_only_outputs(q
     torch.cuda.set_sync_debug_mode("error")
     try:
         again = index_topk(q, w, batch, k)
-        third = index_topk(q, w, batch, k)
+        # a decode loop rebuilds the batch every step: PagedCache.batch uploads its metadata asynchronously
+        third = index_topk(q, w, cache.batch(seqs, query_lens=query_lens, query_positions=pos), k)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     output_bytes = -(-t * k * 4 // 512) * 512  # the caching allocator rounds blocks up to 512 bytes
-    assert torch.cuda.max_memory_allocated() - before <= 2 * output_bytes
+    metadata_bytes = -(-(batch.block_table.numel() + 2 * len(seqs) + 9 * t) * 4 // 512) * 512 + 512
+    assert torch.cuda.max_memory_allocated() - before <= 2 * output_bytes + metadata_bytes
     assert torch.equal(again, first) and torch.equal(third, first)
     ref = index_topk(q.cpu(), w.cpu(), batch, k, backend="reference")
     _check_against_reference(first.cpu(), index_scores_ref_of(q, w, batch), k, SCORE_TOL["fp8"])

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ...batch import PagedBatch, check_batch_queries, check_same_device
+from ...batch import PagedBatch, check_batch_queries, check_same_device, upload
 from ...formats import INDEX_HEAD_DIM, KeyFormat, is_centred, key_codec
 from ._kernels import _index_scores_group_kernel, _index_scores_tile_kernel
 from .config import ScoresConfig
@@ -201,6 +201,7 @@ def tiles_from_lens(lens: Sequence[int], num_heads: int, device: torch.device, c
                     rows: torch.Tensor | None = None) -> QueryTiles:
     """Tile plan from host queries-per-sequence ``lens`` [B] (rows grouped by sequence in order unless ``rows``,
     the stable sort of the rows by sequence, is given). No device->host sync; cached when ``rows`` is None."""
+    key = None
     if rows is None:
         key = (device, num_heads, config.kernel, config.prefill_block_t, tuple(lens))
         found = _TILE_CACHE.get(key)
@@ -218,10 +219,12 @@ def tiles_from_lens(lens: Sequence[int], num_heads: int, device: torch.device, c
     per_seq = torch.tensor(list(lens), dtype=torch.int64)
     num_tiles = int(((per_seq + size - 1) // size).sum())
     t = int(per_seq.sum())
-    host = _tiles_from_counts(per_seq, torch.arange(t), num_tiles, kernel, size)
-    tiles = QueryTiles(kernel, size, host.rows.to(device) if rows is None else rows.to(torch.int32),
-                       host.tile_seq.to(device), host.tile_start.to(device), host.tile_len.to(device))
-    if rows is None:
+    host = _tiles_from_counts(per_seq, torch.zeros(0), num_tiles, kernel, size)
+    # one asynchronous upload of the three tile arrays (no device sync); rows are made on the device
+    packed = upload(torch.stack([host.tile_seq, host.tile_start, host.tile_len]), torch.device(device))
+    rows = torch.arange(t, dtype=torch.int32, device=device) if rows is None else rows.to(torch.int32)
+    tiles = QueryTiles(kernel, size, rows, packed[0], packed[1], packed[2])
+    if key is not None:
         _TILE_CACHE[key] = tiles
         while len(_TILE_CACHE) > _TILE_CACHE_SIZE:
             _TILE_CACHE.popitem(last=False)
