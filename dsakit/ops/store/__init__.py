@@ -22,13 +22,14 @@ from ...presets import KeyTransform
 from ...transforms import NORMS, ROPE_V4, RopeLayout
 from .._backend import resolve_backend, triton_available
 from . import reference
+from .config import StoreConfig
 from .reference import check_eps, check_rope_inputs, prepare_attention_kv, prepare_index_keys
 
 if triton_available():
     # registers the dsakit:: custom ops (the kernels compile lazily, on first use)
     from . import triton as _triton_kernels  # noqa: F401
 
-__all__ = ["store_index_keys", "store_attention_kv", "prepare_index_keys", "prepare_attention_kv"]
+__all__ = ["store_index_keys", "store_attention_kv", "prepare_index_keys", "prepare_attention_kv", "StoreConfig"]
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
