@@ -14,7 +14,7 @@ import torch
 
 from dsakit.ops.topk.reference import select_topk as reference_select
 
-TINY = dict(cap=32, sample=32, block=64, num_warps=4, final_warps=4, order_warps=4, bins=32)
+TINY = dict(cap=64, lanes=4, v=8, tie_cap=16, sample=32, num_warps=4, final_warps=4, order_warps=4, bins=32)
 
 
 def _config(splits: int = 1):

@@ -42,7 +42,8 @@ INT32_MIN = tl.constexpr(-(1 << 31))
 INT32_MAX = tl.constexpr((1 << 31) - 1)
 # order key of -inf: bits 0xFF800000 (negative) with the magnitude bits flipped = 0x807FFFFF
 KEY_NEG_INF = tl.constexpr(-2139095041)
-# per-(row, split) counters: entries > thr, entries == thr, any candidate < thr, thr, largest key > thr
+# per-(row, split) words: entries > thr, entries == thr, any candidate < thr, thr, (unused), largest lane
+# count; word 6 of split 0: the path the final kernel took (1 buffer, 2 tie lists, 0 exact)
 STATS = tl.constexpr(8)
 
 
@@ -120,13 +121,24 @@ def _sample_threshold(row_scores, n, K, CAP: tl.constexpr, SAMPLE: tl.constexpr,
 def _filter_kernel(
     scores_ptr, stride_scores,      # fp32 [R, W]
     counts_ptr,                     # int32 [R]: entries of each row to consider
-    buf_key_ptr, buf_idx_ptr,       # int32 [R, SPLITS, CAP_S]: entries > thr (key, index), index order
-    tie_ptr,                        # int32 [R, SPLITS, K]: first indices with key == thr
+    cand_ptr,                       # int64 [R, SPLITS, LANES, LCAP]: entries > thr per lane, key << 32 | index
+    tie_ptr,                        # int32 [R, SPLITS, LANES, TCAP]: each lane's first indices == thr
+    lane_gt_ptr, lane_eq_ptr,       # int32 [R, SPLITS, LANES]: true per-lane counts (> thr, == thr)
     stats_ptr,                      # int32 [R, SPLITS, STATS]
-    K, SEG,                         # k; entries per split (a multiple of BLOCK)
-    SPLITS: tl.constexpr, CAP: tl.constexpr, CAP_S: tl.constexpr, SAMPLE: tl.constexpr,
-    BLOCK: tl.constexpr, BINS: tl.constexpr,
+    K, SEG,                         # k; entries per split (a multiple of LANES * V)
+    SPLITS: tl.constexpr, CAP: tl.constexpr, LANES: tl.constexpr, LCAP: tl.constexpr,
+    TCAP: tl.constexpr, V: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr,
 ):
+    """One pass over a split of a row. A tile is [V, LANES]: lane l owns entries l * V .. l * V + V - 1 of
+    every tile and appends its entries > thr to its own buffer region (and its first TCAP entries == thr to
+    its own tie list), so the per-tile prefix sums and counts run along V inside a warp: the loop has no
+    block-level synchronisation. Lanes interleave every LANES * V entries, so a trend along the row spreads
+    evenly over the lanes' buffers.
+
+    Layout note: the tile's offsets are declared non-contiguous (max_contiguous 1) so that the loads and
+    the scattered buffer stores get the same register layout (one entry per thread, a warp on 32
+    consecutive entries: still coalesced); a vectorized load layout would force a shared-memory layout
+    conversion with a barrier in front of every store."""
     row_id = tl.program_id(0)
     split = tl.program_id(1)
     n = tl.load(counts_ptr + row_id)
@@ -134,46 +146,47 @@ def _filter_kernel(
     row_scores = scores_ptr + row * stride_scores
     thr = _sample_threshold(row_scores, n, K, CAP, SAMPLE, BINS)
 
+    BLOCK: tl.constexpr = LANES * V
     part = row * SPLITS + split
-    buf_key = buf_key_ptr + part * CAP_S
-    buf_idx = buf_idx_ptr + part * CAP_S
-    ties = tie_ptr + part * K
-    lane = tl.arange(0, BLOCK)
+    lanes = tl.arange(0, LANES)
+    inner = tl.arange(0, V)[:, None] + lanes[None, :] * V           # [V, LANES] entry offsets in a tile
+    cand = cand_ptr + part * (LANES * LCAP) + lanes[None, :] * LCAP
+    ties = tie_ptr + part * (LANES * TCAP) + lanes[None, :] * TCAP
     start = split * SEG
     stop = tl.minimum(n, start + SEG)
-    n_gt = 0
-    n_eq = 0
-    below = tl.zeros([BLOCK], dtype=tl.int32)
-    top = tl.full([BLOCK], INT32_MIN, tl.int32)
+    n_gt = tl.sum(tl.zeros([V, LANES], dtype=tl.int32), axis=0)   # per lane, in the reductions' layout
+    n_eq = n_gt
+    low = tl.full([V, LANES], INT32_MAX, tl.int32)  # smallest candidate key: is any candidate < thr?
     # the next tile is loaded before the current one is processed (a while loop is not pipelined)
-    following = tl.load(row_scores + start + lane, mask=start + lane < stop, other=float("-inf"))
+    offs = tl.max_contiguous(start + inner, [1, 1])
+    following = tl.load(row_scores + offs, mask=offs < stop, other=float("-inf"))
     while start < stop:
-        offs = start + lane
+        offs = tl.max_contiguous(start + inner, [1, 1])
         tile = following
         following = tl.load(row_scores + offs + BLOCK, mask=offs + BLOCK < stop, other=float("-inf"))
         key, valid = _key_of(tile, offs < stop)
         gt = valid & (key > thr)
         eq = valid & (key == thr)
-        below |= (valid & (key < thr)).to(tl.int32)
-        top = tl.maximum(top, tl.where(gt, key, INT32_MIN))
-        packed = gt.to(tl.int32) + eq.to(tl.int32) * 65536   # BLOCK <= 16384: both ranks fit 16 bits
+        low = tl.minimum(low, tl.where(valid, key, INT32_MAX))
+        packed = gt.to(tl.int32) + eq.to(tl.int32) * 65536   # V < 65536: both ranks fit 16 bits
         ranks = tl.cumsum(packed, axis=0)
-        gt_pos = n_gt + (ranks & 65535) - 1
-        eq_pos = n_eq + (ranks >> 16) - 1
-        keep = gt & (gt_pos < CAP_S)
-        tl.store(buf_key + gt_pos, key, mask=keep)
-        tl.store(buf_idx + gt_pos, offs, mask=keep)
-        tl.store(ties + eq_pos, offs, mask=eq & (eq_pos < K))
+        gt_pos = n_gt[None, :] + (ranks & 65535) - 1
+        eq_pos = n_eq[None, :] + (ranks >> 16) - 1
+        # one 8-byte store per kept entry: fewer pointer registers, fewer store instructions
+        tl.store(cand + gt_pos, (key.to(tl.int64) << 32) | offs.to(tl.int64), mask=gt & (gt_pos < LCAP))
+        tl.store(ties + eq_pos, offs, mask=eq & (eq_pos < TCAP))
         total = tl.sum(packed, axis=0)
         n_gt += total & 65535
         n_eq += total >> 16
         start += BLOCK
+    tl.store(lane_gt_ptr + part * LANES + lanes, n_gt)
+    tl.store(lane_eq_ptr + part * LANES + lanes, n_eq)
     stats = stats_ptr + part * STATS
-    tl.store(stats, n_gt)
-    tl.store(stats + 1, n_eq)
-    tl.store(stats + 2, tl.max(below, axis=0))
+    tl.store(stats, tl.sum(n_gt, axis=0))
+    tl.store(stats + 1, tl.sum(n_eq, axis=0))
+    tl.store(stats + 2, (tl.min(tl.min(low, axis=0), axis=0) < thr).to(tl.int32))
     tl.store(stats + 3, thr)
-    tl.store(stats + 4, tl.max(top, axis=0))
+    tl.store(stats + 5, tl.max(n_gt, axis=0))
 
 
 @triton.jit
@@ -248,89 +261,106 @@ def _row_exact(row_scores, n, K, out_row, key_row, BLOCK: tl.constexpr, BINS: tl
 @triton.jit
 def _final_kernel(
     scores_ptr, stride_scores, counts_ptr,
-    buf_key_ptr, buf_idx_ptr, tie_ptr, stats_ptr,   # as written by _filter_kernel
-    sel_key_ptr,                    # int32 [R, K] scratch: keys of the selected entries
+    cand_ptr, tie_ptr, lane_gt_ptr, lane_eq_ptr, stats_ptr,  # from _filter_kernel
+    sel_key_ptr, sel_idx_ptr,       # int32 [R, K]: keys / indices of the selected entries (unordered)
     sel_count_ptr,                  # int32 [R]: how many entries each row selected
-    out_ptr, stride_out,            # int32 [R, K]: the selected indices (unordered, first sel_count)
     K,
-    SPLITS: tl.constexpr, CAP: tl.constexpr, CAP_S: tl.constexpr, K_PAD: tl.constexpr,
+    SPLITS: tl.constexpr, LANES: tl.constexpr, LCAP: tl.constexpr, TCAP: tl.constexpr,
     BLOCK: tl.constexpr, BINS: tl.constexpr,
 ):
     row_id = tl.program_id(0)
     row = row_id.to(tl.int64)
-    out_row = out_ptr + row * stride_out
     key_row = sel_key_ptr + row * K
+    idx_row = sel_idx_ptr + row * K
     stats = stats_ptr + row * SPLITS * STATS
     n_gt = 0
     n_eq = 0
     below = 0
     overflow = 0
-    top = INT32_MIN
     for s in tl.static_range(SPLITS):
-        g = tl.load(stats + s * STATS)
-        n_gt += g
+        n_gt += tl.load(stats + s * STATS)
         n_eq += tl.load(stats + s * STATS + 1)
         below = tl.maximum(below, tl.load(stats + s * STATS + 2))
-        overflow = tl.maximum(overflow, (g > CAP_S).to(tl.int32))
-        top = tl.maximum(top, tl.load(stats + s * STATS + 4))
+        overflow = tl.maximum(overflow, (tl.load(stats + s * STATS + 5) > LCAP).to(tl.int32))
     thr = tl.load(stats + 3)
     short = n_gt + n_eq < K
     need = tl.minimum(n_gt + n_eq, K)  # = min(k, candidates) unless short with candidates below thr
-    exact_path = (overflow > 0) or (n_gt > CAP) or (short and (below > 0))
-
+    bad = (overflow > 0) or (short and (below > 0))
+    done = 1 - bad.to(tl.int32)
+    path = done  # 1: candidate buffer, 2: tie lists, 0: exact whole-row passes
     written = n_gt * 0
-    if exact_path:
-        n = tl.load(counts_ptr + row_id)
-        written = _row_exact(scores_ptr + row * stride_scores, n, K, out_row, key_row, BLOCK, BINS)
-    else:
-        # the split buffers, concatenated in split order (= index order), as one register tile
-        lane = tl.arange(0, CAP)
-        src = lane
-        before = 0
-        for s in tl.static_range(SPLITS):
-            g = tl.load(stats + s * STATS)
-            src = tl.where((lane >= before) & (lane < before + g), s * CAP_S + lane - before, src)
-            before += g
-        have = lane < n_gt
-        part = row * SPLITS * CAP_S
-        key = tl.load(buf_key_ptr + part + src, mask=have, other=INT32_MIN)
+    CAP: tl.constexpr = SPLITS * LANES * LCAP
+    TIES: tl.constexpr = SPLITS * LANES * TCAP
+
+    if done != 0:
+        # every lane's buffer as one register tile (lane-major; order does not matter: ties are broken
+        # by index explicitly)
+        slot = tl.arange(0, CAP)
+        have = (slot % LCAP) < tl.load(lane_gt_ptr + row * (SPLITS * LANES) + slot // LCAP)
+        base = row * CAP
+        key = (tl.load(cand_ptr + base + slot, mask=have, other=0) >> 32).to(tl.int32)
         if n_gt >= need:
             if need > 0:
                 # every buffered key is in [thr + 1, top]
+                top = tl.max(tl.where(have, key, INT32_MIN), axis=0)
                 lo, hi, left = _narrow(key, have, thr + 1, top, n_gt, need, BINS)
                 above = have & (key > hi)
                 inside = have & (key >= lo) & (key <= hi)
-                ranks = tl.cumsum(above.to(tl.int32) + inside.to(tl.int32) * 65536, axis=0)
-                inside_rank = ranks >> 16
-                take = above | (inside & (inside_rank <= left))
-                position = (ranks & 65535) + tl.minimum(inside_rank, left) - 1
-                idx = tl.load(buf_idx_ptr + part + src, mask=take, other=0)
-                tl.store(out_row + position, idx, mask=take)
+                in_range = tl.sum(inside.to(tl.int32), axis=0)
+                take = above | inside
+                idx = tl.load(cand_ptr + base + slot, mask=inside | above, other=0).to(tl.int32)
+                if in_range != left:
+                    # one key value with more entries than still needed: the lowest indices win
+                    rev = INT32_MAX - idx
+                    lo2 = tl.min(tl.where(inside, rev, INT32_MAX), axis=0)
+                    hi2 = tl.max(tl.where(inside, rev, INT32_MIN), axis=0)
+                    lo2, hi2, _ = _narrow(rev, inside, lo2, hi2, in_range, left, BINS)
+                    take = above | (inside & (rev >= lo2))
+                position = tl.cumsum(take.to(tl.int32), axis=0) - 1
+                tl.store(idx_row + position, idx, mask=take)
                 tl.store(key_row + position, key, mask=take)
                 written = need
         else:
-            # every key > thr, then the first need - n_gt entries equal to thr (tie lists in split order)
-            idx = tl.load(buf_idx_ptr + part + src, mask=have, other=0)
-            tl.store(out_row + lane, idx, mask=have)
-            tl.store(key_row + lane, key, mask=have)
-            col = tl.arange(0, K_PAD)
-            tie_src = col
-            before = 0
-            for s in tl.static_range(SPLITS):
-                e = tl.minimum(tl.load(stats + s * STATS + 1), K)
-                tie_src = tl.where((col >= before) & (col < before + e), s * K + col - before, tie_src)
-                before += e
-            wanted = col < need - n_gt
-            tie_idx = tl.load(tie_ptr + row * SPLITS * K + tie_src, mask=wanted, other=0)
-            tl.store(out_row + n_gt + col, tie_idx, mask=wanted)
-            tl.store(key_row + n_gt + col, tl.full([K_PAD], 0, tl.int32) + thr, mask=wanted)
-            written = need
+            # every key > thr, then the need - n_gt lowest indices == thr. Lane l's tie list holds its first
+            # TCAP; a full list (more ties than TCAP) leaves its ties after its last stored index unknown, so
+            # only ties <= bound (the smallest such last index) are known to be complete.
+            tslot = tl.arange(0, TIES)
+            lane_ties = tl.load(lane_eq_ptr + row * (SPLITS * LANES) + tslot // TCAP)
+            stored = (tslot % TCAP) < lane_ties
+            tie_idx = tl.load(tie_ptr + row * TIES + tslot, mask=stored, other=INT32_MAX)
+            full_last = stored & ((tslot % TCAP) == TCAP - 1) & (lane_ties > TCAP)
+            bound = tl.min(tl.where(full_last, tie_idx, INT32_MAX), axis=0)
+            known = stored & (tie_idx <= bound)
+            n_known = tl.sum(known.to(tl.int32), axis=0)
+            wanted = need - n_gt
+            if n_known >= wanted:
+                rev = INT32_MAX - tie_idx
+                lo2 = tl.min(tl.where(known, rev, INT32_MAX), axis=0)
+                hi2 = tl.max(tl.where(known, rev, INT32_MIN), axis=0)
+                lo2, hi2, _ = _narrow(rev, known, lo2, hi2, n_known, wanted, BINS)
+                take = known & (rev >= lo2)
+                position = n_gt + tl.cumsum(take.to(tl.int32), axis=0) - 1
+                tl.store(idx_row + position, tie_idx, mask=take)
+                tl.store(key_row + position, tl.full([TIES], 0, tl.int32) + thr, mask=take)
+                idx = tl.load(cand_ptr + base + slot, mask=have, other=0).to(tl.int32)
+                position = tl.cumsum(have.to(tl.int32), axis=0) - 1
+                tl.store(idx_row + position, idx, mask=have)
+                tl.store(key_row + position, key, mask=have)
+                written = need
+                path = path * 2
+            else:
+                done = done * 0
+                path = path * 0
+    if done == 0:
+        n = tl.load(counts_ptr + row_id)
+        written = _row_exact(scores_ptr + row * stride_scores, n, K, idx_row, key_row, BLOCK, BINS)
     tl.store(sel_count_ptr + row, written)
+    tl.store(stats + 6, path)
 
 
 @triton.jit
 def _order_kernel(
-    out_ptr, stride_out, sel_key_ptr, sel_count_ptr,
+    out_ptr, stride_out, sel_key_ptr, sel_idx_ptr, sel_count_ptr,
     slots_ptr, stride_slots,        # int32 [R, K] global slots (WITH_SLOTS)
     seq_ptr,                        # int32 [R] sequence of each row (WITH_SLOTS)
     table_ptr, stride_table,        # int32 [B, max_pages] block table (WITH_SLOTS)
@@ -346,7 +376,7 @@ def _order_kernel(
     written = tl.load(sel_count_ptr + row)
     col = tl.arange(0, K_PAD)
     filled = col < written
-    idx = tl.load(out_row + col, mask=filled, other=0)
+    idx = tl.load(sel_idx_ptr + row * K + col, mask=filled, other=0)
     if SORT:
         chosen_key = tl.load(sel_key_ptr + row * K + col, mask=filled, other=0)
         # (key desc, index asc) as one int64: key in the high half, 0x7FFFFFFF - index (>= 0) in the low half
@@ -355,7 +385,6 @@ def _order_kernel(
         packed = tl.sort(packed, descending=True)
         idx = 0x7FFFFFFF - (packed & 0xFFFFFFFF).to(tl.int32)
     idx = tl.where(filled, idx, -1)
-    tl.debug_barrier()  # every thread has read the unordered row before any overwrites it
     tl.store(out_row + col, idx, mask=col < K)
     if WITH_SLOTS:
         seq = tl.load(seq_ptr + row).to(tl.int64)

@@ -14,12 +14,12 @@ and tie list; the final kernel concatenates them in split order = index order).
 
 Buffers (``SelectBuffers``; allocated once per shape, reusable, so a decode plan stays sync-free):
 
-    cand keys + indices  int32 [R, splits, cap] x 2     cap = clamp(4 * next_pow2(k), 4096, 16384)
-    tie lists            int32 [R, splits, k]
-    counters             int32 [R, splits, 8]
-    selected keys        int32 [R, k] (+ int32 [R] counts)
+    candidates           int64 [R, cap] (key << 32 | index)      cap = clamp(4 * next_pow2(k), 4096, 16384) (16384 if split)
+    tie lists            int32 [R, splits * lanes * tie_cap]      (128 lanes x 32)
+    counters             int32 [R, splits * lanes] x 2 + [R, splits, 8]
+    selected             int32 [R, k] x 2 (keys, indices) + [R] counts
 
-e.g. R = 2048 rows, k = 2048 (cap 8192, 1 split): 128 + 16 + 16 MiB; R = 64 decode rows, 8 splits: 32 MiB.
+e.g. R = 2048 rows, k = 2048 (cap 8192, 1 split): 64 + 16 + 2 + 32 MiB; R = 64 decode rows: 9 MiB.
 k up to ``STREAM_MAX_K`` (4096); larger k use the multi-pass kernel of :mod:`dsakit.ops.topk.triton`.
 """
 
@@ -45,40 +45,54 @@ def _pow2_floor(x: int) -> int:
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """Launch parameters. splits: programs per row (power of two); cap: candidate buffer entries per row
-    and split (power of two); sample: entries of the threshold sample (power of two, >= 32); block: tile
-    of the streaming passes; num_warps / final_warps / order_warps: the three kernels; bins: histogram buckets
-    of the range narrowing (power of two)."""
+    """Launch parameters (powers of two). splits: programs per row; cap: candidate entries per row (all
+    splits and lanes); lanes: buffer lanes per program (each lane owns v consecutive entries of every
+    tile of lanes * v entries and cap // (splits * lanes) buffer entries); tie_cap: entries of each lane's
+    list of the first indices equal to the threshold; sample: entries of the threshold sample (>= 32);
+    num_warps / final_warps / order_warps: the three kernels; bins: histogram buckets of the narrowing."""
 
     splits: int
     cap: int
+    lanes: int
+    v: int
+    tie_cap: int
     sample: int
-    block: int
     num_warps: int
     final_warps: int
     order_warps: int
     bins: int
 
+    @property
+    def lane_cap(self) -> int:
+        return self.cap // (self.splits * self.lanes)
+
+    @property
+    def block(self) -> int:
+        return self.lanes * self.v
+
     @staticmethod
     def default(rows: int, width: int, k: int) -> "StreamConfig":
-        cap = min(16384, max(4096, 4 * triton.next_power_of_2(k)))
+        splits = 1
+        if rows < _TARGET_PROGRAMS // 2:
+            splits = max(1, min(4, _pow2_floor(_TARGET_PROGRAMS // max(rows, 1)), _pow2_floor(width // _MIN_SPLIT)))
+        cap = min(16384, max(4096 if splits == 1 else 16384, 4 * triton.next_power_of_2(k)))
         # about 128 sample entries per cap-sized slice of the row: the sample rank then has a relative
         # spread of ~1/sqrt(rank) small enough that overflow / underflow (exact fallback) stay rare
         sample = min(8192, max(256, triton.next_power_of_2(-(-128 * width // cap))))
-        splits = 1
-        if rows < _TARGET_PROGRAMS // 2:
-            splits = max(1, min(16, _pow2_floor(_TARGET_PROGRAMS // max(rows, 1)), _pow2_floor(width // _MIN_SPLIT)))
-        return StreamConfig(splits=splits, cap=cap, sample=sample, block=2048, num_warps=8, final_warps=16,
-                            order_warps=4, bins=64)
+        # >= 32 entries per lane: lane counts are ~Poisson, and the fullest of 128 lanes must fit
+        lanes = max(16, min(128, cap // (splits * 32)))
+        return StreamConfig(splits=splits, cap=cap, lanes=lanes, v=8, tie_cap=32, sample=sample, num_warps=4,
+                            final_warps=16, order_warps=2, bins=64)
 
     def validate(self) -> None:
-        for name in ("splits", "cap", "sample", "block", "bins"):
+        for name in ("splits", "cap", "lanes", "v", "tie_cap", "sample", "bins"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, got {value!r}")
-        if self.sample < 32 or self.block < 16 or self.block > MAX_BLOCK or self.bins < 32 or self.cap < 16:
-            raise ValueError(f"config out of range (sample >= 32, block in 16..{MAX_BLOCK}, bins >= 32, "
-                             f"cap >= 16): {self}")
+        if self.sample < 32 or self.bins < 32 or self.lane_cap < 1 or self.cap > 16384 or self.block < 16 \
+                or self.splits * self.lanes * self.tie_cap > 16384:
+            raise ValueError(f"config out of range (sample >= 32, bins >= 32, cap <= 16384 and >= splits * lanes, "
+                             f"lanes * v >= 16, splits * lanes * tie_cap <= 16384): {self}")
         for name in ("num_warps", "final_warps", "order_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16, 32):
                 raise ValueError(f"{name} must be 1..32 (power of two), got {getattr(self, name)!r}")
@@ -92,41 +106,39 @@ class SelectBuffers:
     width: int
     k: int
     config: StreamConfig
-    cand_key: torch.Tensor
-    cand_idx: torch.Tensor
+    cand: torch.Tensor
     ties: torch.Tensor
+    lane_gt: torch.Tensor
+    lane_eq: torch.Tensor
     stats: torch.Tensor
     sel_key: torch.Tensor
+    sel_idx: torch.Tensor
     sel_count: torch.Tensor
 
     @staticmethod
     def allocate(rows: int, width: int, k: int, device, config: StreamConfig | None = None) -> "SelectBuffers":
         config = config or StreamConfig.default(rows, width, k)
         config.validate()
-        r, s = max(rows, 1), config.splits
+        r, s, lanes = max(rows, 1), config.splits, config.lanes
         empty = lambda *shape: torch.empty(shape, dtype=torch.int32, device=device)  # noqa: E731
         return SelectBuffers(rows=rows, width=width, k=k, config=config,
-                             cand_key=empty(r, s, config.cap), cand_idx=empty(r, s, config.cap),
-                             ties=empty(r, s, k), stats=empty(r, s, STATS.value), sel_key=empty(r, k),
-                             sel_count=empty(r))
+                             cand=torch.empty((r, config.cap), dtype=torch.int64, device=device),
+                             ties=empty(r, s * lanes * config.tie_cap), lane_gt=empty(r, s * lanes),
+                             lane_eq=empty(r, s * lanes), stats=empty(r, s, STATS.value), sel_key=empty(r, k),
+                             sel_idx=empty(r, k), sel_count=empty(r))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.cand_key, self.cand_idx, self.ties, self.stats,
-                                                           self.sel_key, self.sel_count))
+        return sum(t.numel() * t.element_size() for t in (self.cand, self.ties, self.lane_gt,
+                                                           self.lane_eq, self.stats, self.sel_key, self.sel_idx,
+                                                           self.sel_count))
 
     def path_counts(self, rows: int) -> dict:
         """Which path each of the first ``rows`` rows took in the last launch (host sync; tests/benchmarks):
-        {"buffer": rows selected from the candidate buffer, "ties": rows completed from the tie lists,
-        "exact": rows re-selected by whole-row passes}."""
-        st = self.stats[:rows].long().cpu()  # [rows, splits, STATS]
-        gt, eq, below = st[..., 0].sum(1), st[..., 1].sum(1), st[..., 2].amax(1)
-        overflow = (st[..., 0] > self.config.cap).any(1) | (gt > self.config.cap)
-        short = gt + eq < self.k
-        exact = overflow | (short & (below > 0))
-        need = torch.clamp(gt + eq, max=self.k)
-        ties = ~exact & (gt < need)
-        return {"buffer": int((~exact & ~ties).sum()), "ties": int(ties.sum()), "exact": int(exact.sum())}
+        {"buffer": selected from the candidate buffers, "ties": completed from the tie lists, "exact":
+        re-selected by whole-row passes}."""
+        path = self.stats[:rows, 0, 6].cpu()
+        return {"buffer": int((path == 1).sum()), "ties": int((path == 2).sum()), "exact": int((path == 0).sum())}
 
 
 def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int, sort: bool,
@@ -144,26 +156,25 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
     cfg = buffers.config
     seg = triton.cdiv(triton.cdiv(max(width, 1), cfg.splits), cfg.block) * cfg.block
     _filter_kernel[(rows, cfg.splits)](
-        scores, scores.stride(0), counts, buffers.cand_key, buffers.cand_idx, buffers.ties, buffers.stats,
-        k, seg, SPLITS=cfg.splits, CAP=cfg.cap, CAP_S=cfg.cap, SAMPLE=cfg.sample, BLOCK=cfg.block,
-        BINS=cfg.bins, num_warps=cfg.num_warps)
+        scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
+        buffers.lane_eq, buffers.stats, k, seg, SPLITS=cfg.splits, CAP=cfg.cap, LANES=cfg.lanes,
+        LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, V=cfg.v, SAMPLE=cfg.sample, BINS=cfg.bins, num_warps=cfg.num_warps)
     if stages == "filter":
         return
-    k_pad = triton.next_power_of_2(k)
     _final_kernel[(rows,)](
-        scores, scores.stride(0), counts, buffers.cand_key, buffers.cand_idx, buffers.ties, buffers.stats,
-        buffers.sel_key, buffers.sel_count, out, out.stride(0),
-        k, SPLITS=cfg.splits, CAP=cfg.cap, CAP_S=cfg.cap, K_PAD=k_pad, BLOCK=cfg.block, BINS=cfg.bins,
-        num_warps=cfg.final_warps)
+        scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
+        buffers.lane_eq, buffers.stats, buffers.sel_key, buffers.sel_idx, buffers.sel_count,
+        k, SPLITS=cfg.splits, LANES=cfg.lanes, LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, BLOCK=cfg.block,
+        BINS=cfg.bins, num_warps=cfg.final_warps)
     if stages == "filter+final":
         return
     with_slots = slots is not None
     _order_kernel[(rows,)](
-        out, out.stride(0), buffers.sel_key, buffers.sel_count,
+        out, out.stride(0), buffers.sel_key, buffers.sel_idx, buffers.sel_count,
         slots if with_slots else out, slots.stride(0) if with_slots else 0,
         seq if with_slots else counts,
         block_table if with_slots else counts, block_table.stride(0) if with_slots else 0,
-        k, K_PAD=k_pad, SORT=sort, WITH_SLOTS=with_slots, num_warps=cfg.order_warps)
+        k, K_PAD=triton.next_power_of_2(k), SORT=sort, WITH_SLOTS=with_slots, num_warps=cfg.order_warps)
 
 
 def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor | None = None,
@@ -203,9 +214,9 @@ def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
         buffers = SelectBuffers.allocate(t, w, k, scores.device, config)
     elif config is not None and config != buffers.config:
         raise ValueError("pass either config or buffers (the buffers carry their config)")
-    if buffers.rows < t or buffers.width < w or buffers.k != k or buffers.cand_key.device != scores.device:
+    if buffers.rows < t or buffers.width < w or buffers.k != k or buffers.cand.device != scores.device:
         raise ValueError(f"buffers sized for rows {buffers.rows}, width {buffers.width}, k {buffers.k} on "
-                         f"{buffers.cand_key.device}; need rows >= {t}, width >= {w}, k = {k} on {scores.device}")
+                         f"{buffers.cand.device}; need rows >= {t}, width >= {w}, k = {k} on {scores.device}")
     out = torch.empty((t, k), dtype=torch.int32, device=scores.device)
     launch_stream_select(scores, counts, out, k, sort, buffers)
     return out
