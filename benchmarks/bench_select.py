@@ -26,6 +26,7 @@ import torch
 from _common import environment, median_ms, same_selection, write_json
 
 from dsakit.ops.topk._select_stream import SelectBuffers, StreamConfig, launch_stream_select, select_topk_stream
+from dsakit.ops.topk.config import SelectConfig
 from dsakit.ops.topk.triton import select_topk_triton
 
 
@@ -100,7 +101,8 @@ def main() -> int:
                 for stages in ("filter", "filter+final"):
                     ms[stages] = median_ms(lambda: launch_stream_select(scores, counts, out, k, True, buffers,
                                                                         stages=stages), dev, args.rep)
-                ms["multipass"] = median_ms(lambda: select_topk_triton(scores, k), dev, args.rep)
+                ms["multipass"] = median_ms(
+                    lambda: select_topk_triton(scores, k, config=SelectConfig(algorithm="multipass")), dev, args.rep)
                 ms["torch_topk"] = median_ms(lambda: torch.topk(scores, k, dim=1), dev, args.rep)
                 row["ms"] = ms
                 row["speedup_vs_torch"] = ms["torch_topk"] / ms["stream"]
@@ -119,17 +121,21 @@ def main() -> int:
             base = StreamConfig.default(rows, n, k)
             variants = [base]
             if rows >= 512:
-                variants += [dataclasses.replace(base, final_warps=32), dataclasses.replace(base, order_warps=8),
-                             dataclasses.replace(base, order_warps=2),
-                             dataclasses.replace(base, cap=4096, sample=2048, final_warps=8)]
+                variants += [dataclasses.replace(base, v=16), dataclasses.replace(base, num_warps=8, v=16),
+                             dataclasses.replace(base, order_warps=4), dataclasses.replace(base, final_warps=8)]
             else:
-                variants += [dataclasses.replace(base, splits=s) for s in (2, 8) if s != base.splits]
-                variants += [dataclasses.replace(base, order_warps=8), dataclasses.replace(base, final_warps=8)]
+                variants += [dataclasses.replace(base, splits=2, lanes=128), dataclasses.replace(base, v=16),
+                             dataclasses.replace(base, order_warps=4)]
             for cfg in variants:
                 buffers = SelectBuffers.allocate(rows, n, k, dev, cfg)
                 ms = median_ms(lambda: select_topk_stream(scores, k, buffers=buffers), dev, args.rep)
-                report["sweep"].append({"rows": rows, "N": n, "K": k, "config": dataclasses.asdict(cfg), "ms": ms})
-                print(f"sweep {rows} x {n}: {cfg} -> {ms:.3f} ms", flush=True)
+                counts = torch.full((rows,), n, dtype=torch.int32, device=dev)
+                out = torch.empty((rows, k), dtype=torch.int32, device=dev)
+                filt = median_ms(lambda: launch_stream_select(scores, counts, out, k, True, buffers, stages="filter"),
+                                 dev, args.rep)
+                report["sweep"].append({"rows": rows, "N": n, "K": k, "config": dataclasses.asdict(cfg), "ms": ms,
+                                        "filter_ms": filt})
+                print(f"sweep {rows} x {n}: {cfg} -> {ms:.3f} ms (filter {filt:.3f})", flush=True)
                 write_json(path, report)
             del scores
     report["meta"]["total_s"] = time.time() - t_start

@@ -91,7 +91,9 @@ def test_relu_zero_rows_same_set_on_every_backend(triton_backend):
     assert paths["ties"] > 0
     assert torch.equal(first, second)
     assert torch.equal(first.cpu(), expected)
-    assert torch.equal(select_topk_triton(scores, 48, config=SelectConfig(block=64, cap=32, bins=32)).cpu(), expected)
+    multipass = SelectConfig(block=64, cap=32, bins=32, algorithm="multipass")
+    assert torch.equal(select_topk_triton(scores, 48, config=multipass).cpu(), expected)
+    assert torch.equal(select_topk(scores, 48, backend="triton").cpu(), expected)  # default: streaming select
     assert torch.equal(select_topk(scores.cpu(), 48, backend="reference"), expected)
 
 

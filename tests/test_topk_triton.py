@@ -37,7 +37,7 @@ SCORE_TOL = {"bf16": 2e-2, "fp8": 2e-2, "fp4": 2e-2}
 def _select(scores, k, *, row_counts=None, sort=True, **kw):
     from dsakit.ops.topk.triton import select_topk_triton
 
-    kw = {"block": SMALL_BLOCK, "cap": SMALL_CAP, "bins": SMALL_BINS, **kw}
+    kw = {"block": SMALL_BLOCK, "cap": SMALL_CAP, "bins": SMALL_BINS, "algorithm": "multipass", **kw}
     return select_topk_triton(scores, k, row_counts=row_counts, sort=sort, config=SelectConfig(**kw))
 
 
@@ -372,8 +372,9 @@ def test_decode_plan_reuse_two_batches_and_no_positions(triton_backend):
     device = _device(triton_backend)
     k = 16
     plan = plan_decode_topk(3, 2, 128, k, fmt, device, num_heads=DECODE_HEADS)
-    # the memory formula of the docs: 4 R W + 8 R 2048 + 4 R K + 8 R + 12 B bytes (R = B * next_n = 6)
-    assert plan.workspace_bytes == 4 * 6 * 128 + 8 * 6 * 2048 + 4 * 6 * k + 8 * 6 + 12 * 3
+    # the memory formula of the docs: 4 R W + 8 R 2048 + 4 R K + 8 R + 12 B bytes (R = B * next_n = 6) + the
+    # streaming select's buffers
+    assert plan.workspace_bytes == 4 * 6 * 128 + 8 * 6 * 2048 + 4 * 6 * k + 8 * 6 + 12 * 3 + plan.stream.nbytes
     results = []
     for seed, counts in ((2, [100, 3, 128]), (3, [40, 128, 0])):  # same shape, different values and lengths
         q, w, pool, table, cnt, _ = _decode_batch(fmt, counts, 2, max_pages=2, seed=seed, ratio=1)

@@ -125,15 +125,16 @@ def _filter_kernel(
     tie_ptr,                        # int32 [R, SPLITS, LANES, TCAP]: each lane's first indices == thr
     lane_gt_ptr, lane_eq_ptr,       # int32 [R, SPLITS, LANES]: true per-lane counts (> thr, == thr)
     stats_ptr,                      # int32 [R, SPLITS, STATS]
-    K, SEG,                         # k; entries per split (a multiple of LANES * V)
+    K,
     SPLITS: tl.constexpr, CAP: tl.constexpr, LANES: tl.constexpr, LCAP: tl.constexpr,
     TCAP: tl.constexpr, V: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr,
 ):
-    """One pass over a split of a row. A tile is [V, LANES]: lane l owns entries l * V .. l * V + V - 1 of
-    every tile and appends its entries > thr to its own buffer region (and its first TCAP entries == thr to
-    its own tie list), so the per-tile prefix sums and counts run along V inside a warp: the loop has no
-    block-level synchronisation. Lanes interleave every LANES * V entries, so a trend along the row spreads
-    evenly over the lanes' buffers.
+    """One pass over a split of a row. Split s of SPLITS streams the tiles s, s + SPLITS, s + 2 SPLITS, ...
+    of LANES * V entries; a tile is [V, LANES]: lane l owns entries l * V .. l * V + V - 1 of it and appends
+    its entries > thr to its own buffer region (and its first TCAP entries == thr to its own tie list), so
+    the per-tile prefix sums and counts run along V inside a warp: the loop has no block-level
+    synchronisation. Splits and lanes interleave along the row, so a trend along the row (recent entries
+    scoring higher) spreads evenly over the buffers.
 
     Layout note: the tile's offsets are declared non-contiguous (max_contiguous 1) so that the loads and
     the scattered buffer stores get the same register layout (one entry per thread, a warp on 32
@@ -152,8 +153,8 @@ def _filter_kernel(
     inner = tl.arange(0, V)[:, None] + lanes[None, :] * V           # [V, LANES] entry offsets in a tile
     cand = cand_ptr + part * (LANES * LCAP) + lanes[None, :] * LCAP
     ties = tie_ptr + part * (LANES * TCAP) + lanes[None, :] * TCAP
-    start = split * SEG
-    stop = tl.minimum(n, start + SEG)
+    start = split * BLOCK
+    stop = n
     n_gt = tl.sum(tl.zeros([V, LANES], dtype=tl.int32), axis=0)   # per lane, in the reductions' layout
     n_eq = n_gt
     low = tl.full([V, LANES], INT32_MAX, tl.int32)  # smallest candidate key: is any candidate < thr?
@@ -163,7 +164,8 @@ def _filter_kernel(
     while start < stop:
         offs = tl.max_contiguous(start + inner, [1, 1])
         tile = following
-        following = tl.load(row_scores + offs + BLOCK, mask=offs + BLOCK < stop, other=float("-inf"))
+        following = tl.load(row_scores + offs + BLOCK * SPLITS, mask=offs + BLOCK * SPLITS < stop,
+                            other=float("-inf"))
         key, valid = _key_of(tile, offs < stop)
         gt = valid & (key > thr)
         eq = valid & (key == thr)
@@ -178,7 +180,7 @@ def _filter_kernel(
         total = tl.sum(packed, axis=0)
         n_gt += total & 65535
         n_eq += total >> 16
-        start += BLOCK
+        start += BLOCK * SPLITS
     tl.store(lane_gt_ptr + part * LANES + lanes, n_gt)
     tl.store(lane_eq_ptr + part * LANES + lanes, n_eq)
     stats = stats_ptr + part * STATS

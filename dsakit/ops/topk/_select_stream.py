@@ -25,6 +25,7 @@ k up to ``STREAM_MAX_K`` (4096); larger k use the multi-pass kernel of :mod:`dsa
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +35,8 @@ from ._select_kernels import STATS, _filter_kernel, _final_kernel, _order_kernel
 
 STREAM_MAX_K = 4096
 MAX_BLOCK = 16384  # the filter packs two per-tile ranks into one int32 prefix sum (16 bits each)
-# rows x splits aimed at when rows are few (decode): a few programs per SM of the H200 (132 SMs)
-_TARGET_PROGRAMS = 256
+# rows below which a row is split over several programs (decode): a few programs per SM of the H200
+_TARGET_PROGRAMS = 512
 _MIN_SPLIT = 8192  # entries per split program: below this the per-program sample and setup dominate
 
 
@@ -73,16 +74,23 @@ class StreamConfig:
     @staticmethod
     def default(rows: int, width: int, k: int) -> "StreamConfig":
         splits = 1
-        if rows < _TARGET_PROGRAMS // 2:
-            splits = max(1, min(4, _pow2_floor(_TARGET_PROGRAMS // max(rows, 1)), _pow2_floor(width // _MIN_SPLIT)))
-        cap = min(16384, max(4096 if splits == 1 else 16384, 4 * triton.next_power_of_2(k)))
+        if rows < _TARGET_PROGRAMS:
+            splits = max(1, min(4, _pow2_floor(2 * _TARGET_PROGRAMS // max(rows, 1)),
+                                _pow2_floor(width // _MIN_SPLIT)))
+        cap = min(16384, max(4096, 4 * triton.next_power_of_2(k)))
         # about 128 sample entries per cap-sized slice of the row: the sample rank then has a relative
         # spread of ~1/sqrt(rank) small enough that overflow / underflow (exact fallback) stay rare
-        sample = min(8192, max(256, triton.next_power_of_2(-(-128 * width // cap))))
-        # >= 32 entries per lane: lane counts are ~Poisson, and the fullest of 128 lanes must fit
+        sample = triton.next_power_of_2(-(-128 * width // cap))
+        if splits > 1:
+            # more lanes share the cap: a sample of ~64 entries per k-th of the row keeps the expected
+            # candidates near 1.5 k (each lane ~Poisson(1.5 k / lanes) below its 32 entries)
+            sample = max(sample, triton.next_power_of_2(-(-64 * width // k)))
+        sample = min(8192, max(256, sample))
+        # >= 32 entries per lane: lane counts are ~Poisson, and the fullest lane must fit
         lanes = max(16, min(128, cap // (splits * 32)))
-        return StreamConfig(splits=splits, cap=cap, lanes=lanes, v=8, tie_cap=32, sample=sample, num_warps=4,
-                            final_warps=16, order_warps=2, bins=64)
+        return StreamConfig(splits=splits, cap=cap, lanes=lanes, v=max(8, 1024 // lanes), tie_cap=32,
+                            sample=sample, num_warps=4, final_warps=16, order_warps=2 if rows >= 512 else 4,
+                            bins=64)
 
     def validate(self) -> None:
         for name in ("splits", "cap", "lanes", "v", "tie_cap", "sample", "bins"):
@@ -154,10 +162,9 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
     if rows == 0:
         return
     cfg = buffers.config
-    seg = triton.cdiv(triton.cdiv(max(width, 1), cfg.splits), cfg.block) * cfg.block
     _filter_kernel[(rows, cfg.splits)](
         scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
-        buffers.lane_eq, buffers.stats, k, seg, SPLITS=cfg.splits, CAP=cfg.cap, LANES=cfg.lanes,
+        buffers.lane_eq, buffers.stats, k, SPLITS=cfg.splits, CAP=cfg.cap, LANES=cfg.lanes,
         LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, V=cfg.v, SAMPLE=cfg.sample, BINS=cfg.bins, num_warps=cfg.num_warps)
     if stages == "filter":
         return
@@ -175,6 +182,32 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
         seq if with_slots else counts,
         block_table if with_slots else counts, block_table.stride(0) if with_slots else 0,
         k, K_PAD=triton.next_power_of_2(k), SORT=sort, WITH_SLOTS=with_slots, num_warps=cfg.order_warps)
+
+
+_CACHE: "OrderedDict[tuple, SelectBuffers]" = OrderedDict()
+_CACHE_KEPT = 2
+
+
+def release_select_buffers() -> None:
+    """Free the buffers kept by :func:`cached_select_buffers`."""
+    _CACHE.clear()
+
+
+def cached_select_buffers(rows: int, width: int, k: int, device) -> SelectBuffers:
+    """Buffers for >= rows x width (both rounded up to powers of two, so that a growing width or a short
+    last chunk reuses them), k; the last few shapes are kept. Not for CUDA-graph capture (an entry may be
+    evicted): a graph's caller keeps its own :meth:`SelectBuffers.allocate`."""
+    rows, width = triton.next_power_of_2(max(rows, 1)), triton.next_power_of_2(max(width, 1))
+    key = (torch.device(device), rows, width, k)
+    found = _CACHE.get(key)
+    if found is None:
+        found = SelectBuffers.allocate(rows, width, k, device)
+        _CACHE[key] = found
+        while len(_CACHE) > _CACHE_KEPT:
+            _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    return found
 
 
 def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor | None = None,
@@ -222,4 +255,6 @@ def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
     return out
 
 
-__all__ = ["STREAM_MAX_K", "StreamConfig", "SelectBuffers", "launch_stream_select", "select_topk_stream"]
+__all__ = ["STREAM_MAX_K", "StreamConfig", "SelectBuffers", "cached_select_buffers", "release_select_buffers",
+           "launch_stream_select",
+           "select_topk_stream"]

@@ -30,20 +30,27 @@ def _power_of_two(name: str, value, low: int, high: int | None = None) -> None:
 
 @dataclass(frozen=True)
 class SelectConfig:
-    """Radix-select launch: block (elements per tile of the streaming passes), num_warps, bins (buckets of
-    the narrowing histograms), cap (candidate buffer entries per row). None = the row-count rule of
-    :meth:`resolve` (many rows -> prefill setting, few long rows -> decode setting)."""
+    """Select launch. algorithm: which select runs (see the field). Multi-pass radix select: block (elements
+    per tile of the streaming passes), num_warps, bins (buckets of the narrowing histograms), cap (candidate
+    buffer entries per row). None = the row-count rule of :meth:`resolve` (many rows -> prefill setting,
+    few long rows -> decode setting)."""
 
     block: int | None = None
     num_warps: int | None = None
     bins: int | None = None
     cap: int = 2048
+    # "auto": the streaming select (dsakit.ops.topk._select_stream: one pass over the scores in the common
+    # case) for k <= 4096, the multi-pass radix select above; "stream" / "multipass" force one (the knobs
+    # above tune the multi-pass kernel only)
+    algorithm: str = "auto"
     # measured on the H200 (benchmarks/results/indexer_h200_*.json): (block, warps, bins) for >= 512 rows
     # (prefill) and for fewer, long rows (decode: one program per row)
     many_rows: tuple[int, int, int] = (2048, 8, 128)
     few_rows: tuple[int, int, int] = (8192, 16, 64)
 
     def __post_init__(self):
+        if self.algorithm not in ("auto", "stream", "multipass"):
+            raise ValueError(f"algorithm must be 'auto', 'stream' or 'multipass', got {self.algorithm!r}")
         _power_of_two("block", self.block, 16, MAX_SELECT_BLOCK)
         _power_of_two("bins", self.bins, 32, 1024)
         _power_of_two("cap", self.cap, 32)
@@ -61,7 +68,7 @@ class SelectConfig:
 class TopkConfig:
     """Tuning of ``index_topk`` on Triton: workspace_bytes bounds the fp32 score workspace of the chunked
     path (rows per chunk = workspace_bytes // (4 * W)); sort orders each row by (score desc, index asc)
-    (False: the same set in a deterministic index order); scores / select: the kernels' launch configs."""
+    (False: the same set in a deterministic, unspecified order); scores / select: the kernels' launch configs."""
 
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
     sort: bool = True

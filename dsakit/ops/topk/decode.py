@@ -32,8 +32,9 @@ The plan owns the workspace and the outputs. Memory (bytes, fixed at plan time):
 
     4 * R * W (scores workspace) + 8 * R * 2048 (candidate buffer) + 4 * R * K (indices)
     [+ 4 * R * K (slots)] + 8 * R (visible counts, tile rows) + 12 * B (tile plan),  R = B * next_n
+    + the streaming select's buffers for k <= 4096 (``plan.stream.nbytes``, see dsakit.ops.topk._select_stream)
 
-e.g. B = 64, next_n = 1, W = 128K, K = 2048: 32 MiB + 1 MiB + 0.5 MiB.
+e.g. B = 64, next_n = 1, W = 128K, K = 2048: 32 MiB + 1 MiB + 0.5 MiB + 9 MiB.
 
 Results are the plan's buffers: a later call with the same plan overwrites them (as the static outputs of a
 CUDA graph do); clone them to keep them. Semantics are those of the reference
@@ -53,6 +54,7 @@ from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from ..scores.config import ScoresConfig
 from ..scores.triton import QueryTiles, check_q_inputs, launch_index_scores, plan_decode_tiles, prepare_q
 from .config import SelectConfig
+from ._select_stream import STREAM_MAX_K, SelectBuffers
 from .triton import CANDIDATE_CAP, MAX_K, launch_select, launch_visible
 
 
@@ -82,6 +84,7 @@ class DecodeTopkPlan:
     cand_idx: torch.Tensor
     scores: ScoresConfig
     select: SelectConfig
+    stream: SelectBuffers | None = None  # streaming-select scratch (None: the multi-pass select runs)
 
     @property
     def rows(self) -> int:
@@ -98,7 +101,7 @@ class DecodeTopkPlan:
                    self.tiles.rows, self.tiles.tile_seq, self.tiles.tile_start, self.tiles.tile_len]
         if self.slots is not None:
             tensors.append(self.slots)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + (self.stream.nbytes if self.stream else 0)
 
 
 def plan_decode_topk(batch: int, next_n: int, max_entries: int, k: int, fmt: "KeyFormat | str",
@@ -110,7 +113,7 @@ def plan_decode_topk(batch: int, next_n: int, max_entries: int, k: int, fmt: "Ke
     max_entries: the most entries any sequence may have during the plan's life (workspace width W; a batch
     whose max_entries is larger is refused). num_heads: H of q (picks the scores kernel). return_slots: also
     fill a slots int32 [R, k] output (page * 64 + e via the block table, -1 kept). sort: order each row by
-    (score desc, index asc); False keeps the set in a deterministic index order. scores / select: kernel
+    (score desc, index asc); False keeps the set in a deterministic, unspecified order. scores / select: kernel
     tuning (default: the measured table of the GPU). Building the plan allocates; using it does not.
     """
     batch = check_positive_int("batch", batch, 1)
@@ -133,7 +136,9 @@ def plan_decode_topk(batch: int, next_n: int, max_entries: int, k: int, fmt: "Ke
         slots=torch.full((rows, k), -1, dtype=torch.int32, device=device) if return_slots else None,
         cand_vals=torch.empty((rows, select.cap), dtype=torch.float32, device=device),
         cand_idx=torch.empty((rows, select.cap), dtype=torch.int32, device=device),
-        scores=scores or ScoresConfig.for_device(device), select=select)
+        scores=scores or ScoresConfig.for_device(device), select=select,
+        stream=SelectBuffers.allocate(rows, max_entries, k, device)
+        if select.algorithm == "stream" or (select.algorithm == "auto" and k <= STREAM_MAX_K) else None)
 
 
 def _check_plan(q, weights, batch, k, plan, q_scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -194,7 +199,7 @@ def index_topk_decode(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
     launch_index_scores(prepare_q(q), weights, batch, scores, plan.tiles, q_scale=q_scale, config=plan.scores)
     launch_select(scores, plan.visible, plan.indices, plan.k, plan.sort, config=plan.select, slots=plan.slots,
                   seq=batch.query_seq, block_table=batch.block_table if plan.slots is not None else None,
-                  cand_vals=plan.cand_vals, cand_idx=plan.cand_idx)
+                  cand_vals=plan.cand_vals, cand_idx=plan.cand_idx, stream_buffers=plan.stream)
     return (plan.indices, plan.slots) if plan.slots is not None else plan.indices
 
 

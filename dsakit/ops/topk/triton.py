@@ -10,6 +10,10 @@ Two entry points:
   workspace [rows_per_chunk, W] (W = batch.max_entries) by the scores kernel and each chunk is selected
   before the next one overwrites the workspace.
 
+Both select with the streaming select of :mod:`dsakit.ops.topk._select_stream` for k <= 4096 (one pass over
+the scores in the common case; ``SelectConfig.algorithm``) and with the multi-pass radix select below
+otherwise.
+
 Host cost. Workspaces (visible counts, score workspace, candidate buffers) and tile plans are cached by
 shape (device, T, H, workspace width rounded up to a power of two, queries per sequence), so a repeated
 call with the same shapes makes no device->host sync and allocates only its outputs. A batch whose rows
@@ -59,6 +63,7 @@ from ...batch import PagedBatch, check_k
 from ..scores.triton import (QueryTiles, check_q_inputs, check_q_scale_values, launch_index_scores,
                              plan_query_tiles, prepare_q, tiles_from_lens)
 from ._kernels import _radix_select_kernel, _visible_kernel
+from ._select_stream import STREAM_MAX_K, cached_select_buffers, launch_stream_select, release_select_buffers
 from .config import DEFAULT_WORKSPACE_BYTES, SelectConfig, TopkConfig
 
 # The final sort holds next_pow2(K) int64 keys in registers of one program.
@@ -75,6 +80,7 @@ _BUFFERS_KEPT = 12
 def release_workspaces() -> None:
     """Free the workspaces cached by :func:`index_topk_triton` (the next call allocates them again)."""
     _BUFFERS.clear()
+    release_select_buffers()
 
 
 def cached_buffer(role: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -94,11 +100,19 @@ def cached_buffer(role: str, shape: tuple, dtype: torch.dtype, device: torch.dev
 def launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int, sort: bool, *,
                   config: SelectConfig | None = None, slots: torch.Tensor | None = None,
                   seq: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                  cand_vals: torch.Tensor | None = None, cand_idx: torch.Tensor | None = None) -> None:
+                  cand_vals: torch.Tensor | None = None, cand_idx: torch.Tensor | None = None,
+                  stream_buffers=None) -> None:
     """Launch the radix select of scores fp32 [R, W] (row r considers its first counts[r] entries) into
     out int32 [R, k] (and slots, through seq [R] and block_table, when given). No checks, no sync; the
-    candidate buffers (fp32 / int32 [>= R, cap]) are allocated when not given."""
+    candidate buffers (fp32 / int32 [>= R, cap]) are allocated when not given. With the streaming select
+    (``config.algorithm``), ``stream_buffers`` (a ``SelectBuffers``) or cached ones are used."""
     config = config or SelectConfig()
+    if config.algorithm == "stream" or (config.algorithm == "auto" and k <= STREAM_MAX_K):
+        if stream_buffers is None:
+            stream_buffers = cached_select_buffers(scores.shape[0], scores.shape[1], k, scores.device)
+        launch_stream_select(scores, counts, out, k, sort, stream_buffers, slots=slots, seq=seq,
+                             block_table=block_table)
+        return
     block, num_warps, bins = config.resolve(scores.shape[0])
     cap = config.cap
     rows = scores.shape[0]
@@ -134,7 +148,8 @@ def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
 
     ``row_counts`` int [T] (optional): row t considers only its first row_counts[t] entries (the rest is
     treated as masked and never read; checking the values costs one sync). ``sort=False`` returns the same
-    set per row in index order (skips the final sort). ``config``: select tuning (:class:`SelectConfig`).
+    set per row in a deterministic order (index order for the multi-pass select; the streaming select's
+    buffer order otherwise) and skips the final sort. ``config``: select tuning (:class:`SelectConfig`).
     Memory: the [T, k] output plus a candidate scratch of 8 * cap bytes per row.
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
