@@ -248,12 +248,13 @@ class PagedBatch:
                    tuple(int(n) for n in lens), n_unsorted == 0)
 
     @classmethod
-    def from_host(cls, pool: torch.Tensor, fmt: KeyFormat, pages: Sequence[Sequence[int]], lengths: Sequence[int],
+    def from_host(cls, pool: torch.Tensor, fmt: KeyFormat, pages: "Sequence[Sequence[int] | torch.Tensor]",
+                  lengths: Sequence[int],
                   query_lens: Sequence[int] | None = None, query_positions: torch.Tensor | None = None,
                   ratio: int = 1, width: int | None = None) -> "PagedBatch":
         """Batch from host metadata known to be valid (page lists inside the pool, lengths that fit them).
 
-        pages[b]: page ids of sequence b; lengths[b]: its entries; query_lens[b]: its queries (default 1);
+        pages[b]: page ids of sequence b (a list or a CPU int tensor); lengths[b]: its entries; query_lens[b]: its queries (default 1);
         rows are grouped by sequence in order. Only host -> device copies, no device->host sync.
         """
         fmt = KeyFormat.parse(fmt)
@@ -265,21 +266,28 @@ class PagedBatch:
         query_lens = [1] * b if query_lens is None else list(query_lens)
         if len(query_lens) != b or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in query_lens):
             raise ValueError(f"query_lens must be {b} non-negative ints (queries per sequence), got {query_lens!r}")
-        widest = max((len(p) for p in pages), default=0)
+        widest = max((int(len(p)) for p in pages), default=0)
         width = widest if width is None else width
         if isinstance(width, bool) or not isinstance(width, int) or width < widest:
             raise ValueError(f"block table width must be an int >= {widest} (the longest page list), got {width!r}")
         t = sum(query_lens)
         device = pool.device
         # one host buffer [B * W + B + T] int32 (block table, counts, query_seq), one asynchronous upload
-        flat: list[int] = []
-        for p in pages:
-            flat.extend(p)
-            flat.extend([-1] * (width - len(p)))
-        flat.extend(lengths)
-        for i, n in enumerate(query_lens):
-            flat.extend([i] * n)
-        buf = upload(torch.tensor(flat, dtype=torch.int32), device)
+        rows = [p.to(torch.int32) if isinstance(p, torch.Tensor) else torch.tensor(list(p), dtype=torch.int32)
+                for p in pages]
+        if b and widest == width:
+            table = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1)
+        else:
+            table = torch.full((b, width), -1, dtype=torch.int32)
+            if b and widest:
+                table[:, :widest] = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1)
+        counts = torch.tensor(list(lengths), dtype=torch.int32)
+        if all(n == 1 for n in query_lens):
+            seq = torch.arange(b, dtype=torch.int32)
+        else:
+            seq = torch.repeat_interleave(torch.arange(b, dtype=torch.int32),
+                                          torch.tensor(query_lens, dtype=torch.long), output_size=t)
+        buf = upload(torch.cat([table.reshape(-1), counts, seq]), device)
         table = buf[: b * width].view(b, width)
         counts, seq = buf[b * width: b * width + b], buf[b * width + b:]
         positions = None

@@ -152,6 +152,9 @@ class PagedCache:
         self.pool = torch.zeros(num_pages, fmt.page_bytes, dtype=torch.uint8, device=device)
         self._free = list(range(num_pages - 1, -1, -1))  # stack: pops the lowest page first
         self._tables: dict[int, list[int]] = {}
+        # int32 CPU copies of the tables for PagedCache.batch, rebuilt when a table changes (a decode step
+        # adds a page every 64 entries, so a batch of long sequences does not convert every list every step)
+        self._table_rows: dict[int, torch.Tensor] = {}
         self._lengths: dict[int, int] = {}
         self._next_id = 0
 
@@ -215,12 +218,14 @@ class PagedCache:
             raise ValueError(f"truncate length must be an int in 0..{current} (sequence {seq_id}), got {length!r}")
         table = self._tables[seq_id]
         keep = (length + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
+        self._table_rows.pop(seq_id, None)
         self._free.extend(reversed(table[keep:]))
         del table[keep:]
         self._lengths[seq_id] = length
 
     def free_sequence(self, seq_id: int) -> None:
         self._check_seq(seq_id)
+        self._table_rows.pop(seq_id, None)
         self._free.extend(reversed(self._tables.pop(seq_id)))
         del self._lengths[seq_id]
 
@@ -269,8 +274,20 @@ class PagedCache:
             self._check_seq(s)
         if not isinstance(self.fmt, KeyFormat):
             raise ValueError(f"a PagedBatch reads index keys; this cache holds {self.fmt.name} attention entries")
-        return PagedBatch.from_host(self.pool, self.fmt, [self._tables[s] for s in seq_ids],
+        return PagedBatch.from_host(self.pool, self.fmt, [self._table_row(s) for s in seq_ids],
                                     [self._lengths[s] for s in seq_ids], query_lens, query_positions, ratio)
+
+    def _table_row(self, seq_id: int) -> torch.Tensor:
+        """int32 CPU [pages] of a sequence's table (cached; appends only add pages, truncate / free drop it)."""
+        pages = self._tables[seq_id]
+        row = self._table_rows.get(seq_id)
+        if row is None or row.numel() > len(pages):
+            row = torch.tensor(pages, dtype=torch.int32)
+            self._table_rows[seq_id] = row
+        elif row.numel() < len(pages):  # pages appended since: extend, the prefix is unchanged
+            row = torch.cat([row, torch.tensor(pages[row.numel():], dtype=torch.int32)])
+            self._table_rows[seq_id] = row
+        return row
 
     # -- data (reference path) -----------------------------------------------------------------------
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
