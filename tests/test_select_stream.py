@@ -111,3 +111,18 @@ def test_stream_select_rejects_bad_input(triton_backend):
         select_topk_stream(scores, 4, row_counts=torch.tensor([65, 1], device=scores.device))
     with pytest.raises(ValueError, match="power of two"):
         select_topk_stream(scores, 4, config=StreamConfig(splits=3, **TINY))
+
+
+def test_cached_launch_in_row_slices(triton_backend):
+    """A cached-buffer launch bounded to a few rows selects in consecutive row slices: same result."""
+    from dsakit.ops.topk._select_stream import launch_stream_select_cached, release_select_buffers
+
+    scores = _rows(96).to(_device())
+    counts = torch.tensor([96, 50, 96, 96, 3, 96, 96, 96], dtype=torch.int32, device=scores.device)
+    out = torch.empty((8, 5), dtype=torch.int32, device=scores.device)
+    release_select_buffers()
+    launch_stream_select_cached(scores, counts, out, 5, True, budget=1)  # one row per launch
+    masked = scores.cpu().clone()
+    for row, c in enumerate(counts.tolist()):
+        masked[row, c:] = float("-inf")
+    assert torch.equal(out.cpu(), reference_select(masked, 5))

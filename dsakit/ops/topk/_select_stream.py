@@ -193,21 +193,46 @@ def release_select_buffers() -> None:
     _CACHE.clear()
 
 
-def cached_select_buffers(rows: int, width: int, k: int, device) -> SelectBuffers:
+def cached_select_buffers(rows: int, width: int, k: int, device, rows_hint: int | None = None) -> SelectBuffers:
     """Buffers for >= rows x width (both rounded up to powers of two, so that a growing width or a short
-    last chunk reuses them), k; the last few shapes are kept. Not for CUDA-graph capture (an entry may be
-    evicted): a graph's caller keeps its own :meth:`SelectBuffers.allocate`."""
+    last chunk reuses them), k; the last few shapes are kept. rows_hint: the rows of the whole launch (picks
+    the launch configuration; default rows). Not for CUDA-graph capture (an entry may be evicted): a graph's
+    caller keeps its own :meth:`SelectBuffers.allocate`."""
     rows, width = triton.next_power_of_2(max(rows, 1)), triton.next_power_of_2(max(width, 1))
-    key = (torch.device(device), rows, width, k)
+    hint = triton.next_power_of_2(max(rows_hint or rows, 1))
+    key = (torch.device(device), rows, width, k, hint)
     found = _CACHE.get(key)
     if found is None:
-        found = SelectBuffers.allocate(rows, width, k, device)
+        found = SelectBuffers.allocate(rows, width, k, device, StreamConfig.default(hint, width, k))
         _CACHE[key] = found
         while len(_CACHE) > _CACHE_KEPT:
             _CACHE.popitem(last=False)
     else:
         _CACHE.move_to_end(key)
     return found
+
+
+# Bound of the cached buffers of one launch (bytes): more rows than fit are selected in consecutive launches
+# over row slices (still no sync), so the select adds at most this much to a chunked index_topk.
+CACHED_BYTES = 256 << 20
+
+
+def launch_stream_select_cached(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int,
+                                sort: bool, *, slots: torch.Tensor | None = None, seq: torch.Tensor | None = None,
+                                block_table: torch.Tensor | None = None, budget: int = CACHED_BYTES) -> None:
+    """:func:`launch_stream_select` with cached buffers of at most ~``budget`` bytes: rows beyond what they
+    hold are selected in consecutive launches over row slices."""
+    rows, width = scores.shape
+    if rows == 0:
+        return
+    per_row = SelectBuffers.allocate(1, width, k, "meta", StreamConfig.default(rows, width, k)).nbytes
+    step = min(triton.next_power_of_2(rows), _pow2_floor(max(1, budget // per_row)))
+    buffers = cached_select_buffers(step, width, k, scores.device, rows_hint=rows)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        launch_stream_select(scores[start:stop], counts[start:stop], out[start:stop], k, sort, buffers,
+                             slots=None if slots is None else slots[start:stop],
+                             seq=None if seq is None else seq[start:stop], block_table=block_table)
 
 
 def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor | None = None,
@@ -256,5 +281,5 @@ def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
 
 
 __all__ = ["STREAM_MAX_K", "StreamConfig", "SelectBuffers", "cached_select_buffers", "release_select_buffers",
-           "launch_stream_select",
+           "launch_stream_select", "launch_stream_select_cached",
            "select_topk_stream"]

@@ -63,7 +63,8 @@ from ...batch import PagedBatch, check_k
 from ..scores.triton import (QueryTiles, check_q_inputs, check_q_scale_values, launch_index_scores,
                              plan_query_tiles, prepare_q, tiles_from_lens)
 from ._kernels import _radix_select_kernel, _visible_kernel
-from ._select_stream import STREAM_MAX_K, cached_select_buffers, launch_stream_select, release_select_buffers
+from ._select_stream import (STREAM_MAX_K, launch_stream_select, launch_stream_select_cached,
+                             release_select_buffers)
 from .config import DEFAULT_WORKSPACE_BYTES, SelectConfig, TopkConfig
 
 # The final sort holds next_pow2(K) int64 keys in registers of one program.
@@ -109,9 +110,10 @@ def launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
     config = config or SelectConfig()
     if config.algorithm == "stream" or (config.algorithm == "auto" and k <= STREAM_MAX_K):
         if stream_buffers is None:
-            stream_buffers = cached_select_buffers(scores.shape[0], scores.shape[1], k, scores.device)
-        launch_stream_select(scores, counts, out, k, sort, stream_buffers, slots=slots, seq=seq,
-                             block_table=block_table)
+            launch_stream_select_cached(scores, counts, out, k, sort, slots=slots, seq=seq, block_table=block_table)
+        else:
+            launch_stream_select(scores, counts, out, k, sort, stream_buffers, slots=slots, seq=seq,
+                                 block_table=block_table)
         return
     block, num_warps, bins = config.resolve(scores.shape[0])
     cap = config.cap
