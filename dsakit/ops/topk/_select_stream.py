@@ -225,7 +225,9 @@ def launch_stream_select_cached(scores: torch.Tensor, counts: torch.Tensor, out:
     rows, width = scores.shape
     if rows == 0:
         return
-    per_row = SelectBuffers.allocate(1, width, k, "meta", StreamConfig.default(rows, width, k)).nbytes
+    cfg = StreamConfig.default(rows, width, k)
+    parts = cfg.splits * cfg.lanes
+    per_row = 8 * cfg.cap + 4 * parts * (cfg.tie_cap + 2) + 4 * cfg.splits * STATS.value + 8 * k + 4
     step = min(triton.next_power_of_2(rows), _pow2_floor(max(1, budget // per_row)))
     buffers = cached_select_buffers(step, width, k, scores.device, rows_hint=rows)
     for start in range(0, rows, step):
