@@ -9,11 +9,14 @@ tests/test_formats_engine_bytes.py pin down.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 import struct
 
 import pytest
 import torch
 
+from dsakit import PagedBatch
 from dsakit.cache import PagedCache
 from dsakit.formats import CENTRED_KEY_FORMATS, KeyFormat, centre_of, decode_centres, is_centred
 from dsakit.ops import scores as scores_ops
@@ -23,6 +26,9 @@ from dsakit.ops.scores.reference import index_scores_dense
 from dsakit.presets import KeyTransform, get_preset
 
 CENTRED = sorted(CENTRED_KEY_FORMATS)
+TRITON_OK = importlib.util.find_spec("triton") is not None and (
+    os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available())
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 def bf16_bits(value: float) -> int:
@@ -313,19 +319,63 @@ def test_centred_keeps_a_needle_that_fp8_loses():
     assert ranks["fp8"] > 50, ranks
 
 
-def test_triton_refuses_centred_pages_until_supported():
-    """Until a kernel reads the centre, the Triton entry points refuse these formats by name."""
-    pytest.importorskip("triton")
-    fmt = KeyFormat.FP8_CENTRED
-    pool = torch.zeros(1, fmt.page_bytes, dtype=torch.uint8)
+@pytest.mark.skipif(not TRITON_OK, reason="Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device")
+@pytest.mark.parametrize("name", CENTRED)
+def test_triton_store_matches_reference_bulk_and_appends(name):
+    """Inputs whose pipeline is exact in fp32 (rows of +-1 under RMSNorm with eps 0, rope at position 0, no
+    Hadamard: the transformed row is +-weight): the two-launch Triton store writes the reference's bytes,
+    centres included, in one bulk call and in appends that start, fill and cross pages."""
+    fmt = KeyFormat.parse(name)
+    g = torch.Generator().manual_seed(9)
+    n = 70
+    keys = torch.where(torch.rand(n, 128, generator=g) < 0.1, -1.0, 1.0)
+    weight = torch.randn(128, generator=g) * 3
+    table = get_preset("deepseek-v4-flash").rope.cos_sin_table(4)
+    transform = KeyTransform(hadamard=False, eps=0.0)
+    slots = torch.cat([torch.arange(128, 192), torch.arange(64, 70)])  # pages 2 then 1
+    positions = torch.zeros(n, dtype=torch.long)
+    ref = torch.zeros(3, fmt.page_bytes, dtype=torch.uint8)
+    store_ops.store_index_keys(keys, positions, slots, ref, fmt, table, weight, None, transform, backend="reference")
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    bulk = torch.zeros(3, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
+    store_ops.store_index_keys(dev(keys), dev(positions), dev(slots), bulk, fmt, dev(table), dev(weight), None,
+                               transform, backend="triton")
+    appended = torch.zeros(3, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
+    for lo, hi in ((0, 1), (1, 66), (66, 70)):
+        store_ops.store_index_keys(dev(keys[lo:hi]), dev(positions[lo:hi]), dev(slots[lo:hi]), appended, fmt,
+                                   dev(table), dev(weight), None, transform, backend="triton")
+    assert torch.equal(bulk.cpu(), ref) and torch.equal(appended.cpu(), ref)
+    assert ref[2, fmt.centre_offset_in_page:].any()
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device")
+@pytest.mark.parametrize("name", CENTRED)
+def test_triton_scores_and_topk_match_reference(name):
+    """Prefill (tile kernel) and decode (group kernel) scores of centred pages against the reference on the
+    same bf16-rounded queries, and the top-k built on them."""
+    fmt = KeyFormat.parse(name)
+    g = torch.Generator().manual_seed(10)
+    cache = PagedCache(fmt, 4)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.write(cache.append(a, 150), shared_keys(150, 30.0, seed=11))
+    cache.write(cache.append(b, 40), shared_keys(40, 30.0, seed=12))
+    q = torch.randn(4, 16, 128, generator=g).bfloat16().float()
+    w = torch.rand(4, 16, generator=g)
+    query_seq = torch.tensor([0, 0, 1, 0], dtype=torch.int32)
+    positions = torch.tensor([149, 100, 39, 64])
+    batch = PagedBatch.build(cache.pool.to(DEVICE), fmt, cache.block_table([a, b]).to(DEVICE),
+                             cache.entry_counts([a, b]).to(DEVICE), query_seq.to(DEVICE), positions.to(DEVICE))
+    ref = scores_ops.index_scores(q, w, batch, backend="reference")
+    from dsakit.ops.scores.config import ScoresConfig
     from dsakit.ops.scores.triton import index_scores_triton
 
-    from dsakit import PagedBatch
-
-    batch = PagedBatch.build(pool, fmt, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
-                             torch.zeros(1, dtype=torch.int32))
-    with pytest.raises(ValueError, match="fp8-centred"):
-        index_scores_triton(torch.zeros(1, 1, 128), torch.ones(1, 1), batch)
+    for kernel in ("tile", "group"):
+        out = index_scores_triton(q.to(DEVICE), w.to(DEVICE), batch, config=ScoresConfig(kernel=kernel)).cpu()
+        assert torch.equal(torch.isinf(out), torch.isinf(ref)), kernel
+        finite = torch.isfinite(ref)
+        assert float((out - ref).abs()[finite].max()) <= 1e-5 * float(ref[finite].abs().max()), kernel
+    top = topk_ops.index_topk(q.to(DEVICE), w.to(DEVICE), batch, 32, backend="triton").cpu()
+    assert torch.equal(top, topk_ops.select_topk(ref, 32, backend="reference"))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -494,6 +494,4 @@ def is_centred(fmt) -> bool:
 def key_codec(fmt: "KeyFormat | str") -> KeyCodec:
     """The kernel codec of an index-key format (:mod:`dsakit.formats.codes`)."""
     fmt = KeyFormat.parse(fmt)
-    if is_centred(fmt):
-        raise ValueError(f"the Triton kernels do not read or write {fmt.name} pages yet; use backend='reference'")
-    return KEY_CODECS[fmt.kind]
+    return KEY_CODECS[fmt.name if is_centred(fmt) else fmt.kind]

@@ -19,6 +19,8 @@ class KeyCode(IntEnum):
     BF16 = 0
     FP8 = 1
     FP4 = 2
+    FP8_CENTRED = 3  # fp8 residuals + a bf16 centre per page
+    FP4_CENTRED = 4  # fp4 residuals + a bf16 centre per page
 
 
 @dataclass(frozen=True)
@@ -27,19 +29,22 @@ class KeyCodec:
 
     code: the KeyCode the codec functions switch on. decode_block_n: key tile of the decode scores kernel
     measured fastest on the H200 for this encoding. fp8_dot: the stored values can feed fp8 tensor cores as
-    they are (the per-entry scale is then applied per score column).
+    they are (the per-entry scale is then applied per score column). page_term: the format keeps a side value
+    per page (a page-centred format's centre): the scores kernels add a per-page term q . c to every logit
+    and the store kernel runs twice (first the pages' side values, from their entry 0, then the entries).
     """
 
     code: KeyCode
     decode_block_n: int
     fp8_dot: bool = False
+    page_term: bool = False
 
     def pool_views(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Typed flat views (values, scales) of a uint8 pool, as the codec functions index them."""
         flat = pool.view(-1)
         if self.code == KeyCode.BF16:
             return flat.view(torch.bfloat16), flat
-        if self.code == KeyCode.FP8:
+        if self.code in (KeyCode.FP8, KeyCode.FP8_CENTRED):
             return flat, flat.view(torch.float32)
         return flat, flat
 
@@ -48,4 +53,7 @@ KEY_CODECS: dict[str, KeyCodec] = {
     "bf16": KeyCodec(KeyCode.BF16, decode_block_n=64),
     "fp8": KeyCodec(KeyCode.FP8, decode_block_n=64, fp8_dot=True),
     "fp4": KeyCodec(KeyCode.FP4, decode_block_n=128),
+    # page-centred formats, by format name (their kind is the residual's encoding)
+    "fp8-centred": KeyCodec(KeyCode.FP8_CENTRED, decode_block_n=64, fp8_dot=True, page_term=True),
+    "fp4-centred": KeyCodec(KeyCode.FP4_CENTRED, decode_block_n=128, page_term=True),
 }

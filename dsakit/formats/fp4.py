@@ -95,12 +95,13 @@ if triton is not None:
         return code | (((v < 0) & (code != 0)).to(tl.int32) << 3)
 
     @triton.jit
-    def load_fp4_tile(values_ptr, scales_ptr, pages, slot, valid, D: tl.constexpr):
+    def load_fp4_tile(values_ptr, scales_ptr, pages, slot, valid, D: tl.constexpr, PAGE_EXTRA: tl.constexpr = 0):
         """Key tile bf16 [BLOCK_N, D] of entries (pages[n], slot[n]): e2m1 magnitude x 2^(s - 127), exact in
-        bf16 (<= 2 significant bits). Page = 64 x D / 2 packed bytes then 64 x D / 32 ue8m0 bytes."""
+        bf16 (<= 2 significant bits). Page = 64 x D / 2 packed bytes then 64 x D / 32 ue8m0 bytes (then
+        PAGE_EXTRA bytes: a page-centred format's centre)."""
         dims = tl.arange(0, D)
         half = tl.arange(0, D // 2)
-        page_base = pages[:, None] * (64 * (D // 2 + 4))
+        page_base = pages[:, None] * (64 * (D // 2 + 4) + PAGE_EXTRA)
         raw = tl.load(values_ptr + page_base + slot[:, None] * (D // 2) + half[None, :],
                       mask=valid[:, None], other=0).to(tl.int32)
         # element 2i = low nibble, 2i + 1 = high nibble: join on a new last axis, then flatten

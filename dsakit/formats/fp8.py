@@ -111,11 +111,13 @@ if triton is not None:
         return tl.max(finite_abs_tl(x), axis=AXIS)
 
     @triton.jit
-    def load_fp8_tile(values_ptr, pages, slot, valid, FP8_DOT: tl.constexpr, D: tl.constexpr):
+    def load_fp8_tile(values_ptr, pages, slot, valid, FP8_DOT: tl.constexpr, D: tl.constexpr,
+                      PAGE_EXTRA: tl.constexpr = 0):
         """Key tile [BLOCK_N, D] of entries (pages[n], slot[n]) as e4m3 (FP8_DOT) or bf16 (exact upcast);
-        the per-entry scale is applied by the caller per score column (:func:`load_fp8_scales`)."""
+        the per-entry scale is applied by the caller per score column (:func:`load_fp8_scales`). PAGE_EXTRA:
+        bytes a page holds after its scales (a page-centred format's centre)."""
         dims = tl.arange(0, D)
-        raw = tl.load(values_ptr + pages[:, None] * (64 * D + 64 * 4) + slot[:, None] * D + dims[None, :],
+        raw = tl.load(values_ptr + pages[:, None] * (64 * D + 64 * 4 + PAGE_EXTRA) + slot[:, None] * D + dims[None, :],
                       mask=valid[:, None], other=0)
         k = raw.to(tl.float8e4nv, bitcast=True)
         if not FP8_DOT:
@@ -123,9 +125,9 @@ if triton is not None:
         return k
 
     @triton.jit
-    def load_fp8_scales(scales_ptr, pages, slot, valid, D: tl.constexpr):
+    def load_fp8_scales(scales_ptr, pages, slot, valid, D: tl.constexpr, PAGE_EXTRA: tl.constexpr = 0):
         """Per-entry fp32 scales [BLOCK_N] (scales_ptr: the pool viewed as fp32)."""
-        page_words = (64 * D + 64 * 4) // 4
+        page_words = (64 * D + 64 * 4 + PAGE_EXTRA) // 4
         return tl.load(scales_ptr + pages * page_words + (64 * D) // 4 + slot, mask=valid, other=0.0)
 
     @triton.jit

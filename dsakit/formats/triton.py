@@ -8,6 +8,12 @@ Kernels read and write keys only through these functions:
 * :func:`store_key_rows` / :func:`store_key_halves` - encode and store transformed keys (the two tile
   layouts of the store kernels: [BLOCK_N, 128] rows and [2, BLOCK_N, 8, 8] halves).
 
+Formats with a per-page term (``KeyCodec.page_term``: the page-centred formats) also use
+:func:`load_key_page_tile` (the pages' side values as a [16, D] tile for the per-page logit term q . c),
+:func:`load_logit_scales` / :func:`scale_key_logits` (a per-entry scale applied to each head's logits before
+the relu, since relu(s a + b) != s relu(a + b / s)) and :func:`store_key_page_rows` /
+:func:`store_key_page_halves` (the store kernel's first launch: a page's side value from its entry 0).
+
 Every function takes the page base of each entry, so a format with a per-page side value (a page centre
 stored after the scales) can read or write it here without the kernels changing.
 """
@@ -18,6 +24,8 @@ import triton
 import triton.language as tl
 
 from .bf16 import load_bf16_tile, store_bf16_halves, store_bf16_rows
+from .centred import (CENTRE_EXTRA, load_centre_halves, load_centre_rows, load_centre_tile, store_centre_halves,
+                      store_centre_rows)
 from .codes import KeyCode
 from .fp4 import load_fp4_tile, store_fp4_halves, store_fp4_rows
 from .fp8 import load_fp8_scales, load_fp8_tile, store_fp8_halves, store_fp8_rows
@@ -25,6 +33,12 @@ from .fp8 import load_fp8_scales, load_fp8_tile, store_fp8_halves, store_fp8_row
 BF16 = tl.constexpr(int(KeyCode.BF16))
 FP8 = tl.constexpr(int(KeyCode.FP8))
 FP4 = tl.constexpr(int(KeyCode.FP4))
+FP8_CENTRED = tl.constexpr(int(KeyCode.FP8_CENTRED))
+FP4_CENTRED = tl.constexpr(int(KeyCode.FP4_CENTRED))
+EXTRA = tl.constexpr(CENTRE_EXTRA)
+# where a centred page's centre starts (D = 128): after 64 x (128 + 4) fp8 bytes / 64 x (64 + 4) fp4 bytes
+FP8_CENTRE_OFFSET = tl.constexpr(64 * (128 + 4))
+FP4_CENTRE_OFFSET = tl.constexpr(64 * (64 + 4))
 
 
 @triton.jit
@@ -40,9 +54,48 @@ def load_key_tile(values_ptr, scales_ptr, pages, slot, valid, CODE: tl.constexpr
         k = load_bf16_tile(values_ptr, pages, slot, valid, D)
     elif CODE == FP8:
         k = load_fp8_tile(values_ptr, pages, slot, valid, FP8_DOT, D)
+    elif CODE == FP8_CENTRED:  # the residuals, unscaled (see scale_key_logits)
+        k = load_fp8_tile(values_ptr, pages, slot, valid, FP8_DOT, D, EXTRA)
+    elif CODE == FP4_CENTRED:  # the residuals
+        k = load_fp4_tile(values_ptr, scales_ptr, pages, slot, valid, D, EXTRA)
     else:
         k = load_fp4_tile(values_ptr, scales_ptr, pages, slot, valid, D)
     return k
+
+
+@triton.jit
+def load_key_page_tile(values_ptr, pages, valid, CODE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Per-page side values of a key tile whose entries start on a page boundary, bf16 [16, D]: row p is
+    that of the page of entries 64p .. 64p + 63 (rows past BLOCK_N / 64 and invalid pages are 0). For the
+    page-centred formats, the pages' centres (the kernels add q . c to the logits of the page's entries)."""
+    if CODE == FP8_CENTRED:
+        c = load_centre_tile(values_ptr, pages, valid, FP8_CENTRE_OFFSET + EXTRA, FP8_CENTRE_OFFSET, BLOCK_N, D)
+    else:
+        c = load_centre_tile(values_ptr, pages, valid, FP4_CENTRE_OFFSET + EXTRA, FP4_CENTRE_OFFSET, BLOCK_N, D)
+    return c
+
+
+@triton.jit
+def load_logit_scales(scales_ptr, pages, slot, valid, CODE: tl.constexpr, D: tl.constexpr):
+    """Per-entry scales [BLOCK_N] that must multiply each head's logits before the relu (fp8-centred: the
+    residual's scale, because of the centre term added next); a dummy for every other code."""
+    if CODE == FP8_CENTRED:
+        s = load_fp8_scales(scales_ptr, pages, slot, valid, D, EXTRA)
+    else:
+        s = tl.zeros([1], dtype=tl.float32)
+    return s
+
+
+@triton.jit
+def scale_key_logits(logits, scales, CODE: tl.constexpr, ENTRY_AXIS: tl.constexpr):
+    """One head's logits times the per-entry scales of :func:`load_logit_scales` (fp8-centred); unchanged
+    otherwise. ENTRY_AXIS: the axis (0 or 1) that runs over the tile's entries."""
+    if CODE == FP8_CENTRED:
+        if ENTRY_AXIS == 0:
+            logits = logits * scales[:, None]
+        else:
+            logits = logits * scales[None, :]
+    return logits
 
 
 @triton.jit
@@ -68,6 +121,12 @@ def store_key_rows(x, pool_ptr, page_base, value_base, scale_base, cols, live, C
         store_bf16_rows(x, pool_ptr, value_base, cols, live)
     elif CODE == FP8:
         store_fp8_rows(x, pool_ptr, value_base, scale_base, cols, live, UE8M0)
+    elif CODE == FP8_CENTRED:  # the residual from the page's centre (written by the first launch)
+        x = x - load_centre_rows(pool_ptr, page_base, cols, live, FP8_CENTRE_OFFSET)
+        store_fp8_rows(x, pool_ptr, value_base, scale_base, cols, live, UE8M0)
+    elif CODE == FP4_CENTRED:
+        x = x - load_centre_rows(pool_ptr, page_base, cols, live, FP4_CENTRE_OFFSET)
+        store_fp4_rows(x, pool_ptr, value_base, scale_base, live, FP4_RNE, BLOCK_N)
     else:
         store_fp4_rows(x, pool_ptr, value_base, scale_base, live, FP4_RNE, BLOCK_N)
 
@@ -81,5 +140,30 @@ def store_key_halves(x, pool_ptr, page_base, value_base, scale_base, cols, half,
         store_bf16_halves(x, pool_ptr, value_base, cols, live, NATIVE)
     elif CODE == FP8:
         store_fp8_halves(x, pool_ptr, value_base, scale_base, cols, live, UE8M0, NATIVE)
+    elif CODE == FP8_CENTRED:  # the residual from the page's centre (written by the first launch)
+        x = x - load_centre_halves(pool_ptr, page_base, cols, live, FP8_CENTRE_OFFSET)
+        store_fp8_halves(x, pool_ptr, value_base, scale_base, cols, live, UE8M0, NATIVE)
+    elif CODE == FP4_CENTRED:
+        x = x - load_centre_halves(pool_ptr, page_base, cols, live, FP4_CENTRE_OFFSET)
+        store_fp4_halves(x, pool_ptr, value_base, scale_base, half, live, FP4_RNE, BLOCK_N)
     else:
         store_fp4_halves(x, pool_ptr, value_base, scale_base, half, live, FP4_RNE, BLOCK_N)
+
+
+@triton.jit
+def store_key_page_rows(x, pool_ptr, page_base, cols, live, CODE: tl.constexpr):
+    """First store launch of a page-term format: rows x fp32 [BLOCK_N, 128] that are entry 0 of their page
+    (``live``) write the page's side value (page-centred: the centre, bf16 of the row)."""
+    if CODE == FP8_CENTRED:
+        store_centre_rows(x, pool_ptr, page_base, cols, live, FP8_CENTRE_OFFSET)
+    elif CODE == FP4_CENTRED:
+        store_centre_rows(x, pool_ptr, page_base, cols, live, FP4_CENTRE_OFFSET)
+
+
+@triton.jit
+def store_key_page_halves(x, pool_ptr, page_base, cols, live, CODE: tl.constexpr, NATIVE: tl.constexpr):
+    """:func:`store_key_page_rows` for the [2, BLOCK_N, 8, 8] layout of the fast store kernel."""
+    if CODE == FP8_CENTRED:
+        store_centre_halves(x, pool_ptr, page_base, cols, live, FP8_CENTRE_OFFSET, NATIVE)
+    elif CODE == FP4_CENTRED:
+        store_centre_halves(x, pool_ptr, page_base, cols, live, FP4_CENTRE_OFFSET, NATIVE)

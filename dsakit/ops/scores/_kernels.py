@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...formats.triton import load_key_tile, scale_key_scores
+from ...formats.triton import load_key_page_tile, load_key_tile, load_logit_scales, scale_key_logits, scale_key_scores
 
 
 @triton.jit
@@ -35,6 +35,30 @@ def _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, ma
 
 
 @triton.jit
+def _page_columns(qc, BLOCK_N: tl.constexpr):
+    """qc [M, 16] (column p: the term of the tile's page p) -> [M, BLOCK_N]: each entry its page's term."""
+    page_of = tl.arange(0, BLOCK_N) // 64
+    cols = tl.arange(0, 16)
+    out = tl.zeros([qc.shape[0], BLOCK_N], dtype=tl.float32)
+    for p in tl.static_range(BLOCK_N // 64):
+        value = tl.sum(tl.where(cols[None, :] == p, qc, 0.0), axis=1)
+        out = tl.where(page_of[None, :] == p, value[:, None], out)
+    return out
+
+
+@triton.jit
+def _page_rows(qc, BLOCK_N: tl.constexpr):
+    """qc [16, M] (row p: the term of the tile's page p) -> [BLOCK_N, M]: each entry its page's term."""
+    page_of = tl.arange(0, BLOCK_N) // 64
+    rows = tl.arange(0, 16)
+    out = tl.zeros([BLOCK_N, qc.shape[1]], dtype=tl.float32)
+    for p in tl.static_range(BLOCK_N // 64):
+        value = tl.sum(tl.where(rows[:, None] == p, qc, 0.0), axis=0)
+        out = tl.where(page_of[:, None] == p, value[None, :], out)
+    return out
+
+
+@triton.jit
 def _index_scores_tile_kernel(
     q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
     tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
@@ -42,7 +66,7 @@ def _index_scores_tile_kernel(
     stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
     HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
     FP8_DOT: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr = False,
 ):
     # 1-D grid over (query tile, entry tile) with the entry tile fastest: programs running at the same time
     # share one query tile, so its q [BLOCK_T, H, D] stays in L2 while the (smaller) key tiles stream
@@ -78,6 +102,11 @@ def _index_scores_tile_kernel(
         slot = offs_n % 64
         k = load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, CODE, FP8_DOT, D)  # [BLOCK_N, D]
         k_t = tl.trans(k)  # [D, BLOCK_N], K-major for the tensor cores
+        if PAGE_TERM:
+            # formats with a per-page side value c (page-centred): logit = s * (q . k) + q . c, the second term
+            # one [BLOCK_T, D] x [D, 16] dot per head over the tile's page values, broadcast to their entries
+            c_t = tl.trans(load_key_page_tile(values_ptr, pages, entry_ok, CODE, BLOCK_N, D))  # [D, 16]
+            logit_scale = load_logit_scales(scales_ptr, pages, slot, entry_ok, CODE, D)
 
         dims = tl.arange(0, D)
         q_ptrs = q_ptr + rows[:, None] * stride_qt + dims[None, :]
@@ -92,6 +121,9 @@ def _index_scores_tile_kernel(
             if HAS_Q_SCALE:
                 w_h *= tl.load(q_scale_ptr + rows * stride_st + h * stride_sh, mask=row_ok, other=0.0)
             logits = _dot(q_h, k_t, INTERPRET)  # [BLOCK_T, BLOCK_N] fp32
+            if PAGE_TERM:
+                logits = scale_key_logits(logits, logit_scale, CODE, 1)
+                logits += _page_columns(_dot(q_h.to(tl.bfloat16), c_t, INTERPRET), BLOCK_N)
             # NaN propagates like torch.relu so that a NaN key or query is visible downstream
             acc += tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w_h[:, None]
         acc = scale_key_scores(acc, scales_ptr, pages, slot, entry_ok, CODE, D, 1)
@@ -109,7 +141,7 @@ def _index_scores_group_kernel(
     stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
     HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
     FP8_DOT: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr = False,
 ):
     # grid: (query groups, cdiv(width, BLOCK_N * TILES_PER_PROGRAM))
     # dot per key tile: keys [BLOCK_N, D] (M) x q^T [D, GROUP * H] (N, column c = g * H + h); the head sum is
@@ -153,14 +185,16 @@ def _index_scores_group_kernel(
         for i in range(TILES_PER_PROGRAM):
             _score_group_tile(chunk_start + i * BLOCK_N, q_t, w, seq, g_rows, g_ok, visible, group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                              num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
+                              num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
+                              PAGE_TERM)
     else:
         # tiles holding visible entries: a counted loop without a branch inside, so the key loads pipeline
         busy_tiles = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, BLOCK_N), 0), TILES_PER_PROGRAM)
         for i in range(0, busy_tiles):
             _score_group_tile(chunk_start + i * BLOCK_N, q_t, w, seq, g_rows, g_ok, visible, group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                              num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET)
+                              num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
+                              PAGE_TERM)
         for i in range(busy_tiles, TILES_PER_PROGRAM):
             offs_n = chunk_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None],
@@ -173,7 +207,7 @@ def _score_group_tile(n_start, q_t, w, seq, g_rows, g_ok, visible, group_visible
                       values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                       num_pages, max_pages, CODE: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr,
                       H: tl.constexpr,
-                      BLOCK_N: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr):
+                      BLOCK_N: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr):
     """Scores of one key tile (entries n_start ..+BLOCK_N) for a query group: store [BLOCK_N, GROUP] columns."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     entry_ok = offs_n < group_visible
@@ -181,6 +215,10 @@ def _score_group_tile(n_start, q_t, w, seq, g_rows, g_ok, visible, group_visible
     slot = offs_n % 64
     k = load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, CODE, FP8_DOT, D)  # [BLOCK_N, D]
     logits = _dot(k, q_t, INTERPRET)  # [BLOCK_N, GROUP * H]
+    if PAGE_TERM:  # s * (k . q) + c . q, the page term one [16, D] x [D, GROUP * H] dot per key tile
+        logits = scale_key_logits(logits, load_logit_scales(scales_ptr, pages, slot, entry_ok, CODE, D), CODE, 0)
+        page_values = load_key_page_tile(values_ptr, pages, entry_ok, CODE, BLOCK_N, D)  # [16, D]
+        logits += _page_rows(_dot(page_values, q_t.to(tl.bfloat16), INTERPRET), BLOCK_N)
     weighted = tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
     if GROUP == 1:
         scores = tl.sum(weighted, axis=1)[:, None]  # [BLOCK_N, 1]

@@ -61,7 +61,7 @@ import torch
 import triton
 
 from ...batch import PagedBatch, check_batch_queries, check_same_device, upload
-from ...formats import INDEX_HEAD_DIM, KeyFormat, is_centred, key_codec
+from ...formats import INDEX_HEAD_DIM, KeyFormat, key_codec
 from ._kernels import _index_scores_group_kernel, _index_scores_tile_kernel
 from .config import ScoresConfig
 
@@ -245,8 +245,6 @@ def plan_batch_tiles(batch: PagedBatch, num_heads: int, config: ScoresConfig | N
 def check_q_inputs(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, q_scale: torch.Tensor | None) -> None:
     """q / weights / q_scale against the batch: shapes, dtypes, devices (no sync)."""
     check_batch_queries(q, weights, batch)
-    if is_centred(batch.fmt):
-        raise ValueError(f"the Triton scores kernels do not read {batch.fmt.name} pages yet; use backend='reference'")
     t, num_heads, _ = q.shape
     if q.dtype not in Q_DTYPES:
         raise ValueError(f"q dtype must be one of {[str(x) for x in Q_DTYPES]}, got {q.dtype}")
@@ -302,7 +300,10 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
             q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), *qs_strides,
             table.stride(0), out.stride(0))
     common = dict(HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, CODE=int(codec.code), FP8_DOT=fp8_dot,
-                  H=num_heads, D=d, INTERPRET=interpreting())
+                  H=num_heads, D=d, INTERPRET=interpreting(), PAGE_TERM=codec.page_term)
+    if codec.page_term and (config.prefill_block_n % 64 or (config.decode_block_n or 64) % 64):
+        # the per-page term is computed for whole pages of a key tile
+        raise ValueError(f"{fmt.name} needs key tiles of whole pages (block_n a multiple of 64), got {config}")
     if tiles.kernel == "group":
         bn = config.decode_block_n or codec.decode_block_n
         per_program = config.decode_tiles_per_program or max(1, min(8, triton.cdiv(width, bn * 4)))

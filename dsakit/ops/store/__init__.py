@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...cache import check_pool, check_slots, num_slots
-from ...formats import ATTENTION_HEAD_DIM, INDEX_HEAD_DIM, AttentionKVFormat, KeyFormat, is_centred
+from ...formats import ATTENTION_HEAD_DIM, INDEX_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ...presets import KeyTransform
 from ...transforms import NORMS, ROPE_V4, RopeLayout
 from .._backend import resolve_backend, triton_available
@@ -98,8 +98,6 @@ def store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.T
         reference.store_index_keys(keys, positions, slots, pool, fmt, rope_cos_sin, norm_weight, norm_bias,
                                    transform)
         return
-    if is_centred(fmt):
-        raise ValueError(f"the Triton store kernel does not write {fmt.name} pages yet; use backend='reference'")
     _check_common(keys, INDEX_HEAD_DIM, positions, slots, pool, rope_cos_sin, transform.rope_dim, "keys")
     _check_tensor(norm_weight, "norm_weight", (INDEX_HEAD_DIM,), _INPUT_DTYPES, pool.device)
     if norm_bias is not None:

@@ -14,7 +14,7 @@ import triton.language as tl
 from ...formats.bf16 import bf16_bits, bf16_u16
 from ...formats.common import finite_abs_tl, pow2_tl, sanitize_tl, ue8m0_ceil_tl
 from ...formats.fp8 import e4m3_bits, e4m3_u8
-from ...formats.triton import store_key_halves, store_key_rows
+from ...formats.triton import store_key_halves, store_key_page_halves, store_key_page_rows, store_key_rows
 
 # 128^-0.5 as the fp32 constant hadamard_matrix() scales by (dsakit.transforms)
 HADAMARD_SCALE = tl.constexpr(0.08838834764831845)
@@ -124,13 +124,15 @@ def _store_index_keys_generic_kernel(
         NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ROPE_DIM: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
         HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
         VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr,
-        BLOCK_N: tl.constexpr):
+        BLOCK_N: tl.constexpr, PAGE_PASS: tl.constexpr = False):
     D: tl.constexpr = 128
     PAGE: tl.constexpr = 64
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     cols = tl.arange(0, D)  # [D]
     slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
+    if PAGE_PASS:  # first launch of a page-term format: only rows at entry 0 of a page (the others load nothing)
+        live = live & (slot % PAGE == 0)
 
     in_rope, is_second, partner_cols, pair = _rope_geometry(cols, D, ROPE_DIM, PAIRING, PLACEMENT)
     row_base = keys_ptr + rows[:, None] * keys_row_stride
@@ -146,8 +148,11 @@ def _store_index_keys_generic_kernel(
     entry = slot % PAGE
     value_base = page * PAGE_BYTES + entry * VALUE_BYTES  # [BLOCK_N] byte offsets
     scale_base = page * PAGE_BYTES + PAGE * VALUE_BYTES + entry * SCALE_BYTES
-    store_key_rows(x, pool_ptr, page * PAGE_BYTES, value_base, scale_base, cols, live, CODE, UE8M0, FP4_RNE,
-                   BLOCK_N)
+    if PAGE_PASS:
+        store_key_page_rows(x, pool_ptr, page * PAGE_BYTES, cols, live, CODE)
+    else:
+        store_key_rows(x, pool_ptr, page * PAGE_BYTES, value_base, scale_base, cols, live, CODE, UE8M0, FP4_RNE,
+                       BLOCK_N)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,16 +283,20 @@ def _store_index_keys_kernel(
         NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
         HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
         VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr,
-        BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
+        BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, PAGE_PASS: tl.constexpr = False):
     """Index keys with rope_dim 64: x [2, BLOCK_N, 8, 8] (half, row, piece, e), two lanes per row.
 
     Per-row values (slot, position, validity) are kept as [1, BLOCK_N, 1, 1] tensors from the start:
     1-D row vectors used in several layouts trip a Triton 3.6 layout pass (RemoveLayoutConversions).
+    PAGE_PASS (formats with a per-page side value, the first of their two launches): only rows at entry 0 of
+    a page are read, and they write their page's side value instead of an entry.
     """
     PAGE: tl.constexpr = 64
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None]  # [1, BLOCK_N, 1, 1]
     slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
+    if PAGE_PASS:
+        live = live & (slot % PAGE == 0)
     half = tl.arange(0, 2)[:, None, None, None]
     cols = half * 64 + tl.arange(0, 8)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
     x = tl.load(keys_ptr + rows * keys_row_stride + cols, mask=live, other=0.0).to(tl.float32)
@@ -310,8 +319,11 @@ def _store_index_keys_kernel(
     entry = slot % PAGE
     value_base = page * PAGE_BYTES + entry * VALUE_BYTES  # [1, BLOCK_N, 1, 1] byte offsets
     scale_base = page * PAGE_BYTES + PAGE * VALUE_BYTES + entry * SCALE_BYTES
-    store_key_halves(x, pool_ptr, page * PAGE_BYTES, value_base, scale_base, cols, half, live, CODE, UE8M0,
-                     FP4_RNE, NATIVE, BLOCK_N)
+    if PAGE_PASS:
+        store_key_page_halves(x, pool_ptr, page * PAGE_BYTES, cols, live, CODE, NATIVE)
+    else:
+        store_key_halves(x, pool_ptr, page * PAGE_BYTES, value_base, scale_base, cols, half, live, CODE, UE8M0,
+                         FP4_RNE, NATIVE, BLOCK_N)
 
 
 @triton.jit

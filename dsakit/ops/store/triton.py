@@ -116,19 +116,27 @@ def launch_store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: 
     keys = _rows_view(keys)
     positions, slots = positions.contiguous(), slots.contiguous()
     table = rope_cos_sin.contiguous()
+    codec = key_codec(fmt)
     common = dict(NORM=_NORMS[norm], HAS_BIAS=norm_bias is not None, PAIRING=_PAIRINGS[pairing],
-                  PLACEMENT=_PLACEMENTS[placement], HADAMARD=bool(hadamard), CODE=int(key_codec(fmt).code),
+                  PLACEMENT=_PLACEMENTS[placement], HADAMARD=bool(hadamard), CODE=int(codec.code),
                   UE8M0=fmt.scale_fmt == "ue8m0", FP4_RNE=fmt.rounding == "rne", VALUE_BYTES=fmt.value_bytes,
                   SCALE_BYTES=fmt.scale_bytes, PAGE_BYTES=fmt.page_bytes, **_launch_options(pool.device))
     args = (keys, positions, slots, pool, table, norm_weight, norm_weight if norm_bias is None else norm_bias,
             n, keys.stride(0), pool.shape[0] * ENTRIES_PER_PAGE, table.shape[0], float(eps))
-    if index_fast_path(table.shape[1]) and not generic:
-        _store_index_keys_kernel[(triton.cdiv(n, config.index_block_n),)](
-            *args, NATIVE=_native_casts(pool), BLOCK_N=config.index_block_n, num_warps=config.index_warps, **common)
-    else:
-        _store_index_keys_generic_kernel[(triton.cdiv(n, config.generic_index_block_n),)](
-            *args, ROPE_DIM=table.shape[1], BLOCK_N=config.generic_index_block_n, num_warps=config.generic_warps,
-            **common)
+    # A format with a per-page side value (page-centred: the centre) takes two launches: the first writes the
+    # side value of every page whose entry 0 is among the rows (reading only those rows), the second every
+    # entry against it. A page's centre is then in place before any of its entries is coded, in a bulk store
+    # as in appends, with no ordering needed between the programs of one launch.
+    passes = ({"PAGE_PASS": True}, {}) if codec.page_term else ({},)
+    for extra in passes:
+        if index_fast_path(table.shape[1]) and not generic:
+            _store_index_keys_kernel[(triton.cdiv(n, config.index_block_n),)](
+                *args, NATIVE=_native_casts(pool), BLOCK_N=config.index_block_n, num_warps=config.index_warps,
+                **common, **extra)
+        else:
+            _store_index_keys_generic_kernel[(triton.cdiv(n, config.generic_index_block_n),)](
+                *args, ROPE_DIM=table.shape[1], BLOCK_N=config.generic_index_block_n,
+                num_warps=config.generic_warps, **common, **extra)
 
 
 def launch_store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
