@@ -40,6 +40,10 @@ import torch
 from .formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 
 _INT_DTYPES = (torch.int32, torch.int64)
+#: dtypes every backend reads for q (fp8 = e4m3fn, DeepGEMM's fp8 q) and for the head weights; an integer or
+#: bool weight would be truncated silently, a float64 q is something no kernel reads.
+QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _describe(x) -> str:
@@ -94,11 +98,13 @@ def check_queries(q: torch.Tensor, weights: torch.Tensor, d: int = INDEX_HEAD_DI
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != d:
         raise ValueError(f"q must be [T, H, {d}], got "
                          f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-    if not q.is_floating_point():
-        raise ValueError(f"q must be a floating tensor, got {q.dtype}")
+    if q.dtype not in QUERY_DTYPES:
+        raise ValueError(f"q must be one of {[str(d) for d in QUERY_DTYPES]}, got {q.dtype}")
     if not isinstance(weights, torch.Tensor) or weights.shape != q.shape[:2]:
         raise ValueError(f"weights must be [T, H] = {list(q.shape[:2])}, got "
                          f"{list(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__}")
+    if weights.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weights must be one of {[str(d) for d in WEIGHT_DTYPES]}, got {weights.dtype}")
 
 
 def check_batch_queries(q: torch.Tensor, weights: torch.Tensor, batch: "PagedBatch") -> None:
@@ -132,6 +138,18 @@ def _as_int_tensor(name: str, value, dims: int, dtype: torch.dtype) -> torch.Ten
         shape = "[B, W]" if dims == 2 else "[N]"
         raise ValueError(f"{name} must be an int32/int64 {shape} tensor, got {_describe(value)}")
     return value.to(dtype).contiguous()
+
+
+def _repeated_page_message(table: torch.Tensor, needed: torch.Tensor) -> str:
+    """Names the first block-table row that lists a page twice among the pages its entries need (error path)."""
+    for row, (pages, n) in enumerate(zip(table.cpu().tolist(), needed.cpu().tolist())):
+        seen: dict[int, int] = {}
+        for col, page in enumerate(pages[:n]):
+            if page in seen:
+                return (f"block_table row {row} lists page {page} twice (columns {seen[page]} and {col}): a "
+                        f"sequence's entries need distinct pages")
+            seen[page] = col
+    return "block_table lists a page twice in one row"
 
 
 @dataclass(frozen=True, eq=False)
@@ -225,6 +243,12 @@ class PagedBatch:
         needed = (c64.clamp(min=0) + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
         used = torch.arange(width, device=device)[None, :] < needed[:, None]
         bad_pages = used & ((table < 0) | (table >= pool.shape[0]))
+        # A row that lists one page twice would read (and a store would write) the same 64 entries under two
+        # entry ranges. Sorting each row's used pages (unused columns get distinct negative stand-ins) puts
+        # a repeated page next to itself.
+        stand_in = -1 - torch.arange(width, device=device, dtype=torch.int64)[None, :]
+        ordered = torch.where(used, table.long(), stand_in).sort(dim=1).values
+        repeats = (ordered[:, 1:] == ordered[:, :-1]).sum() if width > 1 else zero
         s64 = seq.long()
         in_range = (s64 >= 0) & (s64 < b)
         per_seq = torch.bincount(s64.clamp(0, max(b - 1, 0)), minlength=b)[:b] if t else \
@@ -232,8 +256,8 @@ class PagedBatch:
         unsorted = (s64[1:] < s64[:-1]).sum() if t > 1 else zero
         stats = torch.cat([torch.stack([
             c64.min() if b else zero, c64.max() if b else zero, (~in_range).sum() if t else zero,
-            bad_pages.sum(), s64.min() if t else zero, s64.max() if t else zero, unsorted]), per_seq.long()])
-        count_min, count_max, bad_seq, bad_page_count, seq_min, seq_max, n_unsorted, *lens = stats.tolist()
+            bad_pages.sum(), s64.min() if t else zero, s64.max() if t else zero, unsorted, repeats]), per_seq.long()])
+        count_min, count_max, bad_seq, bad_page_count, seq_min, seq_max, n_unsorted, n_repeats, *lens = stats.tolist()
         if count_min < 0 or count_max > width * ENTRIES_PER_PAGE:
             raise ValueError(f"entry_counts must be in 0..{width * ENTRIES_PER_PAGE} (block table width {width} x "
                              f"64), got range {count_min}..{count_max}")
@@ -244,6 +268,8 @@ class PagedBatch:
             raise ValueError(f"block_table[{row}, {col}] = {int(table[row, col])} is not a page of the pool "
                              f"(0..{pool.shape[0] - 1}) but sequence {row} needs it for its {int(counts[row])} "
                              f"entries")
+        if n_repeats:
+            raise ValueError(_repeated_page_message(table, needed))
         return cls(pool, fmt, table, counts, seq, positions, ratio, t, int(count_max) if b else 0,
                    tuple(int(n) for n in lens), n_unsorted == 0)
 

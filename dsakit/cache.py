@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ._memory import check_fits, parse_device
 from .batch import PagedBatch, check_pool
 from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat, is_centred
 
@@ -143,11 +144,11 @@ class PagedCache:
     """
 
     def __init__(self, fmt: "EntryFormat | str", num_pages: int, device: "str | torch.device" = "cpu"):
-        fmt = KeyFormat.parse(fmt) if isinstance(fmt, str) else fmt
-        if not isinstance(fmt, EntryFormat):
-            raise ValueError(f"fmt must be an EntryFormat or a key format name, got {fmt!r}")
+        fmt = _entry_format(fmt)
         if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        device = parse_device(device)
+        check_fits(num_pages * fmt.page_bytes, device, f"a {fmt.name} cache of {num_pages:,} pages")
         self.fmt = fmt
         self.pool = torch.zeros(num_pages, fmt.page_bytes, dtype=torch.uint8, device=device)
         self._free = list(range(num_pages - 1, -1, -1))  # stack: pops the lowest page first
@@ -180,8 +181,21 @@ class PagedCache:
         return seq_id
 
     def _check_seq(self, seq_id: int) -> None:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+            raise ValueError(f"a sequence id is an int from add_sequence(), got {seq_id!r}")
         if seq_id not in self._tables:
             raise ValueError(f"unknown sequence id {seq_id!r}; live sequences: {sorted(self._tables)}")
+
+    def _seq_list(self, seq_ids) -> list[int]:
+        """A list of sequence ids (default: all); a single id or a string is a ValueError, not a TypeError."""
+        if seq_ids is None:
+            return self.sequences
+        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):
+            raise ValueError(f"seq_ids must be a list of sequence ids (e.g. [{seq_ids!r}]), got {seq_ids!r}")
+        ids = list(seq_ids)
+        for s in ids:
+            self._check_seq(s)
+        return ids
 
     @property
     def sequences(self) -> list[int]:
@@ -234,6 +248,9 @@ class PagedCache:
         self._check_seq(seq_id)
         length = self._lengths[seq_id]
         end = length if end is None else end
+        for what, value in (("start", start), ("end", end)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{what} must be an int entry index, got {value!r}")
         if not 0 <= start <= end <= length:
             raise ValueError(f"entry range {start}..{end} outside sequence {seq_id} of length {length}")
         table = torch.tensor(self._tables[seq_id], dtype=torch.long)
@@ -241,7 +258,7 @@ class PagedCache:
 
     def block_table(self, seq_ids: Sequence[int] | None = None, width: int | None = None) -> torch.Tensor:
         """int32 [B, max_pages] page ids per sequence (rows padded with -1), on the pool's device."""
-        seq_ids = self.sequences if seq_ids is None else list(seq_ids)
+        seq_ids = self._seq_list(seq_ids)
         for s in seq_ids:
             self._check_seq(s)
         widest = max((len(self._tables[s]) for s in seq_ids), default=0)
@@ -258,7 +275,7 @@ class PagedCache:
 
     def entry_counts(self, seq_ids: Sequence[int] | None = None) -> torch.Tensor:
         """int32 [B] number of entries of each sequence, on the pool's device."""
-        seq_ids = self.sequences if seq_ids is None else list(seq_ids)
+        seq_ids = self._seq_list(seq_ids)
         return torch.tensor([self.length(s) for s in seq_ids], dtype=torch.int32, device=self.pool.device)
 
     def batch(self, seq_ids: Sequence[int] | None = None, query_lens: Sequence[int] | None = None,
@@ -269,7 +286,7 @@ class PagedCache:
         sequence in ``seq_ids`` order. query_positions: int [T] absolute token positions or None (every query
         sees all entries of its sequence). ratio: tokens per entry.
         """
-        seq_ids = self.sequences if seq_ids is None else list(seq_ids)
+        seq_ids = self._seq_list(seq_ids)
         for s in seq_ids:
             self._check_seq(s)
         if not isinstance(self.fmt, KeyFormat):
@@ -317,15 +334,35 @@ def _check_compress_ratio(compress_ratio: int) -> None:
         raise ValueError(f"compress_ratio must be a positive int, got {compress_ratio!r}")
 
 
-def bytes_per_token(fmt: EntryFormat, compress_ratio: int = 1) -> float:
+def _entry_format(fmt) -> EntryFormat:
+    """An EntryFormat, or the name of a key or attention-KV format, as an EntryFormat (else ValueError)."""
+    if isinstance(fmt, EntryFormat):
+        return fmt
+    if isinstance(fmt, str):
+        try:
+            return KeyFormat.parse(fmt)
+        except ValueError:
+            from .formats import AttentionKVFormat
+
+            try:
+                return AttentionKVFormat.parse(fmt)
+            except ValueError:
+                pass
+            raise
+    raise ValueError(f"fmt must be an EntryFormat or a format name like 'fp8', got {fmt!r}")
+
+
+def bytes_per_token(fmt: "EntryFormat | str", compress_ratio: int = 1) -> float:
     """Cache bytes per context token of one layer: page_bytes / 64 / compress_ratio."""
+    fmt = _entry_format(fmt)
     _check_compress_ratio(compress_ratio)
     return fmt.page_bytes / ENTRIES_PER_PAGE / compress_ratio
 
 
-def tokens_that_fit(fmt: EntryFormat, nbytes: int, compress_ratio: int = 1) -> int:
+def tokens_that_fit(fmt: "EntryFormat | str", nbytes: int, compress_ratio: int = 1) -> int:
     """Context tokens whose entries fit in ``nbytes`` of whole pages (one layer)."""
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    fmt = _entry_format(fmt)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
     _check_compress_ratio(compress_ratio)
     return (int(nbytes) // fmt.page_bytes) * ENTRIES_PER_PAGE * compress_ratio

@@ -29,17 +29,45 @@ HADAMARD_DIM = 128
 NORMS = ("rmsnorm", "layernorm")
 
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def norm_scale(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, 1]: the power of two 2^-k (k in 0..126) that brings each row's largest |x| below 4.
+
+    The norms compute on x * 2^-k with eps * 2^-2k: exact scalings, so any row whose sums do not overflow
+    gives the very same bits as unscaled math, while a finite row near the fp32 / bf16 maximum (whose sum
+    of squares or of values overflows) still normalizes to finite values instead of NaN or zeros. Rows with
+    max |x| < 2 are not scaled (k = 0). k comes from the exponent bits of the row's max |x|, so the Triton
+    store kernels compute the same factor.
+    """
+    amax = x.abs().amax(dim=-1, keepdim=True) if x.shape[-1] else x.new_zeros(x.shape[:-1] + (1,))
+    biased = (amax.view(torch.int32) >> 23) & 0xFF  # |x| < 2^(biased - 126)
+    k = (biased - 127).clamp(0, 126)
+    return ((127 - k) << 23).to(torch.int32).view(torch.float32)
+
+
+def _inverse_norm(mean_sq: torch.Tensor, eps_scaled: torch.Tensor) -> torch.Tensor:
+    # clamped: a row that is all zeros (or constant, for LayerNorm) with no eps left gives 0 * huge = 0, not NaN
+    return torch.rsqrt(mean_sq + eps_scaled).clamp(max=_FP32_MAX)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x [N, D] -> x * rsqrt(mean(x^2) + eps) * weight, fp32."""
+    """x [N, D] -> x * rsqrt(mean(x^2) + eps) * weight, fp32 (computed on x scaled by :func:`norm_scale`)."""
     x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+    inv = norm_scale(x)
+    x = x * inv
+    return x * _inverse_norm(x.pow(2).mean(dim=-1, keepdim=True), eps * inv * inv) * weight.float()
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
-    """x [N, D] -> (x - mean) * rsqrt(biased var + eps) * weight + bias, fp32."""
+    """x [N, D] -> (x - mean) * rsqrt(biased var + eps) * weight + bias, fp32 (on x scaled by
+    :func:`norm_scale`)."""
     x = x.float()
+    inv = norm_scale(x)
+    x = x * inv
     centered = x - x.mean(dim=-1, keepdim=True)
-    out = centered * torch.rsqrt(centered.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+    out = centered * _inverse_norm(centered.pow(2).mean(dim=-1, keepdim=True), eps * inv * inv) * weight.float()
     return out if bias is None else out + bias.float()
 
 

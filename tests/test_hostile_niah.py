@@ -209,7 +209,7 @@ def test_requests_are_bounded_and_bad_fields_are_400():
     service = ReferenceService(RetrievalModel(RetrievalConfig(max_context=4096)))
     prompt = "The code is ZEBRA-1234-OMEGA.\n\nWhat is the code?"
     for topk in (2 ** 40, 10 ** 8, 4097):
-        with pytest.raises(RequestError, match="exceeds the max context") as info:
+        with pytest.raises(RequestError, match="exceeds 4096") as info:
             service.response({"prompt": prompt, "dsakit": {"topk": topk}}, chat=False)
         assert info.value.status == 400
     # the largest allowed top-k runs as the number of entries the prompt has (the rest is padding)

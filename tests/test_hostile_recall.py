@@ -135,3 +135,16 @@ def test_float_needle_entries_in_a_file_are_refused(tmp_path):
               metadata={"ratio": "1", "rotated": "true"})
     with pytest.raises(ValueError, match="needle_entries must hold integers"):
         load_captured(path)
+
+
+def test_topk_beyond_what_the_ops_select_is_refused_up_front():
+    from dsakit.ops.topk.config import MAX_K
+    from dsakit.recall.settings import RecallSettings
+
+    with pytest.raises(ValueError, match="topks"):
+        RecallSettings(topks=(MAX_K + 1,))
+    with pytest.raises(ValueError, match="horizon_topks"):
+        RecallSettings(horizon_topks=(MAX_K + 1,))
+    cap = _planted(n=MAX_K + 8, t=1, h=1)
+    with pytest.raises(ValueError, match=f"at most {MAX_K}"):
+        run_captured(cap, ["bf16"], [MAX_K + 1])

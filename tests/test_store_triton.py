@@ -295,7 +295,7 @@ def test_index_keys_non_finite_and_extreme_rows():
     keys[1, 70] = float("inf")
     keys[2, 5] = -float("inf")
     keys[3] = 0.0
-    keys[4] = 1e30  # squares overflow: rsqrt(inf) = 0, the row normalizes to zeros
+    keys[4] = 1e30  # squares would overflow unscaled: the norm runs on the row scaled by a power of two
     keys[5] = 1e-30
     keys[6, :64] = -0.0
     weight = torch.rand(128, generator=g) + 0.5
@@ -549,7 +549,7 @@ def test_store_attention_kv_rejects_bad_input():
         store_attention_kv(kv, torch.arange(3), torch.arange(3), pool, fmt, TABLE, torch.ones(512), backend="cuda")
     # regression: a negative eps was accepted and turned rows with a small mean square into NaN
     for backend in ("triton", "reference"):
-        with pytest.raises(ValueError, match="eps must be a number >= 0, got -1"):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0, got -1"):
             store_attention_kv(kv, torch.arange(3), torch.arange(3), pool, fmt, TABLE, torch.ones(512), eps=-1e-6,
                                backend=backend)
     assert not bool(pool.any())

@@ -97,6 +97,10 @@ class RetrievalConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        from ..ops.topk.config import MAX_K
+
+        if self.topk > MAX_K:
+            raise ValueError(f"topk must be <= {MAX_K} (what the top-k ops select at most), got {self.topk}")
         for name in ("common_scale", "rope_scale", "query_common_share"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):

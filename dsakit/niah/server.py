@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..formats import KeyFormat
+from ..ops.topk.config import MAX_K
 from .retrieval import RetrievalConfig, RetrievalModel, SimpleTokenizer, question_paragraph
 
 MAX_BODY_BYTES = 64 << 20
@@ -156,9 +157,11 @@ class ReferenceService:
             raise RequestError(400, str(exc)) from None
         if topk is not None and (not isinstance(topk, int) or isinstance(topk, bool) or topk < 1):
             raise RequestError(400, f"dsakit.topk must be a positive int, got {topk!r}")
-        limit = self.model.config.max_context  # no prompt has more entries than tokens
+        # no prompt has more entries than tokens; no top-k op selects more than MAX_K
+        limit = min(self.model.config.max_context, MAX_K)
         if topk is not None and topk > limit:
-            raise RequestError(400, f"dsakit.topk {topk} exceeds the max context of {limit} tokens")
+            raise RequestError(400, f"dsakit.topk {topk} exceeds {limit} (the max context of "
+                                    f"{self.model.config.max_context} tokens, and the top-k ops' limit {MAX_K})")
         return fmt, topk, reasoning
 
     def _max_tokens(self, body: dict, default: int | None) -> int | None:

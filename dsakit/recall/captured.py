@@ -33,6 +33,7 @@ from ..ops import scores as scores_ops
 from ..ops import topk as topk_ops
 from ..ops._backend import resolve_backend
 from ..ops.scores.reference import visible_counts
+from ..ops.topk.config import MAX_K
 from ..transforms import hadamard_transform
 from . import metrics
 
@@ -169,6 +170,9 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
     formats = [KeyFormat.parse(name).name for name in formats]  # every name checked before any work
     if any(not _is_int(k) or k < 1 for k in topks):
         raise ValueError(f"topks must be positive ints, got {list(topks)!r}")
+    if any(min(k, captured.k.shape[0]) > MAX_K for k in topks):  # k > N runs as N (below)
+        raise ValueError(f"topks: the top-k ops select at most {MAX_K} entries, got {list(topks)!r} over "
+                         f"{captured.k.shape[0]} entries")
     if on_run is not None and not callable(on_run):
         raise ValueError(f"on_run must be callable, got {on_run!r}")
     device = lab_device(backend)

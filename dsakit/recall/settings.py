@@ -15,6 +15,7 @@ import torch
 
 from ..formats import KeyFormat
 from ..ops._backend import resolve_backend, triton_available
+from ..ops.topk.config import MAX_K
 from .faults import FAULTS
 from .synthetic import SyntheticConfig
 
@@ -73,7 +74,7 @@ class RecallSettings:
         if not self.formats:
             raise ValueError("formats must name at least one key format")
         for what, ks in (("topks", self.topks), ("horizon_topks", self.horizon_topks)):
-            if not ks or any(not _is_int(k) or k < 1 for k in ks):
+            if not ks or any(not _is_int(k) or not 1 <= k <= MAX_K for k in ks):  # MAX_K: every top-k op's limit
                 raise ValueError(f"{what} must be positive ints, got {ks!r}")
         ratio = self.config.ratio
         for what, ctxs in (("contexts", self.contexts), ("fault_contexts", self.fault_contexts)):

@@ -23,7 +23,7 @@ from ...transforms import NORMS, ROPE_V4, RopeLayout
 from .._backend import resolve_backend, triton_available
 from . import reference
 from .config import StoreConfig
-from .reference import check_eps, check_rope_inputs, prepare_attention_kv, prepare_index_keys
+from .reference import check_eps, check_rope_dim, check_rope_inputs, prepare_attention_kv, prepare_index_keys
 
 if triton_available():
     # registers the dsakit:: custom ops (the kernels compile lazily, on first use)
@@ -63,8 +63,7 @@ def _check_common(rows: torch.Tensor, dim: int, positions: torch.Tensor, slots: 
     _check_tensor(positions, "positions", (n,), (torch.int32, torch.int64), device)
     _check_tensor(slots, "slots", (n,), (torch.int32, torch.int64), device)
     _check_tensor(rope_cos_sin, "rope_cos_sin", (None, rope_dim), (torch.float32,), device)
-    if rope_dim % 2 or not 0 < rope_dim <= dim:
-        raise ValueError(f"rope_dim must be even and in 1..{dim}, got {rope_dim}")
+    check_rope_dim(rope_dim, dim)
     if rope_cos_sin.shape[0] == 0:
         raise ValueError("rope_cos_sin has no rows (max_position = 0)")
     if n and _value_checks_allowed(rows, pool):
@@ -94,14 +93,15 @@ def store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.T
         raise ValueError("rmsnorm takes no bias; pass norm_bias=None or use norm='layernorm'")
     layout = RopeLayout.parse(transform.rope_layout)
     chosen = resolve_backend(backend, keys, pool)
-    if chosen == "reference":
-        reference.store_index_keys(keys, positions, slots, pool, fmt, rope_cos_sin, norm_weight, norm_bias,
-                                   transform)
-        return
+    # the same checks for both backends, so they accept and refuse the same inputs
     _check_common(keys, INDEX_HEAD_DIM, positions, slots, pool, rope_cos_sin, transform.rope_dim, "keys")
     _check_tensor(norm_weight, "norm_weight", (INDEX_HEAD_DIM,), _INPUT_DTYPES, pool.device)
     if norm_bias is not None:
         _check_tensor(norm_bias, "norm_bias", (INDEX_HEAD_DIM,), _INPUT_DTYPES, pool.device)
+    if chosen == "reference":
+        reference.store_index_keys(keys, positions, slots, pool, fmt, rope_cos_sin, norm_weight, norm_bias,
+                                   transform)
+        return
     torch.ops.dsakit.store_index_keys(keys, positions, slots, pool, rope_cos_sin, norm_weight.contiguous(),
                                       None if norm_bias is None else norm_bias.contiguous(), fmt.name,
                                       transform.norm, layout.name, bool(transform.hadamard), float(transform.eps))
@@ -121,13 +121,14 @@ def store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.T
     check_eps(eps)
     layout = RopeLayout.parse(rope_layout)
     chosen = resolve_backend(backend, kv, pool)
-    if chosen == "reference":
-        reference.store_attention_kv(kv, positions, slots, pool, fmt, rope_cos_sin, norm_weight, layout, eps)
-        return
+    # the same checks for both backends (the reference once stored entries with a rope table of width 0)
     if not isinstance(rope_cos_sin, torch.Tensor) or rope_cos_sin.dim() != 2:
         raise ValueError(f"rope_cos_sin must be a [max_position, rope_dim] tensor, got "
                          f"{list(rope_cos_sin.shape) if isinstance(rope_cos_sin, torch.Tensor) else rope_cos_sin!r}")
     _check_common(kv, ATTENTION_HEAD_DIM, positions, slots, pool, rope_cos_sin, rope_cos_sin.shape[1], "kv")
     _check_tensor(norm_weight, "norm_weight", (ATTENTION_HEAD_DIM,), _INPUT_DTYPES, pool.device)
+    if chosen == "reference":
+        reference.store_attention_kv(kv, positions, slots, pool, fmt, rope_cos_sin, norm_weight, layout, eps)
+        return
     torch.ops.dsakit.store_attention_kv(kv, positions, slots, pool, rope_cos_sin, norm_weight.contiguous(),
                                         fmt.name, layout.name, float(eps))

@@ -16,8 +16,11 @@ from ...formats.common import finite_abs_tl, pow2_tl, sanitize_tl, ue8m0_ceil_tl
 from ...formats.fp8 import e4m3_bits, e4m3_u8
 from ...formats.triton import store_key_halves, store_key_page_halves, store_key_page_rows, store_key_rows
 
-# 128^-0.5 as the fp32 constant hadamard_matrix() scales by (dsakit.transforms)
-HADAMARD_SCALE = tl.constexpr(0.08838834764831845)
+# 128^-0.5 as the fp32 constant hadamard_matrix() scales by (dsakit.transforms), applied as 2^-4 before the
+# butterfly (exact) and sqrt(2) after it: fl(sqrt(2)) / 16 = fl(128^-0.5), so the bits are the same, and the
+# butterfly's unscaled sums of values near the fp32 maximum do not overflow
+HADAMARD_PRE_SCALE = tl.constexpr(0.0625)
+HADAMARD_POST_SCALE = tl.constexpr(1.4142135623730951)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -42,6 +45,22 @@ def _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position):
 
 
 @triton.jit
+def _norm_inv_scale(amax):
+    """2^-k (k in 0..126) from the exponent bits of a row's max |x|: dsakit.transforms.norm_scale, so a
+    finite row near the fp32 maximum normalizes without overflowing its sums (exact scaling otherwise)."""
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    k = tl.minimum(tl.maximum(biased - 127, 0), 126)
+    return ((127 - k) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _inverse_norm(mean_sq, eps_scaled):
+    """1 / sqrt_rn(mean_sq + eps), clamped to the fp32 maximum (zero rows without eps: 0, not NaN)."""
+    r = tl.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps_scaled))
+    return tl.minimum(r, 3.4028234663852886e38)
+
+
+@triton.jit
 def _norm_rope(row_ptrs, partner_ptrs, row_mask, w_ptr, b_ptr, cos_ptrs, sin_ptrs, rope_mask, is_second,
                partner_cols, cols, eps, D: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Load a [BLOCK_N, D] tile, normalize it and rotate its rope pairs; fp32 [BLOCK_N, D].
@@ -55,16 +74,20 @@ def _norm_rope(row_ptrs, partner_ptrs, row_mask, w_ptr, b_ptr, cos_ptrs, sin_ptr
     w = tl.load(w_ptr + cols).to(tl.float32)[None, :]
     w_partner = tl.load(w_ptr + partner_cols).to(tl.float32)
     inv_d = 1.0 / D  # exact: D is a power of two
+    inv = _norm_inv_scale(tl.max(tl.abs(x), axis=1))  # [BLOCK_N]
+    eps_scaled = eps * inv * inv
+    x = x * inv[:, None]
+    partner = partner * inv[:, None]
     if NORM == 0:  # RMSNorm: x * rsqrt(mean(x^2) + eps) * w
         mean_sq = tl.sum(x * x, axis=1) * inv_d
-        r = tl.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))[:, None]
+        r = _inverse_norm(mean_sq, eps_scaled)[:, None]
         x = x * r * w
         partner = partner * r * w_partner
     else:  # LayerNorm: (x - mean) * rsqrt(mean((x - mean)^2) + eps) * w + b
         mean = (tl.sum(x, axis=1) * inv_d)[:, None]
         centered = x - mean
         var = tl.sum(centered * centered, axis=1) * inv_d
-        r = tl.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.sqrt_rn(var + eps))[:, None]
+        r = _inverse_norm(var, eps_scaled)[:, None]
         x = centered * r * w
         partner = (partner - mean) * r * w_partner
         if HAS_BIAS:
@@ -142,7 +165,7 @@ def _store_index_keys_generic_kernel(
                    table_row, table_row + ROPE_DIM // 2, rope_mask, is_second[None, :], partner_cols[None, :],
                    cols, eps, D, NORM, HAS_BIAS)  # [BLOCK_N, D]
     if HADAMARD:
-        x = _hadamard128(x, BLOCK_N) * HADAMARD_SCALE
+        x = _hadamard128(x * HADAMARD_PRE_SCALE, BLOCK_N) * HADAMARD_POST_SCALE
 
     page = slot // PAGE
     entry = slot % PAGE
@@ -302,18 +325,21 @@ def _store_index_keys_kernel(
     x = tl.load(keys_ptr + rows * keys_row_stride + cols, mask=live, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols + rows * 0).to(tl.float32)  # broadcast over rows, in the tile's layout
 
-    # norm: x * rsqrt(mean(x^2) + eps) * w   or   (x - mean) * rsqrt(mean((x - mean)^2) + eps) * w + b
+    # norm: x * rsqrt(mean(x^2) + eps) * w   or   (x - mean) * rsqrt(mean((x - mean)^2) + eps) * w + b,
+    # on x * 2^-k with eps * 2^-2k (dsakit.transforms.norm_scale)
+    inv = _norm_inv_scale(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=0))  # [BLOCK_N]
+    x = x * inv[None, :, None, None]
     if NORM == 1:
         total = tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=0)
         x = x - (total * (1.0 / 128))[None, :, None, None]
     mean_sq = tl.sum(tl.sum(tl.sum(x * x, axis=3), axis=2), axis=0) * (1.0 / 128)
-    r = tl.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
+    r = _inverse_norm(mean_sq, eps * inv * inv)
     x = x * r[None, :, None, None] * w
     if HAS_BIAS:
         x = x + tl.load(b_ptr + cols + rows * 0).to(tl.float32)
     x = _rope_half(x, half, table_ptr + pos * 64 + half * 0, PAIRING, PLACEMENT, BLOCK_N)
     if HADAMARD:
-        x = _wht128_halves(x, half, BLOCK_N) * HADAMARD_SCALE
+        x = _wht128_halves(x * HADAMARD_PRE_SCALE, half, BLOCK_N) * HADAMARD_POST_SCALE
 
     page = slot // PAGE
     entry = slot % PAGE
@@ -349,8 +375,10 @@ def _store_attention_kv_kernel(
     cols = block * 64 + tl.arange(0, 8)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
     x = tl.load(kv_ptr + rows * kv_row_stride + cols, mask=live, other=0.0).to(tl.float32)  # [8, BLOCK_N, 8, 8]
     w = tl.load(w_ptr + cols + rows * 0).to(tl.float32)  # broadcast over rows, in the tile's layout
+    inv = _norm_inv_scale(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=0))  # [BLOCK_N]
+    x = x * inv[None, :, None, None]  # dsakit.transforms.norm_scale
     mean_sq = tl.sum(tl.sum(tl.sum(x * x, axis=3), axis=2), axis=0) * (1.0 / 512)  # [BLOCK_N]
-    r = tl.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
+    r = _inverse_norm(mean_sq, eps * inv * inv)
     x = x * r[None, :, None, None] * w
 
     # rope: every lane rotates its block with the row's cos / sin, block 7 keeps the result

@@ -34,6 +34,14 @@ def _check_vector(v: torch.Tensor | None, dim: int, what: str) -> None:
     if not isinstance(v, torch.Tensor) or v.shape != (dim,):
         raise ValueError(f"{what} must be a [{dim}] tensor, got "
                          f"{list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+    if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{what} must be fp32, bf16 or fp16, got {v.dtype}")
+
+
+def check_rope_dim(rope_dim: int, dim: int) -> None:
+    """An even rope width in 2..dim (a table of width 0 would store the entries without rope)."""
+    if rope_dim % 2 or not 0 < rope_dim <= dim:
+        raise ValueError(f"rope_dim (the rope table's width) must be even and in 2..{dim}, got {rope_dim}")
 
 
 def _check_store_target(rows: torch.Tensor, dim: int, what: str, slots: torch.Tensor, pool: torch.Tensor,
@@ -57,9 +65,10 @@ def _quantize_and_write(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor
 
 
 def check_eps(eps: float) -> None:
-    """The norm's epsilon: a real number >= 0 (a negative one turns small rows into NaN)."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+    """The norm's epsilon: a finite number >= 0 (a negative one turns small rows into NaN, inf every row
+    into zeros)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
 
 
 def check_rope_inputs(positions: torch.Tensor, rope_cos_sin: torch.Tensor, n: int, rope_dim: int) -> None:
@@ -124,6 +133,7 @@ def prepare_attention_kv(kv: torch.Tensor, positions: torch.Tensor, rope_cos_sin
     _check_vector(norm_weight, 512, "norm_weight")
     check_eps(eps)
     rope_dim = rope_cos_sin.shape[1] if isinstance(rope_cos_sin, torch.Tensor) and rope_cos_sin.dim() == 2 else 64
+    check_rope_dim(rope_dim, 512)
     check_rope_inputs(positions, rope_cos_sin, kv.shape[0], rope_dim)
     x = apply_norm(kv.detach().cpu().float(), "rmsnorm", norm_weight.detach().cpu(), None, eps)
     return _rope(x, positions, rope_cos_sin, RopeLayout.parse(rope_layout), rope_dim)

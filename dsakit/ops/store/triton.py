@@ -4,6 +4,7 @@ Per row n (pseudocode; the reference in ``reference.py`` is the spec)::
 
     x      = keys[n]                                 # fp32 [D], D = 128 (index keys) or 512 (attention KV)
     x      = x * rsqrt(mean(x^2) + eps) * w          # or (x - mean) * rsqrt(var + eps) * w + b
+                                                     # (on x * 2^-k, eps * 2^-2k: transforms.norm_scale)
     x[a_i], x[b_i] = a c - b s, a s + b c            # rope pairs of the layout, c / s = table[pos[n]]
     x      = x @ H128 / sqrt(128)                    # index keys, optional: butterfly in registers
     pool[page(slot[n])] <- bytes of quantize(x)      # byte layout: dsakit.formats

@@ -17,6 +17,9 @@ DEFAULT_WORKSPACE_BYTES = 512 << 20
 # Largest tile of the streaming passes: the collect pass packs two per-tile ranks into one int32 cumsum
 # (above + 65536 * inside), exact only while 65536 * BLOCK < 2^31.
 MAX_SELECT_BLOCK = 16384
+#: Largest k of every top-k op, on every backend: the Triton select's final sort holds next_pow2(K) int64
+#: keys in the registers of one program, and the reference refuses what the kernels cannot do.
+MAX_K = 16384
 
 
 def _power_of_two(name: str, value, low: int, high: int | None = None) -> None:

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..._memory import check_fits, parse_device
 from ...batch import PagedBatch, check_k, check_positive_int
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from ..scores.config import ScoresConfig
@@ -124,9 +125,11 @@ def plan_decode_topk(batch: int, next_n: int, max_entries: int, k: int, fmt: "Ke
     fmt = KeyFormat.parse(fmt)
     if not isinstance(return_slots, bool) or not isinstance(sort, bool):
         raise ValueError(f"return_slots and sort must be bools, got {return_slots!r}, {sort!r}")
-    device = torch.device(device)
+    device = parse_device(device)
     select = select or SelectConfig()
     rows = batch * next_n
+    per_row = 4 * (max_entries + 1 + k * (2 if return_slots else 1)) + 8 * select.cap
+    check_fits(rows * per_row, device, f"a decode plan for {rows:,} rows x max_entries {max_entries:,}")
     return DecodeTopkPlan(
         batch=batch, next_n=next_n, num_heads=num_heads, max_entries=max_entries, k=k, fmt=fmt, sort=sort,
         tiles=plan_decode_tiles(batch, next_n, num_heads, device),

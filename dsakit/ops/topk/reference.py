@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...batch import PagedBatch, check_k
+from .config import MAX_K
 from ..scores.reference import index_scores
 
 
@@ -23,7 +24,7 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
         raise ValueError(f"scores must be a [T, N] tensor, got "
                          f"{list(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
-    check_k(k)
+    check_k(k, MAX_K)
     s = scores.detach().cpu().float()
     t, n = s.shape
     out = torch.full((t, k), -1, dtype=torch.int32)
@@ -48,7 +49,7 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int
 
     Arguments as :func:`dsakit.ops.scores.reference.index_scores`. Materializes [T, N] (the reference may).
     """
-    check_k(k)
+    check_k(k, MAX_K)
     return select_topk(index_scores(q, weights, batch), k)
 
 

@@ -65,10 +65,8 @@ from ..scores.triton import (QueryTiles, check_q_inputs, check_q_scale_values, l
 from ._kernels import _radix_select_kernel, _visible_kernel
 from ._select_stream import (STREAM_MAX_K, launch_stream_select, launch_stream_select_cached,
                              release_select_buffers)
-from .config import DEFAULT_WORKSPACE_BYTES, SelectConfig, TopkConfig
+from .config import DEFAULT_WORKSPACE_BYTES, MAX_K, SelectConfig, TopkConfig
 
-# The final sort holds next_pow2(K) int64 keys in registers of one program.
-MAX_K = 16384
 # Candidates per row kept for the exact final select (fp32 value + int32 index = 8 bytes each).
 CANDIDATE_CAP = 2048
 _VISIBLE_BLOCK = 256  # rows per program of the visible-count kernel
