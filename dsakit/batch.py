@@ -99,7 +99,7 @@ def check_queries(q: torch.Tensor, weights: torch.Tensor, d: int = INDEX_HEAD_DI
         raise ValueError(f"q must be [T, H, {d}], got "
                          f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     if q.dtype not in QUERY_DTYPES:
-        raise ValueError(f"q must be one of {[str(d) for d in QUERY_DTYPES]}, got {q.dtype}")
+        raise ValueError(f"q dtype must be one of {[str(d) for d in QUERY_DTYPES]}, got {q.dtype}")
     if not isinstance(weights, torch.Tensor) or weights.shape != q.shape[:2]:
         raise ValueError(f"weights must be [T, H] = {list(q.shape[:2])}, got "
                          f"{list(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__}")
