@@ -24,6 +24,11 @@ def _planted(n=200, needle=77, t=2, h=4):
                            needle_entries=torch.tensor([needle]), ratio=1, rotated=True)
 
 
+def _flat(output: str) -> str:
+    """CLI output without rich's box borders, line breaks and spaces (long paths wrap in narrow terminals)."""
+    return "".join(output.replace("│", "").replace("╭", "").replace("╰", "").replace("─", "").split())
+
+
 # -- output location -------------------------------------------------------------------------------
 
 def test_bad_out_fails_before_the_sweep(tmp_path, monkeypatch):
@@ -36,11 +41,11 @@ def test_bad_out_fails_before_the_sweep(tmp_path, monkeypatch):
     for out in (a_file, a_file / "below"):
         result = CliRunner().invoke(app, SMALL + ["--out", str(out)])
         assert result.exit_code == 2, result.output
-        assert "taken" in result.output and "Traceback" not in result.output
+        assert str(a_file).replace(" ", "") in _flat(result.output) and "Traceback" not in result.output
     captured = save_captured(tmp_path / "cap.safetensors", _planted())
     result = CliRunner().invoke(app, ["recall", "--captured", str(captured), "--formats", "bf16", "--topk", "8",
                                       "--out", str(a_file)])
-    assert result.exit_code == 2 and "taken" in result.output, result.output
+    assert result.exit_code == 2 and str(a_file).replace(" ", "") in _flat(result.output), result.output
 
 
 def test_rows_are_on_disk_as_they_finish(tmp_path, monkeypatch):
@@ -67,7 +72,7 @@ def test_contexts_that_cannot_fit_are_refused_naming_the_size(tmp_path, option, 
         argv += ["--faults", "off"]
     result = CliRunner().invoke(app, argv + args + [option, "400000000", "--out", str(tmp_path)])
     assert result.exit_code == 2, result.output
-    assert "400000000" in result.output and "GiB" in result.output
+    assert "400000000tokensneedsabout" in _flat(result.output) and "GiB" in result.output
     assert not (tmp_path / report.JSONL_NAME).exists()
 
 
@@ -106,7 +111,8 @@ def test_broken_safetensors_files_are_value_errors_naming_the_file(tmp_path, dam
         load_captured(path)
     assert str(path) in str(info.value)
     result = CliRunner().invoke(app, ["recall", "--captured", str(path), "--out", str(tmp_path / "o")])
-    assert result.exit_code == 2 and "safetensors" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 2 and "notareadablesafetensorsfile" in _flat(result.output)
+    assert "Traceback" not in result.output
 
 
 def test_a_directory_is_not_reported_as_missing(tmp_path):
