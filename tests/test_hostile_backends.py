@@ -124,7 +124,7 @@ def _outcome(fn):
 
 
 @settings(max_examples=30)
-@given(fmt=st.sampled_from(["bf16", "fp8", "fp4"]), faults=query_faults())
+@given(fmt=st.sampled_from(["bf16", "fp8", "fp4", "fp8-centred"]), faults=query_faults())
 def test_index_scores_and_topk_accept_and_refuse_alike(fmt, faults):
     q, w, k, batch = _apply_query_faults(faults, fmt)
     built = _outcome(batch)
@@ -213,8 +213,8 @@ def _store_call(kind: str, fmt_name: str, faults: dict):
 
 
 @settings(max_examples=30)
-@given(target=st.sampled_from([("index", "bf16"), ("index", "fp8"), ("index", "fp4"), ("attention", "bf16"),
-                               ("attention", "fp8-rope-bf16")]), faults=store_faults())
+@given(target=st.sampled_from([("index", "bf16"), ("index", "fp8"), ("index", "fp4"), ("index", "fp4-centred"),
+                               ("attention", "bf16"), ("attention", "fp8-rope-bf16")]), faults=store_faults())
 def test_store_ops_accept_and_refuse_alike_and_refusals_leave_the_pool(target, faults):
     call, make_pool = _store_call(*target, faults)
     outcomes, pools = {}, {}

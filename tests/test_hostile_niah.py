@@ -103,7 +103,8 @@ MALFORMED = ("boolean", "zero", "string", "nan", "negative")  # not a token coun
 
 # With a tokenizer a wrong but well-formed count is only recorded next to the local count, so the modes
 # that still send an int >= 1 (constant, too small) are swept without one, where they steer calibration.
-@pytest.mark.parametrize("mode,tokenizer", [(m, None) for m in PROMPT_TOKEN_MODES] + [(m, "reference") for m in MALFORMED])
+@pytest.mark.parametrize("mode,tokenizer",
+                         [(m, None) for m in PROMPT_TOKEN_MODES] + [(m, "reference") for m in MALFORMED])
 def test_bad_prompt_tokens_end_in_an_error_row_not_a_hang(tmp_path, mode, tokenizer):
     malformed = mode in MALFORMED
     server = _LyingServer(mode)

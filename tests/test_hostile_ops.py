@@ -43,6 +43,19 @@ def test_dense_attention_refuses_a_bad_softmax_scale(scale):
         sparse_attention_dense(q, kv, torch.tensor([[0, 1]]), softmax_scale=scale)
 
 
+@pytest.mark.parametrize("scale", [math.nan, math.inf, 0.0, "0.1"])
+def test_paged_sparse_attention_refuses_a_bad_softmax_scale_on_every_backend(scale):
+    from dsakit.formats import AttentionKVFormat
+    from dsakit.ops.attention import sparse_attention
+
+    fmt = AttentionKVFormat.parse("bf16")
+    q, pool = torch.randn(1, 64, 512), torch.zeros(1, fmt.page_bytes, dtype=torch.uint8)
+    indices = torch.tensor([[0, 1]], dtype=torch.int32)
+    for backend in _backends():
+        with pytest.raises(ValueError, match="softmax_scale"):  # NaN made every output zeros
+            sparse_attention(q, pool, indices, kv_format=fmt, softmax_scale=scale, backend=backend)
+
+
 @pytest.mark.parametrize("eps", [math.inf, math.nan, -1e-6, "1e-6", None, True])
 def test_key_transform_refuses_a_bad_eps(eps):
     with pytest.raises(ValueError, match="eps"):
