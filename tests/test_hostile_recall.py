@@ -77,9 +77,13 @@ def test_contexts_that_cannot_fit_are_refused_naming_the_size(tmp_path, option, 
 
 
 def test_haystack_memory_check():
-    recall_cli.check_haystack_fits("--contexts", 1 << 16, memory=1 << 30)
-    with pytest.raises(ValueError, match=r"--contexts 1048576 tokens needs about 8 GiB.* 1 GiB"):
-        recall_cli.check_haystack_fits("--contexts", 1 << 20, memory=1 << 30)
+    from dsakit.recall.settings import RecallSettings, check_haystack_fits
+
+    check_haystack_fits("contexts", 1 << 16, memory=1 << 30)
+    with pytest.raises(ValueError, match=r"contexts 1048576 tokens needs about 8 GiB.* 1 GiB"):
+        check_haystack_fits("contexts", 1 << 20, memory=1 << 30)
+    with pytest.raises(ValueError, match="horizon_max 400000000 tokens"):  # the library refuses it too
+        RecallSettings(horizon_max=400_000_000)
 
 
 def test_captured_topk_beyond_the_entries_runs_as_the_entry_count(monkeypatch):

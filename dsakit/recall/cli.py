@@ -1,6 +1,5 @@
 """``dsakit recall``: the needle-in-a-haystack recall lab on the command line (a thin layer over dsakit.recall)."""
 
-import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -27,29 +26,6 @@ def _numbers(text: str, what: str, kind: type = int) -> tuple:
     if not values:
         raise typer.BadParameter(f"{what} is empty")
     return values
-
-
-# Peak memory of a synthetic haystack per context token: the compressor's token states (two [S, 2 D] fp32
-# draws) and the pooling's intermediates, measured at 64 Ki tokens with D = 128 (about 8 KiB).
-HAYSTACK_BYTES_PER_TOKEN = 8 << 10
-
-
-def physical_memory_bytes() -> int | None:
-    """Installed memory of this machine (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_haystack_fits(option: str, context_tokens: int, memory: int | None = None) -> None:
-    """ValueError naming ``option`` and the size when a haystack of ``context_tokens`` cannot fit in memory
-    (checked before the sweep: the allocator would otherwise fail mid-run with a traceback)."""
-    memory = physical_memory_bytes() if memory is None else memory
-    need = context_tokens * HAYSTACK_BYTES_PER_TOKEN
-    if memory is not None and need > memory:
-        raise ValueError(f"{option} {context_tokens} tokens needs about {need / 2**30:.0f} GiB for the synthetic "
-                         f"haystack, more than this machine's {memory / 2**30:.0f} GiB of memory")
 
 
 def _formats(text: str) -> tuple:
@@ -136,11 +112,6 @@ def recall(
             horizon_min=horizon_min, horizon_max=horizon_max,
             faults=tuple(f.name for f in parse_faults(faults)), fault_format=fault_format,
             fault_contexts=_numbers(fault_contexts, "--fault-contexts"), seed=seed, backend=backend)
-        check_haystack_fits("--contexts", max(settings.contexts))
-        if settings.faults:
-            check_haystack_fits("--fault-contexts", max(settings.fault_contexts))
-        if settings.horizon:
-            check_haystack_fits("--horizon-max", settings.horizon_max)
         common = {"seed": seed, "versions": report.versions(), "commit": report.git_commit(),
                   "settings": settings.as_dict(), "ops_backend": op_backends(backend)}
         # opened before the sweep (a bad --out fails now, not after it); records are written as they finish

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,30 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# Peak memory of a synthetic haystack per context token: the compressor's token states (two [S, 2 D] fp32
+# draws) and the pooling's intermediates, measured at 64 Ki tokens with D = 128 (about 8 KiB).
+HAYSTACK_BYTES_PER_TOKEN = 8 << 10
+
+
+def physical_memory_bytes() -> int | None:
+    """Installed memory of this machine (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_haystack_fits(option: str, context_tokens: int, memory: int | None = None) -> None:
+    """ValueError naming ``option`` and the size when a haystack of ``context_tokens`` cannot fit in memory
+    (checked by RecallSettings, before any sweep: the allocator would otherwise fail mid-run)."""
+    memory = physical_memory_bytes() if memory is None else memory
+    need = context_tokens * HAYSTACK_BYTES_PER_TOKEN
+    if memory is not None and need > memory:
+        raise ValueError(f"{option} {context_tokens} tokens needs about {need / 2**30:.0f} GiB for the synthetic "
+                         f"haystack, more than this machine's {memory / 2**30:.0f} GiB of memory")
+
 
 
 @dataclass(frozen=True)
@@ -101,6 +126,11 @@ class RecallSettings:
             if name not in FAULTS:
                 raise ValueError(f"unknown fault {name!r}; choose from {sorted(FAULTS)}")
         resolved_backend(self.backend)  # 'triton' on a machine that cannot run it fails here, not mid-sweep
+        check_haystack_fits("contexts", max(self.contexts))
+        if self.faults:
+            check_haystack_fits("fault_contexts", max(self.fault_contexts))
+        if self.horizon:
+            check_haystack_fits("horizon_max", self.horizon_max)
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
