@@ -490,7 +490,7 @@ def test_public_index_topk_steady_state_has_no_sync_and_allocates_only_outputs(q
     from dsakit import PagedCache
 
     fmt = KeyFormat.parse("fp8")
-    cache = PagedCache(fmt, 64, device="cuda")
+    cache = PagedCache(fmt, 256, device="cuda")  # room for every parametrization (up to ~5.1K entries)
     seqs = [cache.add_sequence() for _ in query_lens]
     for i, s in enumerate(seqs):
         n = 300 + 97 * i
