@@ -3,7 +3,8 @@
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_session.sh OUTDIR SECTION...
 #
-# Sections: tests host select deepgemm attention centred layer store indexer distributed (see the case below).
+# Sections: tests host select selectq deepgemm* attention centred layer store distributed (see the case below);
+# a deepgemm section builds the DeepGEMM anchor first (~100 s, once per machine) inside its own chain.
 # Sections named "x@N" run pinned to GPU N (CUDA_VISIBLE_DEVICES=N); sections joined with "+" in one argument
 # run one after the other, separate arguments run concurrently (one per GPU on a multi-GPU machine).
 # Each benchmark writes JSON under /tmp/dsakit-res/<section>; everything is packed into OUTDIR/results.tgz
@@ -20,7 +21,7 @@ deepgemm_ready() {
   # DeepGEMM is an anchor to time against, never a dependency; build once per machine (~100 s).
   if [ -f .anchors/deepgemm-54e2261.tgz ]; then
     # shellcheck disable=SC1091
-    source .anchors/build_deepgemm.sh .anchors/deepgemm-54e2261.tgz > "$res/deepgemm_build.log" 2>&1 || return 1
+    source .anchors/build_deepgemm.sh .anchors/deepgemm-54e2261.tgz >> "$res/deepgemm_build.log" 2>&1 || return 1
   fi
 }
 
@@ -34,7 +35,9 @@ run_section() {
     tests)       "${env_gpu[@]}" timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
     host)        "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_host.py --out "$dir" --commit "$commit" ;;
     select)      "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_select.py --out "$dir" --commit "$commit" ;;
-    deepgemm*)   "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_vs_deepgemm.py --out "$dir" --commit "$commit" ;;
+    deepgemm*)   deepgemm_ready || echo "DeepGEMM build failed: timing dsakit alone"
+                 "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_vs_deepgemm.py --out "$dir" --commit "$commit" ;;
+    selectq)     "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_select.py --out "$dir" --commit "$commit" --quick ;;
     attention)   "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_attention.py --out "$dir" --commit "$commit" ;;
     centred)     "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_centred.py --out "$dir" --commit "$commit" ;;
     layer)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_layer.py --out "$dir" --commit "$commit" ;;
@@ -57,7 +60,6 @@ run_chain() {
   done
 }
 
-if [[ " $* " == *deepgemm* ]]; then deepgemm_ready || echo "DeepGEMM build failed" | tee -a "$res/summary.txt"; fi
 pids=()
 for chain in "$@"; do run_chain "$chain" & pids+=($!); done
 wait "${pids[@]}"
