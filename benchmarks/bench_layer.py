@@ -39,8 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, timed, write_json  # noqa: E402
 
 from dsakit.layers import V4Attention  # noqa: E402
-from dsakit.ops.store import store_attention_kv, store_index_keys  # noqa: E402
-from dsakit.transforms import ROPE_V4  # noqa: E402
 
 FLASH = dict(hidden=4096, q_lora=1024, heads=64, o_groups=8, o_lora=1024, index_heads=64, topk=512)
 SMALL = dict(hidden=64, q_lora=32, heads=2, o_groups=2, o_lora=16, index_heads=4, topk=16)
@@ -125,16 +123,10 @@ def prefill_pipeline(layer: V4Attention, hidden: torch.Tensor, clock: StageClock
             entries.append(comp.step(hidden[lo:hi], s1)[0])
             keys.append(ix.step(hidden[lo:hi], s2)[0])
         entries, keys = torch.cat(entries), torch.cat(keys)
-    n = entries.shape[0]
-    with clock("store"):
-        entry_pos = torch.arange(n, device=device) * 4
-        store_attention_kv(torch.nn.functional.linear(hidden, layer.kv_proj.weight), positions,
-                           cache.reserve("kv", seq, t), cache.kv.pool, layer.kv_format, table, layer.kv_norm.weight,
-                           ROPE_V4, layer.eps)
-        store_attention_kv(entries, entry_pos, cache.reserve("extra", seq, n), cache.extra.pool, layer.kv_format,
-                           table, comp.kv_norm.weight, ROPE_V4, layer.eps)
-        store_index_keys(keys, entry_pos, cache.reserve("index", seq, n), cache.index.pool, layer.index_key_format,
-                         table, ix.kv_norm.weight.float(), None, layer.index_transform())
+    with clock("store"):  # the layer's own store calls (V4Attention.store minus the compressor steps)
+        layer.store_kv(hidden, cache, seq, 0, table, positions=positions)
+        layer.store_entries(entries, 0, cache, seq, table)
+        layer.store_index_keys(keys, 0, cache, seq, table)
     del entries, keys
     for lo, hi in chunks(t, layer.query_chunk):
         h, pos = hidden[lo:hi], positions[lo:hi]
@@ -145,7 +137,7 @@ def prefill_pipeline(layer: V4Attention, hidden: torch.Tensor, clock: StageClock
             extra = layer.select(qi, w, cache, seq, pos)
         del qi, w, q_res
         with clock("attention"):
-            out = layer.attend(q, cache, seq, pos, extra)
+            out = layer.attend(q, cache, seq, pos, extra, start=lo)
         del q, extra
         with clock("output"):
             layer.output(out, pos, table)
@@ -216,14 +208,12 @@ def decode_stages(layer: V4Attention, cache, seq: int, token: torch.Tensor, devi
         epos = positions // layer.ratio * layer.ratio if layer.ratio else positions
 
         def store_one():  # 1 in ratio steps completes a block and stores an entry: time that case
-            store_attention_kv(kv_row, positions, slot, cache.kv.pool, layer.kv_format, table,
-                               layer.kv_norm.weight, ROPE_V4, layer.eps)
+            # the layer's writers (the same launches as its store, on the slots reserved above)
+            layer.write_attention_kv(kv_row, positions, slot, cache.kv.pool, table, layer.kv_norm)
             if ent_slot is not None:
-                store_attention_kv(entry, epos, ent_slot, cache.extra.pool, layer.kv_format, table,
-                                   comp.kv_norm.weight, ROPE_V4, layer.eps)
+                layer.write_attention_kv(entry, epos, ent_slot, cache.extra.pool, table, comp.kv_norm)
             if key_slot is not None:
-                store_index_keys(key, epos, key_slot, cache.index.pool, layer.index_key_format, table,
-                                 comp.indexer.kv_norm.weight.float(), None, layer.index_transform())
+                layer.write_index_keys(key, epos, key_slot, cache.index.pool, table)
 
         fns["store"] = store_one
         q, q_res = layer.queries(token, positions, table)
@@ -235,11 +225,11 @@ def decode_stages(layer: V4Attention, cache, seq: int, token: torch.Tensor, devi
             fns["topk"] = lambda: layer.select(qi, w, cache, seq, positions)
         else:
             fns["project"] = lambda: layer.queries(token, positions, table)
-            extra = layer.hca_slots(cache, seq, positions) if layer.layer_type == "hca" else None
+            extra = layer.hca_slots(cache, seq, positions, start=pos) if layer.layer_type == "hca" else None
             if extra is not None:  # hca: every visible entry instead of a top-k
-                fns["entries"] = lambda: layer.hca_slots(cache, seq, positions)
-        out = layer.attend(q, cache, seq, positions, extra)
-        fns["attention"] = lambda: layer.attend(q, cache, seq, positions, extra)
+                fns["entries"] = lambda: layer.hca_slots(cache, seq, positions, start=pos)
+        out = layer.attend(q, cache, seq, positions, extra, start=pos)
+        fns["attention"] = lambda: layer.attend(q, cache, seq, positions, extra, start=pos)
         fns["output"] = lambda: layer.output(out, positions, table)
         for name, fn in fns.items():
             ms, peak = timed(fn, device, rep_ms)

@@ -253,8 +253,13 @@ class PagedCache:
                 raise ValueError(f"{what} must be an int entry index, got {value!r}")
         if not 0 <= start <= end <= length:
             raise ValueError(f"entry range {start}..{end} outside sequence {seq_id} of length {length}")
-        table = torch.tensor(self._tables[seq_id], dtype=torch.long)
-        return sequence_slots(table, end)[start:]
+        # only the pages of start..end-1 (an append to a long sequence costs O(appended), not O(length)),
+        # expanded to their 64 slots each in one broadcast op
+        first = start // ENTRIES_PER_PAGE
+        pages = torch.tensor(self._tables[seq_id][first:(end + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE],
+                             dtype=torch.long)
+        page_slots = (pages.unsqueeze(1) * ENTRIES_PER_PAGE + torch.arange(ENTRIES_PER_PAGE)).view(-1)
+        return page_slots[start - first * ENTRIES_PER_PAGE: end - first * ENTRIES_PER_PAGE]
 
     def block_table(self, seq_ids: Sequence[int] | None = None, width: int | None = None) -> torch.Tensor:
         """int32 [B, max_pages] page ids per sequence (rows padded with -1), on the pool's device."""

@@ -251,3 +251,77 @@ def test_gpu_layer_matches_the_cpu_reference(layer_type):
                                                                    for t in range(290, 300)]).float().cpu())
     err = float((outs[1] - outs[0]).abs().max() / outs[0].abs().max())
     assert err <= 2e-2, err
+
+
+@pytest.mark.parametrize("layer_type", ["csa", "hca"])
+def test_slot_sets_follow_the_block_tables(layer_type):
+    """The window / hca slot sets read from the cache's slot maps (views for a decode step, one gather for a
+    prefill chunk) equal the slots the pools' block tables give, across pool growth and page boundaries."""
+    layer = random_layer(layer_type, "reference", "cpu", num_heads=2, o_groups=2, query_chunk=23)
+    cache = layer.new_cache(max_tokens=16)  # every pool and slot map grows several times
+    other = cache.add_sequence()  # a second sequence interleaves its pages with the first one's
+    seq = cache.add_sequence()
+    x = hidden(11, 150)
+    with torch.no_grad():
+        for lo, hi in ((0, 61), (61, 62), (62, 130)) + tuple((t, t + 1) for t in range(130, 150)):
+            layer(x[lo:hi], cache, seq)
+            layer(x[lo:lo + 1], cache, other)
+    kv = cache.kv.slots(cache.id_in("kv", seq))
+    extra = cache.extra.slots(cache.id_in("extra", seq))
+    w = layer.window
+    for start, s in ((0, 5), (40, 30), (149, 1), (120, 30)):
+        positions = torch.arange(start, start + s)
+        want = torch.tensor([[int(kv[e]) if e >= 0 else -1 for e in range(p - w + 1, p + 1)]
+                             for p in range(start, start + s)])
+        assert torch.equal(layer.window_slots(cache, seq, positions, start=start).long(), want)
+        assert torch.equal(layer.window_slots(cache, seq, positions).long(), want)
+        n = extra.numel()
+        want = torch.tensor([[int(extra[j]) if j < (p + 1) // layer.ratio else -1 for j in range(n)]
+                             for p in range(start, start + s)])
+        if layer_type == "hca":
+            assert torch.equal(layer.hca_slots(cache, seq, positions, start=start).long(), want)
+            assert torch.equal(layer.hca_slots(cache, seq, positions).long(), want)
+
+
+def test_layer_stores_make_no_host_value_checks(triton_backend, device, monkeypatch):
+    """The layer's stores go to the kernels without the public store ops' host-side slot / position checks
+    (a device sync each on a GPU): the cache made the slots. The checks are replaced by a failure here."""
+    import dsakit.ops.store as store_ops
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host-side value check in the layer's store path")
+
+    monkeypatch.setattr(store_ops, "check_slots", refuse)
+    monkeypatch.setattr(store_ops, "check_rope_inputs", refuse)
+    layer = random_layer("csa", triton_backend, device)
+    cache = layer.new_cache(16, device=device)
+    seq = cache.add_sequence()
+    x = hidden(6, 23).to(device)
+    with torch.no_grad():
+        out = torch.cat([layer(x[:21], cache, seq)] + [layer(x[t:t + 1], cache, seq) for t in (21, 22)])
+    assert out.shape == (23, HIDDEN) and bool(torch.isfinite(out).all())
+    assert cache.length(seq) == 23 and cache.extra.length(cache.id_in("extra", seq)) == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer_type", ["csa", "hca"])
+def test_gpu_decode_step_makes_no_device_sync(layer_type):
+    """A decode step (store, compressor rings, top-k, slot sets, attention) reads nothing back from the
+    device: 80 steps after a prefill run under torch.cuda.set_sync_debug_mode("error"), crossing page
+    boundaries of every pool and the growth of the slot maps."""
+    layer = random_layer(layer_type, "auto", "cuda", index_topk=32, window=128)
+    cache = layer.new_cache(512, device="cuda")
+    seq = cache.add_sequence()
+    x = hidden(12, 300).cuda()
+    with torch.no_grad():
+        layer(x[:200], cache, seq)
+        for t in range(200, 220):  # warm-up: kernels compile, workspaces are sized
+            layer(x[t:t + 1], cache, seq)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for t in range(220, 300):
+                layer(x[t:t + 1], cache, seq)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert cache.length(seq) == 300

@@ -44,14 +44,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..batch import upload
 from ..cache import PagedCache
 from ..formats import ATTENTION_HEAD_DIM, ENTRIES_PER_PAGE, INDEX_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ..ops import attention as attention_ops
+from ..ops._backend import resolve_backend
 from ..ops.compress.device import CompressorState, compress_step
 from ..ops.store import store_attention_kv, store_index_keys
 from ..ops import topk as topk_ops
 from ..presets import DSAPreset, get_preset
 from ..transforms import ROPE_V4, RopeConfig, RopeLayout, hadamard_matrix
+
+try:  # the launchers behind dsakit.ops.store (triton is an optional dependency)
+    from ..ops.store.triton import launch_store_attention_kv, launch_store_index_keys
+except ImportError:  # pragma: no cover - without triton every store runs the reference
+    launch_store_attention_kv = launch_store_index_keys = None
 
 __all__ = ["V4Attention", "V4LayerCache", "INDEX_KEY_FORMAT_ENV", "resolve_index_key_format", "LAYER_TYPES"]
 
@@ -185,17 +192,6 @@ def _rope_v4(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, inve
     return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
 
 
-def _entry_slots(entries: torch.Tensor, block_table_row: torch.Tensor) -> torch.Tensor:
-    """Entry indices (any shape, -1 = none) of one sequence -> global slots through its block-table row."""
-    if block_table_row.numel() == 0:  # the sequence holds no entry yet: nothing to point at
-        return torch.full(entries.shape, -1, dtype=torch.int32, device=entries.device)
-    valid = entries >= 0
-    e = entries.clamp(min=0).long()
-    pages = block_table_row.long()[e // ENTRIES_PER_PAGE]
-    slots = pages * ENTRIES_PER_PAGE + e % ENTRIES_PER_PAGE
-    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
-
-
 # --------------------------------------------------------------------------------------------------
 # Ops behind the shared contracts (sparse attention, PagedBatch top-k)
 # --------------------------------------------------------------------------------------------------
@@ -212,6 +208,49 @@ def sparse_attention_paged(q: torch.Tensor, kv_cache: torch.Tensor, indices: tor
         extra_kv_format=kv_format if extra_kv_cache is not None else None, extra_indices=extra_indices,
         sink=sink, softmax_scale=softmax_scale, backend=backend)
     return out.float()
+
+
+_ROPE_PAIRING, _ROPE_PLACEMENT = RopeLayout.parse(ROPE_V4).name.rsplit("-", 1)
+
+
+def _write_attention_kv(rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
+                        fmt: AttentionKVFormat, table: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        backend: str) -> None:
+    """``dsakit.ops.store.store_attention_kv`` (rope layout V4) minus its host-side value checks.
+
+    The layer makes ``slots`` (its own allocator: in range, distinct) and ``positions`` (< the rope table's
+    rows) itself, so they are valid by construction. The public op would copy both to the host on every call
+    to check them: a device sync per store, and on a long prefill a CPU sort of every slot for the duplicate
+    check. The kernel also drops any row whose slot or position is out of range, so nothing can be written
+    out of bounds either way. The reference (CPU) path keeps the public op and its checks.
+    """
+    if resolve_backend(backend, rows, pool) == "reference":
+        store_attention_kv(rows, positions, slots, pool, fmt, table, norm_weight, ROPE_V4, eps, backend="reference")
+    elif torch.compiler.is_compiling():  # the custom op is the traceable form of the same launch
+        torch.ops.dsakit.store_attention_kv(rows, positions, slots, pool, table, norm_weight.contiguous(), fmt.name,
+                                            RopeLayout.parse(ROPE_V4).name, float(eps))
+    else:
+        launch_store_attention_kv(rows, positions, slots, pool, table, norm_weight.contiguous(), fmt,
+                                  _ROPE_PAIRING, _ROPE_PLACEMENT, float(eps))
+
+
+def _write_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
+                      fmt: KeyFormat, table: torch.Tensor, norm_weight: torch.Tensor, transform,
+                      backend: str) -> None:
+    """``dsakit.ops.store.store_index_keys`` (RMSNorm, no bias) minus its host-side value checks: see
+    :func:`_write_attention_kv`."""
+    if resolve_backend(backend, keys, pool) == "reference":
+        store_index_keys(keys, positions, slots, pool, fmt, table, norm_weight, None, transform, backend="reference")
+        return
+    layout = RopeLayout.parse(transform.rope_layout)
+    if torch.compiler.is_compiling():
+        torch.ops.dsakit.store_index_keys(keys, positions, slots, pool, table, norm_weight.contiguous(), None,
+                                          fmt.name, transform.norm, layout.name, bool(transform.hadamard),
+                                          float(transform.eps))
+    else:
+        pairing, placement = layout.name.rsplit("-", 1)
+        launch_store_index_keys(keys, positions, slots, pool, table, norm_weight.contiguous(), None, fmt,
+                                transform.norm, pairing, placement, bool(transform.hadamard), float(transform.eps))
 
 
 def _topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedCache, seq: int, k: int, positions: torch.Tensor,
@@ -233,11 +272,19 @@ class V4LayerCache:
     * ``kv``: main KV pool, one entry per raw token (slot of token p = its entry p), AttentionKVFormat;
     * ``extra``: compressed entries of the layer's compressor (csa / hca), same format;
     * ``index``: index keys of the CSA indexer, KeyFormat;
-    * per sequence: the compressors' decode states (fp32 rings, :class:`CompressorState`).
+    * per sequence: the compressors' decode states (fp32 rings, :class:`CompressorState`);
+    * per sequence and attention pool (``kv``, ``extra``): a *slot map* on the device, int32
+      ``[pad + capacity]``: the global slot of entry e at index ``pad + e``, -1 in the ``pad`` leading
+      positions (``kv``: pad = the window, so a query's window is a slice even at the start of the sequence;
+      ``extra``: pad = 1, so entry index -1 maps to slot -1). The map is appended to as entries are reserved
+      (a scalar fill or one asynchronous upload of the new slots), so the attention's slot sets are views or
+      one gather: no block-table arithmetic and no device sync per step.
 
     Pools are sized for ``max_tokens`` tokens per sequence x ``max_sequences`` and grow (doubling, a page
     copy on the device) when a sequence outgrows them.
     """
+
+    _MAPPED = ("kv", "extra")
 
     def __init__(self, layer: "V4Attention", max_tokens: int = 4096, max_sequences: int = 1,
                  device: "str | torch.device | None" = None):
@@ -253,9 +300,10 @@ class V4LayerCache:
             if layer.ratio else None
         self.index = PagedCache(layer.index_key_format, pages(max_tokens // 4), device=self.device) \
             if layer.layer_type == "csa" else None
+        self._max_tokens = max_tokens
         self._ids: dict[int, dict[str, int]] = {}
         self._states: dict[int, dict[str, CompressorState]] = {}
-        self._rows: dict[tuple[str, int], tuple[tuple[int, int], torch.Tensor]] = {}
+        self._maps: dict[tuple[str, int], torch.Tensor] = {}
         self._next = 0
 
     def caches(self) -> dict[str, PagedCache]:
@@ -279,7 +327,7 @@ class V4LayerCache:
         for name, c in self.caches().items():
             c.free_sequence(self._ids[seq][name])
         del self._ids[seq], self._states[seq]
-        self._rows = {k: v for k, v in self._rows.items() if k[1] != seq}
+        self._maps = {k: v for k, v in self._maps.items() if k[1] != seq}
 
     @property
     def sequences(self) -> list[int]:
@@ -300,20 +348,40 @@ class V4LayerCache:
     def state(self, seq: int, name: str) -> CompressorState:
         return self._states[seq][name]
 
-    def block_table_row(self, name: str, seq: int) -> torch.Tensor:
-        """int32 [pages] page ids of the sequence in pool ``name``, on the device; rebuilt (one small host to
-        device copy) only when the sequence gains a page or the pool grew, so a decode step usually reuses it."""
-        cache = getattr(self, name)
-        sid = self._ids[seq][name]
-        key = (id(cache), math.ceil(cache.length(sid) / ENTRIES_PER_PAGE))
-        hit = self._rows.get((name, seq))
-        if hit is None or hit[0] != key:
-            hit = (key, cache.block_table([sid])[0])
-            self._rows[(name, seq)] = hit
-        return hit[1]
+    def map_pad(self, name: str) -> int:
+        """Leading -1 positions of the slot maps of pool ``name`` ("kv": the window; "extra": 1)."""
+        return self.layer.window if name == "kv" else 1
+
+    def slot_map(self, name: str, seq: int) -> torch.Tensor | None:
+        """int32 [pad + capacity] slot map of the sequence in pool ``name`` ("kv" | "extra"), on the device:
+        entry e at ``pad + e`` (valid for e < the sequence's entries), -1 before; None before its first reserve."""
+        return self._maps.get((name, seq))
+
+    def _map_for(self, name: str, seq: int, entries: int) -> torch.Tensor:
+        """The slot map with room for ``entries`` entries (grown by doubling: one device copy, no sync)."""
+        pad = self.map_pad(name)
+        old = self._maps.get((name, seq))
+        if old is None or old.shape[0] < pad + entries:
+            have = 0 if old is None else old.shape[0] - pad
+            first = self._max_tokens // (self.layer.ratio if name == "extra" else 1)  # the initial capacity
+            cap = max(entries, 2 * have, min(first, 1 << 16), ENTRIES_PER_PAGE)
+            new = torch.full((pad + cap,), -1, dtype=torch.int32, device=self.device)
+            if old is not None:
+                new[: old.shape[0]].copy_(old)
+            self._maps[(name, seq)] = old = new
+        return old
+
+    def _put(self, dst: torch.Tensor, host_slots: torch.Tensor) -> None:
+        """Copy host int slots [n] into the device view ``dst`` without a device sync."""
+        if host_slots.numel() == 1:  # a decode step: one fill kernel, the value travels as its argument
+            dst.fill_(int(host_slots[0]))
+        elif host_slots.numel():
+            dst.copy_(upload(host_slots, self.device))  # int64 -> int32 on the device
 
     def reserve(self, name: str, seq: int, n: int) -> torch.Tensor:
-        """Append n entries to the sequence in pool ``name`` (growing it if needed) -> slots int64 [n] on device."""
+        """Append n entries to the sequence in pool ``name`` (growing it if needed) -> slots [n] on the
+        device (int32 for "kv" / "extra": a view of the slot map; int64 for "index"). Host work O(n); no
+        device sync."""
         cache = getattr(self, name)
         sid = self._ids[seq][name]
         old = cache.length(sid)
@@ -322,9 +390,13 @@ class V4LayerCache:
             setattr(self, name, self._grow(name, cache, need - cache.free_pages))
             cache = getattr(self, name)
             sid = self._ids[seq][name]
-        cache.append(sid, n)
-        entries = torch.arange(old, old + n, device=self.device)
-        return _entry_slots(entries, self.block_table_row(name, seq)).long()
+        host = cache.append(sid, n)  # int64 CPU [n]: only the new entries' slots
+        if name not in self._MAPPED:
+            return upload(host, self.device)
+        pad = self.map_pad(name)
+        dst = self._map_for(name, seq, old + n)[pad + old: pad + old + n]
+        self._put(dst, host)
+        return dst
 
     def _grow(self, name: str, old: PagedCache, short: int) -> PagedCache:
         new = PagedCache(old.fmt, max(2 * old.num_pages, old.num_pages + short), device=self.device)
@@ -332,11 +404,14 @@ class V4LayerCache:
             length = old.length(ids[name])
             nid = new.add_sequence()
             new.append(nid, length)
-            used = math.ceil(length / ENTRIES_PER_PAGE)
-            if used:
-                src = old.block_table([ids[name]])[0, :used].long()
-                dst = new.block_table([nid])[0, :used].long()
-                new.pool[dst] = old.pool[src]
+            if length:
+                # each used page's entry 0 -> its page id, in both pools (host lists: no sync)
+                src = old.slots(ids[name])[::ENTRIES_PER_PAGE] // ENTRIES_PER_PAGE
+                dst = new.slots(nid)[::ENTRIES_PER_PAGE] // ENTRIES_PER_PAGE
+                new.pool[upload(dst, self.device)] = old.pool[upload(src, self.device)]
+                if (name, seq) in self._maps:  # every slot moved: rewrite the map's valid prefix
+                    pad = self.map_pad(name)
+                    self._put(self._maps[(name, seq)][pad: pad + length], new.slots(nid))
             ids[name] = nid
         return new
 
@@ -467,38 +542,62 @@ class V4Attention(nn.Module):
         q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + self.eps)
         return _rope_v4(q, table, positions), q_res
 
-    def store(self, hidden: torch.Tensor, cache: V4LayerCache, seq: int, start: int, table: torch.Tensor) -> None:
-        """Project, compress and store the S new tokens' raw KV, compressed entries and index keys."""
-        s = hidden.shape[0]
-        device = cache.device
-        positions = torch.arange(start, start + s, device=device)
-        slots = cache.reserve("kv", seq, s)
-        store_attention_kv(_linear(hidden, self.kv_proj), positions, slots, cache.kv.pool, self.kv_format, table,
-                           self.kv_norm.weight, ROPE_V4, self.kv_norm.variance_epsilon, backend=self.backend)
+    def store(self, hidden: torch.Tensor, cache: V4LayerCache, seq: int, start: int, table: torch.Tensor, *,
+              positions: torch.Tensor | None = None) -> None:
+        """Project, compress and store the S new tokens' raw KV, compressed entries and index keys
+        (``positions``: start .. start + S - 1 on the device if the caller has them)."""
+        self.store_kv(hidden, cache, seq, start, table, positions=positions)
         if self.compressor is None:
             return
-        for lo in range(0, s, self.query_chunk):  # bounded working set: the rings carry state across chunks
-            self._store_compressed(hidden[lo:lo + self.query_chunk], cache, seq, table)
-
-    def _store_compressed(self, hidden: torch.Tensor, cache: V4LayerCache, seq: int, table: torch.Tensor) -> None:
-        device = cache.device
         comp = self.compressor
-        entries, first = comp.step(hidden, cache.state(seq, "compressor"))
+        for lo in range(0, hidden.shape[0], self.query_chunk):  # bounded working set: the rings carry state
+            h = hidden[lo:lo + self.query_chunk]
+            entries, first = comp.step(h, cache.state(seq, "compressor"))
+            self.store_entries(entries, first, cache, seq, table)
+            if self.layer_type == "csa":
+                keys, first = comp.indexer.step(h, cache.state(seq, "indexer"))
+                self.store_index_keys(keys, first, cache, seq, table)
+
+    def store_kv(self, hidden: torch.Tensor, cache: V4LayerCache, seq: int, start: int, table: torch.Tensor, *,
+                 positions: torch.Tensor | None = None) -> None:
+        """Project the S new tokens' raw KV and store it at entries start .. start + S - 1 of the main pool."""
+        s = hidden.shape[0]
+        if positions is None:
+            positions = torch.arange(start, start + s, device=cache.device)
+        slots = cache.reserve("kv", seq, s)
+        self.write_attention_kv(_linear(hidden, self.kv_proj), positions, slots, cache.kv.pool, table, self.kv_norm)
+
+    def store_entries(self, entries: torch.Tensor, first: int, cache: V4LayerCache, seq: int,
+                      table: torch.Tensor) -> None:
+        """Store the compressor's pre-norm entries fp32 [n, 512] (indices first ..) in the extra pool."""
         n = entries.shape[0]
         if n:
+            comp = self.compressor
             slots = cache.reserve("extra", seq, n)
-            pos = torch.arange(first, first + n, device=device) * comp.ratio
-            store_attention_kv(entries, pos, slots, cache.extra.pool, self.kv_format, table,
-                               comp.kv_norm.weight, ROPE_V4, comp.kv_norm.variance_epsilon, backend=self.backend)
-        if self.layer_type == "csa":
-            ix = comp.indexer
-            entries, first = ix.step(hidden, cache.state(seq, "indexer"))
-            n = entries.shape[0]
-            if n:
-                slots = cache.reserve("index", seq, n)
-                pos = torch.arange(first, first + n, device=device) * 4
-                store_index_keys(entries, pos, slots, cache.index.pool, self.index_key_format, table,
-                                 ix.kv_norm.weight.float(), None, self.index_transform(), backend=self.backend)
+            pos = torch.arange(first * comp.ratio, (first + n) * comp.ratio, comp.ratio, device=cache.device)
+            self.write_attention_kv(entries, pos, slots, cache.extra.pool, table, comp.kv_norm)
+
+    def store_index_keys(self, keys: torch.Tensor, first: int, cache: V4LayerCache, seq: int,
+                         table: torch.Tensor) -> None:
+        """Store the indexer's pre-norm keys fp32 [n, 128] (indices first ..) in the index pool (csa)."""
+        n = keys.shape[0]
+        if n:
+            slots = cache.reserve("index", seq, n)
+            pos = torch.arange(first * 4, (first + n) * 4, 4, device=cache.device)
+            self.write_index_keys(keys, pos, slots, cache.index.pool, table)
+
+    def write_attention_kv(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                           pool: torch.Tensor, table: torch.Tensor, norm: RMSNorm) -> None:
+        """Norm, rope and store rows [N, 512] at slots [N] reserved in this layer's cache (the fused store
+        kernel on CUDA; no host-side value checks: the cache made the slots)."""
+        _write_attention_kv(rows, positions, slots, pool, self.kv_format, table, norm.weight, norm.variance_epsilon,
+                            self.backend)
+
+    def write_index_keys(self, keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                         pool: torch.Tensor, table: torch.Tensor) -> None:
+        """Index keys [N, 128] at slots [N] reserved in this layer's cache (see :meth:`write_attention_kv`)."""
+        _write_index_keys(keys, positions, slots, pool, self.index_key_format, table,
+                          self.compressor.indexer.kv_norm.weight.float(), self.index_transform(), self.backend)
 
     def index_queries(self, hidden: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
                       table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -515,26 +614,50 @@ class V4Attention(nn.Module):
                positions: torch.Tensor) -> torch.Tensor:
         """Top-k compressed entries of each query -> extra-pool slots int32 [S, K] (-1 padded)."""
         entries = _topk(qi, w, cache.index, cache.id_in("index", seq), self.index_topk, positions, 4, self.backend)
-        return _entry_slots(entries, cache.block_table_row("extra", seq))
+        slot_map = cache.slot_map("extra", seq)
+        if slot_map is None:  # no entry yet: the top-k is all padding
+            return entries
+        # the map's one leading -1 turns entry -1 (padding) into slot -1: one gather
+        return torch.index_select(slot_map, 0, (entries + 1).reshape(-1)).view(entries.shape)
 
     def attend(self, q: torch.Tensor, cache: V4LayerCache, seq: int, positions: torch.Tensor,
-               extra_slots: torch.Tensor | None) -> torch.Tensor:
-        """q [S, H, D] -> attention output fp32 [S, H, D] over the window (+ the extra-pool slots given)."""
-        win = positions.unsqueeze(1) - torch.arange(self.window - 1, -1, -1, device=positions.device)
-        win_slots = _entry_slots(win, cache.block_table_row("kv", seq))
+               extra_slots: torch.Tensor | None, *, start: int | None = None) -> torch.Tensor:
+        """q [S, H, D] -> attention output fp32 [S, H, D] over the window (+ the extra-pool slots given).
+
+        ``start``: the host value of ``positions[0]`` when the positions are start .. start + S - 1 (as the
+        forward's are): the window slots are then a view of the slot map, with no kernel at all for S = 1."""
+        win_slots = self.window_slots(cache, seq, positions, start=start)
         qk = q.to(self.q_b_proj.weight.dtype) if q.is_cuda else q
         return sparse_attention_paged(qk, cache.kv.pool, win_slots, kv_format=self.kv_format,
                                       extra_kv_cache=None if extra_slots is None else cache.extra.pool,
                                       extra_indices=extra_slots, sink=self.sinks.float(),
                                       softmax_scale=self.head_dim ** -0.5, backend=self.backend)
 
-    def hca_slots(self, cache: V4LayerCache, seq: int, positions: torch.Tensor) -> torch.Tensor:
-        """Every ratio-128 entry visible to each query -> extra-pool slots int32 [S, N] (-1 where not visible)."""
-        sid = cache.id_in("extra", seq)
-        n = cache.extra.length(sid)
-        j = torch.arange(max(n, 1), device=positions.device)
-        visible = j.unsqueeze(0) < torch.clamp((positions.unsqueeze(1) + 1) // self.ratio, max=n)
-        return _entry_slots(torch.where(visible, j.unsqueeze(0), -1), cache.block_table_row("extra", seq))
+    def window_slots(self, cache: V4LayerCache, seq: int, positions: torch.Tensor, *,
+                     start: int | None = None) -> torch.Tensor:
+        """Main-pool slots int32 [S, window] of each query's window: entries p - window + 1 .. p (-1 before 0)."""
+        slot_map, w = cache.slot_map("kv", seq), self.window
+        if slot_map is None:
+            return torch.full((positions.shape[0], w), -1, dtype=torch.int32, device=positions.device)
+        # entry e sits at map index w + e, so the window of p is map[p + 1 .. p + w]
+        if start is not None:
+            return slot_map.unfold(0, w, 1)[start + 1: start + 1 + positions.shape[0]].contiguous()
+        return slot_map[positions.unsqueeze(1) + torch.arange(1, w + 1, device=positions.device)]
+
+    def hca_slots(self, cache: V4LayerCache, seq: int, positions: torch.Tensor, *,
+                  start: int | None = None) -> torch.Tensor:
+        """Every ratio-128 entry visible to each query -> extra-pool slots int32 [S, N] (-1 where not visible).
+
+        ``start`` as in :meth:`attend`: when every query sees every entry (a decode step), a view of the map."""
+        n = cache.extra.length(cache.id_in("extra", seq))
+        slot_map, s = cache.slot_map("extra", seq), positions.shape[0]
+        if n == 0 or slot_map is None:
+            return torch.full((s, 1), -1, dtype=torch.int32, device=positions.device)
+        slots = slot_map[1:1 + n]
+        if start is not None and (start + 1) // self.ratio >= n:
+            return slots.view(1, n).expand(s, n).contiguous()
+        visible = torch.arange(n, device=positions.device).unsqueeze(0) < (positions.unsqueeze(1) + 1) // self.ratio
+        return torch.where(visible, slots.unsqueeze(0), -1)
 
     def output(self, out: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Attention output fp32 [S, H, D] -> rope(-pos) on the rope dims -> grouped o_a -> o_b: [S, hidden]."""
@@ -580,18 +703,19 @@ class V4Attention(nn.Module):
             return hidden.new_zeros(0, self.hidden_size, dtype=self.o_b_proj.weight.dtype)
         start = cache.length(seq)
         table = self.rope_table(start + s, hidden.device)
-        self.store(hidden, cache, seq, start, table)
+        all_positions = torch.arange(start, start + s, device=hidden.device)
+        self.store(hidden, cache, seq, start, table, positions=all_positions)
         outs = []
         for lo in range(0, s, self.query_chunk):
             h = hidden[lo:lo + self.query_chunk]
-            positions = torch.arange(start + lo, start + lo + h.shape[0], device=hidden.device)
+            positions = all_positions[lo:lo + self.query_chunk]
             q, q_res = self.queries(h, positions, table)
             extra = None
             if self.layer_type == "csa":
                 qi, w = self.index_queries(h, q_res, positions, table)
                 extra = self.select(qi, w, cache, seq, positions)
             elif self.layer_type == "hca":
-                extra = self.hca_slots(cache, seq, positions)
-            out = self.attend(q, cache, seq, positions, extra)
+                extra = self.hca_slots(cache, seq, positions, start=start + lo)
+            out = self.attend(q, cache, seq, positions, extra, start=start + lo)
             outs.append(self.output(out, positions, table))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
