@@ -28,6 +28,49 @@ def _order_key(x, in_bounds):
 
 
 @triton.jit
+def _range_histogram(key, valid, lo, hi, shift, BINS: tl.constexpr):
+    """Histogram of the valid keys in [lo, hi] of a tile by (key - lo) >> shift into BINS buckets."""
+    match = valid & (key >= lo) & (key <= hi)
+    digit = ((key.to(tl.int64) - lo) >> shift).to(tl.int32)
+    return tl.histogram(tl.where(match, digit, 0), BINS, mask=match)
+
+
+@triton.jit
+def _keep_bucket(hist, lo, hi, shift, in_range, needed, BINS: tl.constexpr):
+    """One range-narrowing step from the histogram of a whole row (see :func:`_range_histogram`): keep the
+    bucket of the needed-th largest key. Returns (lo, hi, needed, in_range) of that bucket."""
+    buckets = tl.arange(0, BINS)
+    at_or_above = in_range - tl.cumsum(hist, axis=0) + hist
+    bucket = tl.max(tl.where(at_or_above >= needed, buckets, -1), axis=0)
+    needed -= tl.sum(tl.where(buckets > bucket, hist, 0), axis=0)
+    in_range = tl.sum(tl.where(buckets == bucket, hist, 0), axis=0)
+    new_lo = lo.to(tl.int64) + (bucket.to(tl.int64) << shift)
+    hi = tl.minimum(hi.to(tl.int64), new_lo + (1 << shift) - 1).to(tl.int32)
+    lo = new_lo.to(tl.int32)
+    return lo, hi, needed, in_range
+
+
+@triton.jit
+def _sort_by_key(key, idx, filled):
+    """Indices ordered by (key desc, index asc); unfilled lanes last (their values are garbage)."""
+    # (key, index asc) as one int64: key in the high half, 0x7FFFFFFF - index (>= 0) in the low half.
+    packed = key.to(tl.int64) * 4294967296 + (0x7FFFFFFF - idx).to(tl.int64)
+    packed = tl.where(filled, packed, -9223372036854775807 - 1)
+    packed = tl.sort(packed, descending=True)
+    return 0x7FFFFFFF - (packed & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _store_slots(slots_ptr, stride_slots, seq_ptr, table_ptr, stride_table, row, idx, filled, col, K):
+    """slots[row, col < K] = page * 64 + idx % 64 through the block-table row of the row's sequence; -1 where
+    not filled."""
+    seq = tl.load(seq_ptr + row).to(tl.int64)
+    page = tl.load(table_ptr + seq * stride_table + idx // 64, mask=filled, other=0)
+    slot = tl.where(filled, page * 64 + idx % 64, -1)
+    tl.store(slots_ptr + row * stride_slots + col, slot, mask=col < K)
+
+
+@triton.jit
 def _radix_threshold(vals_ptr, n, needed, lane, BLOCK: tl.constexpr):
     """Exact threshold of the ``needed`` largest keys among vals_ptr[0:n] (fp32): 4 levels of 8-bit radix.
 
@@ -107,7 +150,6 @@ def _radix_select_kernel(
     row_cand_vals = cand_vals_ptr + row * CAP
     row_cand_idx = cand_idx_ptr + row * CAP
     lane = tl.arange(0, BLOCK)
-    buckets = tl.arange(0, BINS)
 
     # Pass 1: candidate count and key range.
     n_valid = 0
@@ -150,17 +192,9 @@ def _radix_select_kernel(
             following = tl.load(row_scores + offs + BLOCK, mask=offs + BLOCK < n, other=float("-inf"))
             key, valid = _order_key(tile, offs < n)
             tile = following
-            match = valid & (key >= lo) & (key <= hi)
-            digit = ((key.to(tl.int64) - lo) >> shift).to(tl.int32)
-            hist += tl.histogram(tl.where(match, digit, 0), BINS, mask=match)
+            hist += _range_histogram(key, valid, lo, hi, shift, BINS)
             start += BLOCK
-        at_or_above = in_range - tl.cumsum(hist, axis=0) + hist
-        bucket = tl.max(tl.where(at_or_above >= needed, buckets, -1), axis=0)
-        needed -= tl.sum(tl.where(buckets > bucket, hist, 0), axis=0)
-        in_range = tl.sum(tl.where(buckets == bucket, hist, 0), axis=0)
-        new_lo = lo.to(tl.int64) + (bucket.to(tl.int64) << shift)
-        hi = tl.minimum(hi.to(tl.int64), new_lo + (1 << shift) - 1).to(tl.int32)
-        lo = new_lo.to(tl.int32)
+        lo, hi, needed, in_range = _keep_bucket(hist, lo, hi, shift, in_range, needed, BINS)
 
     # Collect pass (index order): keys above hi are selected; keys in [lo, hi] are either taken directly
     # (the range is exactly what is needed, or one key value: first `needed` by index = the tie rule) or
@@ -216,19 +250,12 @@ def _radix_select_kernel(
     if SORT:
         chosen = tl.load(row_scores + idx, mask=filled, other=float("-inf"))
         chosen_key, _ = _order_key(chosen, filled)
-        # (key, index asc) as one int64: key in the high half, 0x7FFFFFFF - index (>= 0) in the low half.
-        packed = chosen_key.to(tl.int64) * 4294967296 + (0x7FFFFFFF - idx).to(tl.int64)
-        packed = tl.where(filled, packed, -9223372036854775807 - 1)
-        packed = tl.sort(packed, descending=True)
-        idx = 0x7FFFFFFF - (packed & 0xFFFFFFFF).to(tl.int32)
+        idx = _sort_by_key(chosen_key, idx, filled)
     idx = tl.where(filled, idx, -1)
     tl.debug_barrier()  # every thread has read the unsorted row before any overwrites it
     tl.store(row_out + col, idx, mask=col < K)
     if WITH_SLOTS:
-        seq = tl.load(seq_ptr + row).to(tl.int64)
-        page = tl.load(table_ptr + seq * stride_table + idx // 64, mask=filled, other=0)
-        slot = tl.where(filled, page * 64 + idx % 64, -1)
-        tl.store(slots_ptr + row * stride_slots + col, slot, mask=col < K)
+        _store_slots(slots_ptr, stride_slots, seq_ptr, table_ptr, stride_table, row, idx, filled, col, K)
 
 
 @triton.jit

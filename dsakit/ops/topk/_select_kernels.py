@@ -1,8 +1,9 @@
 """Triton kernels of the streaming exact top-k (launch code: :mod:`dsakit.ops.topk._select_stream`).
 
-Order keys: an fp32 score maps to an int32 key whose signed order is the float order (non-negative floats
-keep their bits, negative ones flip the 31 magnitude bits); NaN -> INT32_MAX (above +inf), -0.0 -> +0.0.
-Candidates are scores > -inf (NaN included); the key of -inf, ``KEY_NEG_INF``, is below every candidate.
+Order keys (``_order_key``, shared with the multi-pass select in ``_kernels``): an fp32 score maps to an
+int32 key whose signed order is the float order (non-negative floats keep their bits, negative ones flip the
+31 magnitude bits); NaN -> INT32_MAX (above +inf), -0.0 -> +0.0. Candidates are scores > -inf (NaN
+included); the key of -inf, ``KEY_NEG_INF``, is below every candidate.
 
 Three kernels per call (see the launcher's docstring for the buffers):
 
@@ -38,25 +39,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-INT32_MIN = tl.constexpr(-(1 << 31))
+from ._kernels import _INT32_MIN as INT32_MIN
+from ._kernels import _keep_bucket, _order_key, _range_histogram, _sort_by_key, _store_slots
+
 INT32_MAX = tl.constexpr((1 << 31) - 1)
 # order key of -inf: bits 0xFF800000 (negative) with the magnitude bits flipped = 0x807FFFFF
 KEY_NEG_INF = tl.constexpr(-2139095041)
 # per-(row, split) words: entries > thr, entries == thr, any candidate < thr, thr, (unused), largest lane
 # count; word 6 of split 0: the path the final kernel took (1 buffer, 2 tie lists, 0 exact)
 STATS = tl.constexpr(8)
-
-
-@triton.jit
-def _key_of(x, in_bounds):
-    """fp32 -> (int32 order key, candidate mask); see the module docstring."""
-    x = tl.where(x == 0.0, 0.0, x)
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    is_nan = x != x
-    key = tl.where(is_nan, 0x7FFFFFFF, key)
-    valid = in_bounds & (is_nan | (x > float("-inf")))
-    return key, valid
 
 
 @triton.jit
@@ -104,7 +95,7 @@ def _sample_threshold(row_scores, n, K, CAP: tl.constexpr, SAMPLE: tl.constexpr,
         groups: tl.constexpr = SAMPLE // 32
         pos = (lane // 32).to(tl.int64) * n // groups + lane % 32
         inside = pos < n
-        key, valid = _key_of(tl.load(row_scores + pos, mask=inside, other=float("-inf")), inside)
+        key, valid = _order_key(tl.load(row_scores + pos, mask=inside, other=float("-inf")), inside)
         m = (SAMPLE * 1.0 / n.to(tl.float32)) * K
         rank = (m + 4.0 * tl.sqrt(m) + 1.0).to(tl.int32) + 1
         n_valid = tl.sum(valid.to(tl.int32), axis=0)
@@ -166,7 +157,7 @@ def _filter_kernel(
         tile = following
         following = tl.load(row_scores + offs + BLOCK * SPLITS, mask=offs + BLOCK * SPLITS < stop,
                             other=float("-inf"))
-        key, valid = _key_of(tile, offs < stop)
+        key, valid = _order_key(tile, offs < stop)
         gt = valid & (key > thr)
         eq = valid & (key == thr)
         low = tl.minimum(low, tl.where(valid, key, INT32_MAX))
@@ -198,14 +189,13 @@ def _row_exact(row_scores, n, K, out_row, key_row, BLOCK: tl.constexpr, BINS: tl
     holds exactly the keys still needed or one value; collect pass (keys > hi, then the first `needed`
     keys in [lo, hi] by index)."""
     lane = tl.arange(0, BLOCK)
-    buckets = tl.arange(0, BINS)
     n_valid = 0
     lo = INT32_MAX
     hi = INT32_MIN
     start = 0
     while start < n:
         offs = start + lane
-        key, valid = _key_of(tl.load(row_scores + offs, mask=offs < n, other=float("-inf")), offs < n)
+        key, valid = _order_key(tl.load(row_scores + offs, mask=offs < n, other=float("-inf")), offs < n)
         n_valid += tl.sum(valid.to(tl.int32), axis=0)
         lo = tl.minimum(lo, tl.min(tl.where(valid, key, INT32_MAX), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(valid, key, INT32_MIN), axis=0))
@@ -226,24 +216,16 @@ def _row_exact(row_scores, n, K, out_row, key_row, BLOCK: tl.constexpr, BINS: tl
         start = 0
         while start < n:
             offs = start + lane
-            key, valid = _key_of(tl.load(row_scores + offs, mask=offs < n, other=float("-inf")), offs < n)
-            match = valid & (key >= lo) & (key <= hi)
-            digit = ((key.to(tl.int64) - lo) >> shift).to(tl.int32)
-            hist += tl.histogram(tl.where(match, digit, 0), BINS, mask=match)
+            key, valid = _order_key(tl.load(row_scores + offs, mask=offs < n, other=float("-inf")), offs < n)
+            hist += _range_histogram(key, valid, lo, hi, shift, BINS)
             start += BLOCK
-        at_or_above = in_range - tl.cumsum(hist, axis=0) + hist
-        bucket = tl.max(tl.where(at_or_above >= needed, buckets, -1), axis=0)
-        needed -= tl.sum(tl.where(buckets > bucket, hist, 0), axis=0)
-        in_range = tl.sum(tl.where(buckets == bucket, hist, 0), axis=0)
-        new_lo = lo.to(tl.int64) + (bucket.to(tl.int64) << shift)
-        hi = tl.minimum(hi.to(tl.int64), new_lo + (1 << shift) - 1).to(tl.int32)
-        lo = new_lo.to(tl.int32)
+        lo, hi, needed, in_range = _keep_bucket(hist, lo, hi, shift, in_range, needed, BINS)
     written = 0
     inside_seen = 0
     start = 0
     while start < n:
         offs = start + lane
-        key, valid = _key_of(tl.load(row_scores + offs, mask=offs < n, other=float("-inf")), offs < n)
+        key, valid = _order_key(tl.load(row_scores + offs, mask=offs < n, other=float("-inf")), offs < n)
         above = valid & (key > hi)
         inside = valid & (key >= lo) & (key <= hi)
         ranks = tl.cumsum(above.to(tl.int32) + inside.to(tl.int32) * 65536, axis=0)
@@ -381,15 +363,8 @@ def _order_kernel(
     idx = tl.load(sel_idx_ptr + row * K + col, mask=filled, other=0)
     if SORT:
         chosen_key = tl.load(sel_key_ptr + row * K + col, mask=filled, other=0)
-        # (key desc, index asc) as one int64: key in the high half, 0x7FFFFFFF - index (>= 0) in the low half
-        packed = chosen_key.to(tl.int64) * 4294967296 + (0x7FFFFFFF - idx).to(tl.int64)
-        packed = tl.where(filled, packed, -9223372036854775807 - 1)
-        packed = tl.sort(packed, descending=True)
-        idx = 0x7FFFFFFF - (packed & 0xFFFFFFFF).to(tl.int32)
+        idx = _sort_by_key(chosen_key, idx, filled)
     idx = tl.where(filled, idx, -1)
     tl.store(out_row + col, idx, mask=col < K)
     if WITH_SLOTS:
-        seq = tl.load(seq_ptr + row).to(tl.int64)
-        page = tl.load(table_ptr + seq * stride_table + idx // 64, mask=filled, other=0)
-        slot = tl.where(filled, page * 64 + idx % 64, -1)
-        tl.store(slots_ptr + row * stride_slots + col, slot, mask=col < K)
+        _store_slots(slots_ptr, stride_slots, seq_ptr, table_ptr, stride_table, row, idx, filled, col, K)
