@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ._inputs import check_scores_matrix, row_counts_int32, slot_args
 from ._select_kernels import STATS, _filter_kernel, _final_kernel, _order_kernel
 
 STREAM_MAX_K = 4096
@@ -175,13 +176,10 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
         BINS=cfg.bins, num_warps=cfg.final_warps)
     if stages == "filter+final":
         return
-    with_slots = slots is not None
     _order_kernel[(rows,)](
         out, out.stride(0), buffers.sel_key, buffers.sel_idx, buffers.sel_count,
-        slots if with_slots else out, slots.stride(0) if with_slots else 0,
-        seq if with_slots else counts,
-        block_table if with_slots else counts, block_table.stride(0) if with_slots else 0,
-        k, K_PAD=triton.next_power_of_2(k), SORT=sort, WITH_SLOTS=with_slots, num_warps=cfg.order_warps)
+        *slot_args(out, counts, slots, seq, block_table),
+        k, K_PAD=triton.next_power_of_2(k), SORT=sort, WITH_SLOTS=slots is not None, num_warps=cfg.order_warps)
 
 
 _CACHE: "OrderedDict[tuple, SelectBuffers]" = OrderedDict()
@@ -247,9 +245,7 @@ def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
     config: launch parameters (default :meth:`StreamConfig.default`); buffers: reusable scratch
     (:meth:`SelectBuffers.allocate`), else allocated here. k <= STREAM_MAX_K.
     """
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"scores must be an fp32 [T, W] tensor, got "
-                         f"{(scores.dtype, list(scores.shape)) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
+    check_scores_matrix(scores)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= STREAM_MAX_K:
         raise ValueError(f"k must be an int in 1..{STREAM_MAX_K} for the streaming select, got {k!r}")
     if scores.shape[1] > 1 and scores.stride(1) != 1:
@@ -257,19 +253,7 @@ def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
     if not isinstance(sort, bool):
         raise ValueError(f"sort must be a bool, got {sort!r}")
     t, w = scores.shape
-    if row_counts is None:
-        counts = torch.full((t,), w, dtype=torch.int32, device=scores.device)
-    else:
-        if not isinstance(row_counts, torch.Tensor) or row_counts.shape != (t,) \
-                or row_counts.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"row_counts must be int [T] = [{t}], got {getattr(row_counts, 'dtype', None)} "
-                             f"{list(getattr(row_counts, 'shape', []))}")
-        if row_counts.device != scores.device:
-            raise ValueError(f"row_counts is on {row_counts.device}, scores on {scores.device}")
-        if t and (bool((row_counts < 0).any()) or bool((row_counts > w).any())):
-            raise ValueError(f"row_counts must be in 0..{w} (the scores width), got range "
-                             f"{int(row_counts.min())}..{int(row_counts.max())}")
-        counts = row_counts.to(torch.int32).contiguous()
+    counts = row_counts_int32(scores, row_counts)
     if buffers is None:
         buffers = SelectBuffers.allocate(t, w, k, scores.device, config)
     elif config is not None and config != buffers.config:

@@ -62,6 +62,7 @@ import triton
 from ...batch import PagedBatch, check_k
 from ..scores.triton import (QueryTiles, check_q_inputs, check_q_scale_values, launch_index_scores,
                              plan_query_tiles, prepare_q, tiles_from_lens)
+from ._inputs import check_scores_matrix, row_counts_int32, slot_args
 from ._kernels import _radix_select_kernel, _visible_kernel
 from ._select_stream import (STREAM_MAX_K, launch_stream_select, launch_stream_select_cached,
                              release_select_buffers)
@@ -118,17 +119,14 @@ def launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
     rows = scores.shape[0]
     if rows == 0:
         return
-    with_slots = slots is not None
     if cand_vals is None or cand_vals.shape[0] < rows or cand_vals.shape[1] != cap:
         cand_vals = torch.empty((rows, cap), dtype=torch.float32, device=scores.device)
         cand_idx = torch.empty((rows, cap), dtype=torch.int32, device=scores.device)
     _radix_select_kernel[(rows,)](
         scores, scores.stride(0), counts, out, out.stride(0), cand_vals, cand_idx,
-        slots if with_slots else out, slots.stride(0) if with_slots else 0,
-        seq if with_slots else counts,
-        block_table if with_slots else counts, block_table.stride(0) if with_slots else 0,
-        k, BLOCK=block, BINS=bins, CAP=cap, K_PAD=triton.next_power_of_2(k), SORT=sort, WITH_SLOTS=with_slots,
-        num_warps=num_warps)
+        *slot_args(out, counts, slots, seq, block_table),
+        k, BLOCK=block, BINS=bins, CAP=cap, K_PAD=triton.next_power_of_2(k), SORT=sort,
+        WITH_SLOTS=slots is not None, num_warps=num_warps)
 
 
 def launch_visible(batch: PagedBatch, out: torch.Tensor, limit: int) -> None:
@@ -152,28 +150,14 @@ def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
     buffer order otherwise) and skips the final sort. ``config``: select tuning (:class:`SelectConfig`).
     Memory: the [T, k] output plus a candidate scratch of 8 * cap bytes per row.
     """
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"scores must be an fp32 [T, W] tensor, got "
-                         f"{(scores.dtype, list(scores.shape)) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
+    check_scores_matrix(scores)
     check_k(k, MAX_K)
     if scores.stride(1) != 1:
         raise ValueError(f"scores must have unit stride along W, got strides {scores.stride()}")
     if not isinstance(sort, bool):
         raise ValueError(f"sort must be a bool, got {sort!r}")
-    t, w = scores.shape
-    if row_counts is None:
-        counts = torch.full((t,), w, dtype=torch.int32, device=scores.device)
-    else:
-        if not isinstance(row_counts, torch.Tensor) or row_counts.shape != (t,) \
-                or row_counts.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"row_counts must be int [T] = [{t}], got {getattr(row_counts, 'dtype', None)} "
-                             f"{list(getattr(row_counts, 'shape', []))}")
-        if row_counts.device != scores.device:
-            raise ValueError(f"row_counts is on {row_counts.device}, scores on {scores.device}")
-        if t and (bool((row_counts < 0).any()) or bool((row_counts > w).any())):
-            raise ValueError(f"row_counts must be in 0..{w} (the scores width), got range "
-                             f"{int(row_counts.min())}..{int(row_counts.max())}")
-        counts = row_counts.to(torch.int32).contiguous()
+    t = scores.shape[0]
+    counts = row_counts_int32(scores, row_counts)
     out = torch.empty((t, k), dtype=torch.int32, device=scores.device)
     launch_select(scores, counts, out, k, sort, config=config)
     return out

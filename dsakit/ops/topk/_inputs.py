@@ -1,0 +1,41 @@
+"""Input checks and launch arguments shared by the two select launchers (multi-pass radix select in
+:mod:`dsakit.ops.topk.triton`, streaming select in :mod:`dsakit.ops.topk._select_stream`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_scores_matrix(scores) -> None:
+    """scores must be an fp32 [T, W] tensor, else ValueError."""
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be an fp32 [T, W] tensor, got "
+                         f"{(scores.dtype, list(scores.shape)) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
+
+
+def row_counts_int32(scores: torch.Tensor, row_counts: torch.Tensor | None) -> torch.Tensor:
+    """Entries each row of scores [T, W] considers, int32 [T]: W everywhere when row_counts is None, else
+    row_counts checked (int [T] on the scores' device, values in 0..W: one sync)."""
+    t, w = scores.shape
+    if row_counts is None:
+        return torch.full((t,), w, dtype=torch.int32, device=scores.device)
+    if not isinstance(row_counts, torch.Tensor) or row_counts.shape != (t,) \
+            or row_counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"row_counts must be int [T] = [{t}], got {getattr(row_counts, 'dtype', None)} "
+                         f"{list(getattr(row_counts, 'shape', []))}")
+    if row_counts.device != scores.device:
+        raise ValueError(f"row_counts is on {row_counts.device}, scores on {scores.device}")
+    if t and (bool((row_counts < 0).any()) or bool((row_counts > w).any())):
+        raise ValueError(f"row_counts must be in 0..{w} (the scores width), got range "
+                         f"{int(row_counts.min())}..{int(row_counts.max())}")
+    return row_counts.to(torch.int32).contiguous()
+
+
+def slot_args(out: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor | None, seq: torch.Tensor | None,
+              block_table: torch.Tensor | None) -> tuple:
+    """The (slots_ptr, stride_slots, seq_ptr, table_ptr, stride_table) kernel arguments of a select that
+    also maps its indices to global slots; without slots, placeholders that the kernels never read
+    (WITH_SLOTS = False)."""
+    if slots is None:
+        return out, 0, counts, counts, 0
+    return slots, slots.stride(0), seq, block_table, block_table.stride(0)
