@@ -140,6 +140,14 @@ def _as_int_tensor(name: str, value, dims: int, dtype: torch.dtype) -> torch.Ten
     return value.to(dtype).contiguous()
 
 
+def _as_positions(query_positions, t: int) -> torch.Tensor:
+    """query_positions as int64 [T] (same device), else ValueError naming it."""
+    if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (t,) \
+            or query_positions.dtype not in _INT_DTYPES:
+        raise ValueError(f"query_positions must be int [T] = [{t}] or None, got {_describe(query_positions)}")
+    return query_positions.to(torch.int64)
+
+
 def _repeated_page_message(table: torch.Tensor, needed: torch.Tensor) -> str:
     """Names the first block-table row that lists a page twice among the pages its entries need (error path)."""
     for row, (pages, n) in enumerate(zip(table.cpu().tolist(), needed.cpu().tolist())):
@@ -213,11 +221,7 @@ class PagedBatch:
         t = seq.shape[0]
         positions = None
         if query_positions is not None:
-            if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (t,) \
-                    or query_positions.dtype not in _INT_DTYPES:
-                raise ValueError(f"query_positions must be int [T] = [{t}] or None, got "
-                                 f"{_describe(query_positions)}")
-            positions = query_positions.to(torch.int64).contiguous()
+            positions = _as_positions(query_positions, t).contiguous()
         check_ratio(ratio)
         check_same_device(device, block_table=table, entry_counts=counts, query_seq=seq,
                           query_positions=positions)
@@ -318,11 +322,7 @@ class PagedBatch:
         counts, seq = buf[b * width: b * width + b], buf[b * width + b:]
         positions = None
         if query_positions is not None:
-            if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (t,) \
-                    or query_positions.dtype not in _INT_DTYPES:
-                raise ValueError(f"query_positions must be int [T] = [{t}] or None, got "
-                                 f"{_describe(query_positions)}")
-            positions = query_positions.to(torch.int64)
+            positions = _as_positions(query_positions, t)
             positions = upload(positions.contiguous(), device) if positions.device != device else positions.contiguous()
         return cls(pool, fmt, table, counts, seq, positions, ratio, t,
                    max(lengths, default=0), tuple(query_lens), True)
