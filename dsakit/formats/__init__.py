@@ -152,12 +152,20 @@ class EntryFormat(ABC):
 
     def quantize_pages(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 [P * 64, head_dim] -> uint8 [P, page_bytes] in the page layout (padding bytes 0)."""
+        x, pages = self._whole_pages(x)
+        values, scales = self.quantize(x)
+        return self._pack_pages(values, scales, pages)
+
+    def _whole_pages(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """check_entries(x) for quantize_pages, which also needs whole pages: (x fp32 [P * 64, head_dim], P)."""
         x = self.check_entries(x)
         n = x.shape[0]
         if n % self.entries_per_page:
             raise ValueError(f"quantize_pages needs a multiple of {self.entries_per_page} entries, got {n}")
-        pages = n // self.entries_per_page
-        values, scales = self.quantize(x)
+        return x, n // self.entries_per_page
+
+    def _pack_pages(self, values: torch.Tensor, scales: torch.Tensor, pages: int) -> torch.Tensor:
+        """uint8 [P, page_bytes] (zeros) with the values and then the scales of P * 64 entries written."""
         out = torch.zeros(pages, self.page_bytes, dtype=torch.uint8)
         out[:, : self.scale_offset_in_page] = values.reshape(pages, -1)
         end = self.scale_offset_in_page + self.entries_per_page * self.scale_bytes
@@ -403,16 +411,10 @@ class CentredKeyFormat(KeyFormat):
     # -- pages ----------------------------------------------------------------------------------------
     def quantize_pages(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 [P * 64, 128] -> uint8 [P, page_bytes]: whole pages under the centre rule (entry 0's bf16)."""
-        x = self.check_entries(x)
-        n = x.shape[0]
-        if n % self.entries_per_page:
-            raise ValueError(f"quantize_pages needs a multiple of {self.entries_per_page} entries, got {n}")
-        pages = n // self.entries_per_page
+        x, pages = self._whole_pages(x)
         raw, centre = centre_of(x[:: self.entries_per_page])
         values, scales = self.quantize(x, centre.repeat_interleave(self.entries_per_page, dim=0))
-        out = torch.zeros(pages, self.page_bytes, dtype=torch.uint8)
-        out[:, : self.scale_offset_in_page] = values.reshape(pages, -1)
-        out[:, self.scale_offset_in_page: self.centre_offset_in_page] = scales.reshape(pages, -1)
+        out = self._pack_pages(values, scales, pages)  # the scales end where the centres start
         out[:, self.centre_offset_in_page:] = raw
         return out
 
