@@ -77,3 +77,13 @@ def triton_backend() -> str:
 @pytest.fixture
 def device() -> str:
     return "cuda" if cuda_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_thread")``): their
+    matmuls are tiny, and two threads on a busy 2-core machine are ~10x slower than one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -33,31 +33,14 @@ from dsakit.ops.topk.reference import select_topk  # noqa: E402
 from dsakit.presets import get_preset  # noqa: E402
 from dsakit.transforms import ROPE_V4, ROPE_V32, apply_rope  # noqa: E402
 
-V4_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
-           "beta_fast": 32, "beta_slow": 1}
+from _helpers import V4_YARN, randomize_v4_, tiny_v4_config  # noqa: E402
+
+
 HIDDEN, Q_LORA, HEADS, TOPK = 64, 32, 4, 8
 
 
 def tiny_config(**overrides):
-    kwargs = dict(vocab_size=32, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2, head_dim=512,
-                  q_lora_rank=Q_LORA, index_n_heads=HEADS, index_head_dim=128, index_topk=TOPK,
-                  n_routed_experts=4, moe_intermediate_size=16, rope_parameters=dict(V4_YARN))
-    kwargs.update(overrides)
-    return configuration.DeepseekV4Config(**kwargs)
-
-
-def randomize_(module: torch.nn.Module, seed: int) -> None:
-    """Weights like a trained layer: linear N(0, 1/fan_in), position bias N(0, 0.5), norm weights 1 + N(0, 0.1).
-    (transformers allocates position_bias with torch.empty, so it must be initialized here.)"""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("position_bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith("norm.weight"):
-                p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return tiny_v4_config(hidden_size=HIDDEN, q_lora_rank=Q_LORA, index_n_heads=HEADS, index_topk=TOPK, **overrides)
 
 
 class Captured:
@@ -86,7 +69,7 @@ class Captured:
 def layer():
     torch.manual_seed(0)
     compressor = modeling.DeepseekV4CSACompressor(tiny_config()).eval()
-    randomize_(compressor, seed=1)
+    randomize_v4_(compressor, torch.Generator().manual_seed(1))
     return compressor
 
 

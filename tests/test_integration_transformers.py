@@ -31,45 +31,27 @@ configuration = pytest.importorskip("transformers.models.deepseek_v4.configurati
 from dsakit.integrations.transformers import (PatchedDeepseekV4Attention, patch_deepseek_v4,  # noqa: E402
                                               unpatch_deepseek_v4)
 
-V4_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
-           "beta_fast": 32, "beta_slow": 1}
+from _helpers import randomize_v4_, tiny_v4_config  # noqa: E402
+
+
 PROMPT, NEW_TOKENS, VOCAB = 300, 32, 128
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
     """A tiny random DeepseekV4ForCausalLM written with save_pretrained; tests load it with from_pretrained."""
-    config = configuration.DeepseekV4Config(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, head_dim=512,
-        q_lora_rank=32, index_n_heads=4, index_head_dim=128, index_topk=128, n_routed_experts=2,
-        num_experts_per_tok=2, moe_intermediate_size=16, o_groups=2, o_lora_rank=16, sliding_window=64,
-        rope_parameters=dict(V4_YARN), hc_mult=2,
+    config = tiny_v4_config(
+        vocab_size=VOCAB, num_hidden_layers=4, index_topk=128, n_routed_experts=2, num_experts_per_tok=2,
+        o_groups=2, o_lora_rank=16, sliding_window=64, hc_mult=2,
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                      "compressed_sparse_attention"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16})
     torch.manual_seed(0)
     model = modeling.DeepseekV4ForCausalLM(config).eval()
     gen = torch.Generator().manual_seed(1)
+    randomize_v4_(model, gen)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("position_bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith("norm.weight"):
-                p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
-            elif name.endswith("sinks"):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
         for layer in model.model.layers:
             if hasattr(layer.mlp.gate, "tid2eid"):
                 layer.mlp.gate.tid2eid.copy_(torch.randint(0, 2, layer.mlp.gate.tid2eid.shape, generator=gen))

@@ -20,49 +20,26 @@ configuration = pytest.importorskip("transformers.models.deepseek_v4.configurati
 from dsakit.formats import KeyFormat  # noqa: E402
 from dsakit.layers import INDEX_KEY_FORMAT_ENV, V4Attention, rope_from_transformers  # noqa: E402
 
-V4_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
-           "beta_fast": 32, "beta_slow": 1}
+from _helpers import randomize_v4_, tiny_v4_config  # noqa: E402
+
+
 HIDDEN, Q_LORA, WINDOW, HCA_RATIO, SEQ = 64, 32, 32, 16, 200
 TYPES = {"window": (0, "sliding_attention"), "csa": (1, "compressed_sparse_attention"),
          "hca": (2, "heavily_compressed_attention")}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny matmuls: two threads on a busy 2-core machine are ~10x slower than one
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(topk: int):
-    return configuration.DeepseekV4Config(
-        vocab_size=32, hidden_size=HIDDEN, num_hidden_layers=3, num_attention_heads=2, head_dim=512,
-        q_lora_rank=Q_LORA, index_n_heads=4, index_head_dim=128, index_topk=topk, n_routed_experts=2,
-        moe_intermediate_size=16, o_groups=2, o_lora_rank=16, sliding_window=WINDOW,
-        rope_parameters=dict(V4_YARN), layer_types=[t for _, t in TYPES.values()],
+    return tiny_v4_config(
+        hidden_size=HIDDEN, num_hidden_layers=3, q_lora_rank=Q_LORA, index_topk=topk, n_routed_experts=2,
+        o_groups=2, o_lora_rank=16, sliding_window=WINDOW, layer_types=[t for _, t in TYPES.values()],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": HCA_RATIO})
-
-
-def randomize_(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("position_bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith("norm.weight"):
-                p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
-            elif name == "sinks":
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
 
 
 def transformers_block(layer_type: str, topk: int = 64):
     config = tiny_config(topk)
     block = modeling.DeepseekV4Attention(config, TYPES[layer_type][0]).eval()
-    randomize_(block, seed=TYPES[layer_type][0] + 10)
+    randomize_v4_(block, torch.Generator().manual_seed(TYPES[layer_type][0] + 10))
     return config, block
 
 
