@@ -7,6 +7,7 @@ wall-clock call and peak memory is 0: smoke runs exercise the code paths, they m
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import platform
@@ -27,6 +28,39 @@ def environment(device: str, commit: str) -> dict:
     return {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
             "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def bench_parser(commit_default: "str | None" = "unknown") -> argparse.ArgumentParser:
+    """The options every GPU benchmark script takes: --out DIR, --commit, --device (cuda; cpu = smoke run of
+    the code paths under TRITON_INTERPRET=1), --smoke (toy sizes). Scripts add their own."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--commit", default=commit_default)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--smoke", action="store_true")
+    return parser
+
+
+def sync_and_alloc(fn, alloc_key: str = "alloc_peak_bytes") -> dict:
+    """CUDA only: run fn() once under ``torch.cuda.set_sync_debug_mode("error")``. -> {"sync_free": bool,
+    ["sync_error": the message, when a synchronizing call raised], alloc_key: peak bytes allocated above
+    what was allocated before the call}."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = {}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        out["sync_free"] = True
+    except RuntimeError as error:  # a synchronizing call raised
+        out["sync_free"] = False
+        out["sync_error"] = str(error)[:300]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    out[alloc_key] = int(torch.cuda.max_memory_allocated() - base)
+    return out
 
 
 def write_json(path: "Path | str", report: dict) -> None:

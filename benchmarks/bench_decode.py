@@ -24,13 +24,13 @@ Usage: PYTHONPATH=. python3 benchmarks/bench_decode.py --out DIR --commit SHA
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _common import DIM, environment, make_queries, median_ms, same_selection, timing_pool, write_json
+from _common import (DIM, bench_parser, environment, make_queries, median_ms, same_selection, sync_and_alloc,
+                     timing_pool, write_json)
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
@@ -90,20 +90,7 @@ def run_case(fmt_name: str, n: int, ks: list[int], b: int, heads: int, device: s
                "H": heads, "K": k, "plan_bytes": plan.workspace_bytes}
         # no sync, no allocation in the plan call
         if device == "cuda":
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                call(a)
-                row["sync_free"] = True
-            except RuntimeError as error:  # a synchronizing op raised
-                row["sync_free"] = False
-                row["sync_error"] = str(error)[:300]
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            torch.cuda.synchronize()
-            row["alloc_extra_bytes"] = int(torch.cuda.max_memory_allocated() - base)
+            row.update(sync_and_alloc(lambda: call(a), alloc_key="alloc_extra_bytes"))
         pub = public()
         row["equal_to_public"] = bool(torch.equal(pub, eager))
         # exact selection on the scores the plan selected from (all rows), format error on 3 rows
@@ -172,12 +159,7 @@ def run_case(fmt_name: str, n: int, ks: list[int], b: int, heads: int, device: s
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--commit", default="unknown")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--smoke", action="store_true")
-    args = parser.parse_args()
+    args = bench_parser().parse_args()
     device = args.device
     smoke = args.smoke
     out_dir = Path(args.out)

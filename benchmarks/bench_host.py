@@ -18,14 +18,13 @@ Usage: PYTHONPATH=. python3 benchmarks/bench_host.py --out DIR [--commit SHA]
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _common import DIM, environment, median_ms, write_json
+from _common import DIM, bench_parser, environment, median_ms, sync_and_alloc, write_json
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
@@ -59,22 +58,7 @@ def sync_and_alloc_check(fn, device: str) -> dict:
     if device != "cuda":
         fn()
         return {"sync_free": None, "alloc_peak_bytes": None}
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = {}
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-        out["sync_free"] = True
-    except RuntimeError as error:  # a synchronizing call raised
-        out["sync_free"] = False
-        out["sync_error"] = str(error)[:300]
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    out["alloc_peak_bytes"] = int(torch.cuda.max_memory_allocated() - base)
-    return out
+    return sync_and_alloc(fn)
 
 
 def run_case(n: int, k: int, b: int, heads: int, device: str, rep_ms: int, smoke: bool) -> dict:
@@ -118,12 +102,7 @@ def run_case(n: int, k: int, b: int, heads: int, device: str, rep_ms: int, smoke
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--smoke", action="store_true")
-    args = parser.parse_args()
+    args = bench_parser(commit_default=None).parse_args()
     device, smoke = args.device, args.smoke
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

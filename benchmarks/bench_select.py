@@ -16,14 +16,13 @@ Usage: PYTHONPATH=. python3 benchmarks/bench_select.py --out DIR --commit SHA [-
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _common import environment, median_ms, same_selection, write_json
+from _common import bench_parser, environment, median_ms, same_selection, write_json
 
 from dsakit.ops.topk._select_stream import SelectBuffers, StreamConfig, launch_stream_select, select_topk_stream
 from dsakit.ops.topk.config import SelectConfig
@@ -51,11 +50,7 @@ def make_scores(kind: str, rows: int, n: int, device: str, seed: int) -> torch.T
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--commit", default="unknown")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--smoke", action="store_true")
+    ap = bench_parser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer distributions and shapes")
     ap.add_argument("--rep", type=int, default=60)

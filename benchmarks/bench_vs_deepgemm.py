@@ -28,14 +28,14 @@ Usage (GPU machine): source .anchors/build_deepgemm.sh .anchors/deepgemm-54e2261
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _common import DIM, environment, make_queries, median_ms, peak_extra_bytes, same_selection, timing_pool, write_json
+from _common import (DIM, bench_parser, environment, make_queries, median_ms, peak_extra_bytes, same_selection,
+                     timing_pool, write_json)
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
@@ -74,11 +74,7 @@ def ordered_pool(fmt: KeyFormat, n: int, device: str, seed: int):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--commit", default=None)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--smoke", action="store_true")
+    ap = bench_parser(commit_default=None)
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole matrix (run-to-run spread)")
     ap.add_argument("--rep", type=int, default=60, help="do_bench rep (ms)")
     ap.add_argument("--sections", default="prefill,decode")
