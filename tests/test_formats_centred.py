@@ -378,6 +378,35 @@ def test_triton_scores_and_topk_match_reference(name):
     assert torch.equal(top, topk_ops.select_topk(ref, 32, backend="reference"))
 
 
+@pytest.mark.skipif(not TRITON_OK, reason="Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device")
+@pytest.mark.parametrize("name", CENTRED)
+def test_triton_decode_scores_wide_groups_and_fp8_queries(name):
+    """Decode (group kernel) at 4 queries x 32 heads per program, where the centred formats' key tile is one
+    page by default, and with an explicit two-page tile; bf16 and fp8 queries, against the reference."""
+    from dsakit.ops.scores.config import ScoresConfig
+    from dsakit.ops.scores.triton import index_scores_triton
+
+    fmt = KeyFormat.parse(name)
+    g = torch.Generator().manual_seed(20)
+    cache = PagedCache(fmt, 4)
+    a = cache.add_sequence()
+    cache.write(cache.append(a, 200), shared_keys(200, 30.0, seed=21))
+    q = torch.randn(4, 32, 128, generator=g)
+    w = torch.rand(4, 32, generator=g)
+    batch = PagedBatch.build(cache.pool.to(DEVICE), fmt, cache.block_table([a]).to(DEVICE),
+                             cache.entry_counts([a]).to(DEVICE), torch.zeros(4, dtype=torch.int32, device=DEVICE),
+                             torch.tensor([199, 150, 70, 3], device=DEVICE))
+    for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        qd = q.to(q_dtype)
+        ref = scores_ops.index_scores(qd.float(), w, batch, backend="reference")
+        finite = torch.isfinite(ref)
+        for block_n in (None, 128):
+            config = ScoresConfig(kernel="group", decode_block_n=block_n)
+            out = index_scores_triton(qd.to(DEVICE), w.to(DEVICE), batch, config=config).cpu()
+            assert torch.equal(torch.isinf(out), torch.isinf(ref)), (q_dtype, block_n)
+            assert float((out - ref).abs()[finite].max()) <= 1e-5 * float(ref[finite].abs().max()), (q_dtype, block_n)
+
+
 # --------------------------------------------------------------------------------------------------
 # Recall lab: the needle of a centred format is stored with its whole page(s)
 # --------------------------------------------------------------------------------------------------

@@ -5,9 +5,10 @@ part (64 residual values, then 64 scales) and then its centre, 128 x bf16 at byt
 page (8448 for fp8-centred, 4352 for fp4-centred); entry j decodes to centre + residual. The functions here
 are what the dispatching codec functions of :mod:`dsakit.formats.triton` call for those codes:
 
-* scores: :func:`load_centre_tile` gives the centres of a key tile's pages as a [16, D] bf16 tile, for the
-  kernels' per-page term q . c (the residual tile itself is the plain format's loader with the page's extra
-  256 bytes);
+* scores: :func:`load_centre_tile` gives the centres of a key tile's pages as a [16, D] bf16 tile (prefill
+  kernel) and :func:`load_centre_entries` each entry's page centre as a [BLOCK_N, D] bf16 tile (decode
+  kernel), for the kernels' per-page term q . c (the residual tile itself is the plain format's loader with
+  the page's extra 256 bytes);
 * store: :func:`store_centre_rows` / :func:`store_centre_halves` write a page's centre from its entry 0 (the
   first of the store kernel's two launches); :func:`load_centre_rows` / :func:`load_centre_halves` read it
   back for the residual x - c (the second launch).
@@ -45,6 +46,16 @@ if triton is not None:
         dims = tl.arange(0, D)
         ptr = values_ptr.to(tl.pointer_type(tl.bfloat16)) + (page * PAGE_BYTES + CENTRE_OFFSET)[:, None] // 2
         return tl.load(ptr + dims[None, :], mask=ok[:, None], other=0.0)
+
+    @triton.jit
+    def load_centre_entries(values_ptr, pages, valid, PAGE_BYTES: tl.constexpr, CENTRE_OFFSET: tl.constexpr,
+                            D: tl.constexpr):
+        """bf16 [BLOCK_N, D]: row n is the centre of entry n's page (pages / valid [BLOCK_N]; invalid rows 0).
+        values_ptr is the uint8 view of the pool. The A operand of the page term's dot, accumulated into the
+        residual dot's accumulator: no second [BLOCK_N, N] fp32 tile, no per-page broadcast in registers."""
+        dims = tl.arange(0, D)
+        ptr = values_ptr.to(tl.pointer_type(tl.bfloat16)) + ((pages * PAGE_BYTES + CENTRE_OFFSET) // 2)[:, None]
+        return tl.load(ptr + dims[None, :], mask=valid[:, None], other=0.0)
 
     @triton.jit
     def load_centre_rows(pool_ptr, page_base, cols, live, CENTRE_OFFSET: tl.constexpr):

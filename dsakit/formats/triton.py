@@ -9,7 +9,8 @@ Kernels read and write keys only through these functions:
   layouts of the store kernels: [BLOCK_N, 128] rows and [2, BLOCK_N, 8, 8] halves).
 
 Formats with a per-page term (``KeyCodec.page_term``: the page-centred formats) also use
-:func:`load_key_page_tile` (the pages' side values as a [16, D] tile for the per-page logit term q . c),
+:func:`load_key_page_tile` / :func:`load_key_page_rows` (the pages' side values as a [16, D] tile, or per entry
+as a [BLOCK_N, D] tile, for the per-page logit term q . c),
 :func:`load_logit_scales` / :func:`scale_key_logits` (a per-entry scale applied to each head's logits before
 the relu, since relu(s a + b) != s relu(a + b / s)) and :func:`store_key_page_rows` /
 :func:`store_key_page_halves` (the store kernel's first launch: a page's side value from its entry 0).
@@ -24,8 +25,8 @@ import triton
 import triton.language as tl
 
 from .bf16 import load_bf16_tile, store_bf16_halves, store_bf16_rows
-from .centred import (CENTRE_EXTRA, load_centre_halves, load_centre_rows, load_centre_tile, store_centre_halves,
-                      store_centre_rows)
+from .centred import (CENTRE_EXTRA, load_centre_entries, load_centre_halves, load_centre_rows, load_centre_tile,
+                      store_centre_halves, store_centre_rows)
 from .codes import KeyCode
 from .fp4 import load_fp4_tile, store_fp4_halves, store_fp4_rows
 from .fp8 import load_fp8_scales, load_fp8_tile, store_fp8_halves, store_fp8_rows
@@ -72,6 +73,18 @@ def load_key_page_tile(values_ptr, pages, valid, CODE: tl.constexpr, BLOCK_N: tl
         c = load_centre_tile(values_ptr, pages, valid, FP8_CENTRE_OFFSET + EXTRA, FP8_CENTRE_OFFSET, BLOCK_N, D)
     else:
         c = load_centre_tile(values_ptr, pages, valid, FP4_CENTRE_OFFSET + EXTRA, FP4_CENTRE_OFFSET, BLOCK_N, D)
+    return c
+
+
+@triton.jit
+def load_key_page_rows(values_ptr, pages, valid, CODE: tl.constexpr, D: tl.constexpr):
+    """Per-page side value of each entry of a key tile, bf16 [BLOCK_N, D] (row n: that of entry n's page;
+    invalid entries 0). For the page-centred formats, the centres: a dot of this tile with q accumulated into
+    the residual logits adds q . c to every entry without a broadcast in registers."""
+    if CODE == FP8_CENTRED:
+        c = load_centre_entries(values_ptr, pages, valid, FP8_CENTRE_OFFSET + EXTRA, FP8_CENTRE_OFFSET, D)
+    else:
+        c = load_centre_entries(values_ptr, pages, valid, FP4_CENTRE_OFFSET + EXTRA, FP4_CENTRE_OFFSET, D)
     return c
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...formats.triton import load_key_page_tile, load_key_tile, load_logit_scales, scale_key_logits, scale_key_scores
+from ...formats.triton import (load_key_page_rows, load_key_page_tile, load_key_tile, load_logit_scales,
+                               scale_key_logits, scale_key_scores)
 
 
 @triton.jit
@@ -24,6 +25,14 @@ def _dot(a, b, INTERPRET: tl.constexpr):
     if INTERPRET and a.dtype == tl.bfloat16:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, INTERPRET: tl.constexpr):
+    """acc + a [M, K] x b [K, N] (fp32 [M, N]), accumulated by the tensor cores in acc's registers (see _dot)."""
+    if INTERPRET and a.dtype == tl.bfloat16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -43,18 +52,6 @@ def _page_columns(qc, BLOCK_N: tl.constexpr):
     for p in tl.static_range(BLOCK_N // 64):
         value = tl.sum(tl.where(cols[None, :] == p, qc, 0.0), axis=1)
         out = tl.where(page_of[None, :] == p, value[:, None], out)
-    return out
-
-
-@triton.jit
-def _page_rows(qc, BLOCK_N: tl.constexpr):
-    """qc [16, M] (row p: the term of the tile's page p) -> [BLOCK_N, M]: each entry its page's term."""
-    page_of = tl.arange(0, BLOCK_N) // 64
-    rows = tl.arange(0, 16)
-    out = tl.zeros([BLOCK_N, qc.shape[1]], dtype=tl.float32)
-    for p in tl.static_range(BLOCK_N // 64):
-        value = tl.sum(tl.where(rows[:, None] == p, qc, 0.0), axis=0)
-        out = tl.where(page_of[:, None] == p, value[None, :], out)
     return out
 
 
@@ -175,6 +172,10 @@ def _index_scores_group_kernel(
         q_t = q_t.to(tl.float8e4nv)
     else:
         q_t = q_t.to(tl.bfloat16)  # bf16 or exact fp8 upcast
+    if PAGE_TERM:
+        q_c = q_t.to(tl.bfloat16)  # the page term's operand (bf16: q . c exact for fp8 q too), converted once
+    else:
+        q_c = q_t
     w = tl.load(w_ptr + c_rows * stride_wt + c_head * stride_wh, mask=c_ok, other=0.0).to(tl.float32)
     if HAS_Q_SCALE:
         w *= tl.load(q_scale_ptr + c_rows * stride_st + c_head * stride_sh, mask=c_ok, other=0.0)
@@ -183,7 +184,7 @@ def _index_scores_group_kernel(
     if INTERPRET:
         # the interpreter cannot take a computed loop bound: score every tile (invisible ones come out -inf)
         for i in range(TILES_PER_PROGRAM):
-            _score_group_tile(chunk_start + i * BLOCK_N, q_t, w, seq, g_rows, g_ok, visible, group_visible,
+            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_c, w, seq, g_rows, g_ok, visible, group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                               num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
                               PAGE_TERM)
@@ -191,7 +192,7 @@ def _index_scores_group_kernel(
         # tiles holding visible entries: a counted loop without a branch inside, so the key loads pipeline
         busy_tiles = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, BLOCK_N), 0), TILES_PER_PROGRAM)
         for i in range(0, busy_tiles):
-            _score_group_tile(chunk_start + i * BLOCK_N, q_t, w, seq, g_rows, g_ok, visible, group_visible,
+            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_c, w, seq, g_rows, g_ok, visible, group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                               num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
                               PAGE_TERM)
@@ -203,7 +204,7 @@ def _index_scores_group_kernel(
 
 
 @triton.jit
-def _score_group_tile(n_start, q_t, w, seq, g_rows, g_ok, visible, group_visible,
+def _score_group_tile(n_start, q_t, q_c, w, seq, g_rows, g_ok, visible, group_visible,
                       values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                       num_pages, max_pages, CODE: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr,
                       H: tl.constexpr,
@@ -215,10 +216,14 @@ def _score_group_tile(n_start, q_t, w, seq, g_rows, g_ok, visible, group_visible
     slot = offs_n % 64
     k = load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, CODE, FP8_DOT, D)  # [BLOCK_N, D]
     logits = _dot(k, q_t, INTERPRET)  # [BLOCK_N, GROUP * H]
-    if PAGE_TERM:  # s * (k . q) + c . q, the page term one [16, D] x [D, GROUP * H] dot per key tile
+    if PAGE_TERM:
+        # s * (k . q) + c . q: a second [BLOCK_N, D] x [D, GROUP * H] bf16 dot of each entry's page centre,
+        # accumulated by the tensor cores into the logits' own registers. A [16, D] dot of the pages' centres
+        # broadcast to their entries needs a second [BLOCK_N, GROUP * H] fp32 tile, a layout conversion of the
+        # logits and q as a register operand: over the 255-register budget at GROUP * H = 256 on sm_90.
         logits = scale_key_logits(logits, load_logit_scales(scales_ptr, pages, slot, entry_ok, CODE, D), CODE, 0)
-        page_values = load_key_page_tile(values_ptr, pages, entry_ok, CODE, BLOCK_N, D)  # [16, D]
-        logits += _page_rows(_dot(page_values, q_t.to(tl.bfloat16), INTERPRET), BLOCK_N)
+        page_rows = load_key_page_rows(values_ptr, pages, entry_ok, CODE, D)  # [BLOCK_N, D] bf16
+        logits = _dot_acc(page_rows, q_c, logits, INTERPRET)
     weighted = tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
     if GROUP == 1:
         scores = tl.sum(weighted, axis=1)[:, None]  # [BLOCK_N, 1]

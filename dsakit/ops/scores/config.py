@@ -17,9 +17,10 @@ class ScoresConfig:
 
     kernel: "auto" (group kernel when each sequence has <= 4 queries and H is a power of two >= 16), "tile"
     (prefill) or "group" (decode). prefill_*: BLOCK_T x BLOCK_N tile, warps (None = 4, or 8 for tiles larger
-    than 64 x 128) and pipeline stages of the tile kernel. decode_*: BLOCK_N (None = the key format's preferred
-    tile, see ``KeyCodec.decode_block_n``), key tiles per program (None = min(8, enough to cover W in four
-    programs' worth)), warps and stages of the group kernel.
+    than 64 x 128, and for page-centred formats from 64 x 128 on) and pipeline stages of the tile kernel.
+    decode_*: BLOCK_N (None = the key format's preferred tile, see ``KeyCodec.decode_block_n``; 64 for
+    page-centred formats from 128 query heads per program on), key tiles per program (None = min(8, enough to
+    cover W in four programs' worth)), warps and stages of the group kernel.
     """
 
     kernel: str = "auto"

@@ -306,6 +306,11 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         raise ValueError(f"{fmt.name} needs key tiles of whole pages (block_n a multiple of 64), got {config}")
     if tiles.kernel == "group":
         bn = config.decode_block_n or codec.decode_block_n
+        if codec.page_term and config.decode_block_n is None and tiles.size * num_heads >= 128:
+            # the [BLOCK_N, GROUP * H] fp32 logits of a 128-entry tile take a thread's registers from 128 query
+            # heads per program on: with the page term's second dot they spill heavily or fail to compile on
+            # sm_90; a 64-entry tile halves them
+            bn = 64
         per_program = config.decode_tiles_per_program or max(1, min(8, triton.cdiv(width, bn * 4)))
         grid = (tiles.num_tiles, triton.cdiv(width, bn * per_program))
         _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
@@ -314,6 +319,9 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
     bn = config.prefill_block_n
     grid = (tiles.num_tiles * triton.cdiv(width, bn),)
     warps = config.prefill_warps or (4 if tiles.size * bn <= 64 * 128 else 8)
+    if codec.page_term and config.prefill_warps is None and tiles.size * bn >= 64 * 128:
+        # the page term (a [BLOCK_T, 16] dot per head and its broadcast) spills a 4-warp 64 x 128 tile on sm_90
+        warps = 8
     _index_scores_tile_kernel[grid](*args, BLOCK_T=tiles.size, BLOCK_N=bn, num_warps=warps,
                                     num_stages=config.prefill_stages, **common)
     return out
