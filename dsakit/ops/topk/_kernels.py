@@ -28,6 +28,16 @@ def _order_key(x, in_bounds):
 
 
 @triton.jit
+def _bucket_shift(lo, hi, BINS: tl.constexpr):
+    """Smallest shift with (hi - lo) >> shift < BINS: BINS buckets of (key - lo) >> shift cover [lo, hi]."""
+    span = hi.to(tl.int64) - lo.to(tl.int64)
+    shift = 0
+    while (span >> shift) >= BINS:
+        shift += 1
+    return shift
+
+
+@triton.jit
 def _range_histogram(key, valid, lo, hi, shift, BINS: tl.constexpr):
     """Histogram of the valid keys in [lo, hi] of a tile by (key - lo) >> shift into BINS buckets."""
     match = valid & (key >= lo) & (key <= hi)
@@ -180,10 +190,7 @@ def _radix_select_kernel(
         in_range = 0
         needed = 0
     while (in_range > CAP) and (lo < hi) and (in_range != needed):
-        span = hi.to(tl.int64) - lo.to(tl.int64)
-        shift = 0
-        while (span >> shift) >= BINS:
-            shift += 1
+        shift = _bucket_shift(lo, hi, BINS)
         hist = tl.zeros([BINS], dtype=tl.int32)
         start = 0
         tile = tl.load(row_scores + lane, mask=lane < n, other=float("-inf"))

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ._kernels import _INT32_MIN as INT32_MIN
-from ._kernels import _keep_bucket, _order_key, _range_histogram, _sort_by_key, _store_slots
+from ._kernels import _bucket_shift, _keep_bucket, _order_key, _range_histogram, _sort_by_key, _store_slots
 
 INT32_MAX = tl.constexpr((1 << 31) - 1)
 # order key of -inf: bits 0xFF800000 (negative) with the magnitude bits flipped = 0x807FFFFF
@@ -64,10 +64,7 @@ def _narrow(key, valid, lo, hi, in_range, needed, BINS: tl.constexpr):
     """
     buckets = tl.arange(0, BINS)
     while (lo < hi) and (in_range != needed):
-        span = hi.to(tl.int64) - lo.to(tl.int64)
-        shift = 0
-        while (span >> shift) >= BINS:
-            shift += 1
+        shift = _bucket_shift(lo, hi, BINS)
         match = valid & (key >= lo) & (key <= hi)
         digit = ((key - lo).to(tl.uint32, bitcast=True) >> shift.to(tl.uint32)).to(tl.int32)
         hist = tl.histogram(tl.where(match, digit, 0), BINS, mask=match)
@@ -208,10 +205,7 @@ def _row_exact(row_scores, n, K, out_row, key_row, BLOCK: tl.constexpr, BINS: tl
         in_range = 0
         needed = 0
     while (lo < hi) and (in_range != needed):
-        span = hi.to(tl.int64) - lo.to(tl.int64)
-        shift = 0
-        while (span >> shift) >= BINS:
-            shift += 1
+        shift = _bucket_shift(lo, hi, BINS)
         hist = tl.zeros([BINS], dtype=tl.int32)
         start = 0
         while start < n:
