@@ -1,9 +1,26 @@
-"""Input checks and launch arguments shared by the two select launchers (multi-pass radix select in
-:mod:`dsakit.ops.topk.triton`, streaming select in :mod:`dsakit.ops.topk._select_stream`)."""
+"""Input checks, launch arguments and buffer caching shared by the two select launchers (multi-pass radix
+select in :mod:`dsakit.ops.topk.triton`, streaming select in :mod:`dsakit.ops.topk._select_stream`)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
+
 import torch
+
+
+def lru_get(cache: OrderedDict, key, kept: int, make: Callable[[], object]):
+    """cache[key], made with make() on a miss; the ``kept`` most recently used entries stay (so a
+    long-running process that sees many shapes keeps only the latest few)."""
+    found = cache.get(key)
+    if found is None:
+        found = make()
+        cache[key] = found
+        while len(cache) > kept:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return found
 
 
 def check_scores_matrix(scores) -> None:

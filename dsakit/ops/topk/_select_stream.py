@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._inputs import check_scores_matrix, row_counts_int32, slot_args
+from ._inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
 from ._select_kernels import STATS, _filter_kernel, _final_kernel, _order_kernel
 
 STREAM_MAX_K = 4096
@@ -198,16 +198,8 @@ def cached_select_buffers(rows: int, width: int, k: int, device, rows_hint: int 
     caller keeps its own :meth:`SelectBuffers.allocate`."""
     rows, width = triton.next_power_of_2(max(rows, 1)), triton.next_power_of_2(max(width, 1))
     hint = triton.next_power_of_2(max(rows_hint or rows, 1))
-    key = (torch.device(device), rows, width, k, hint)
-    found = _CACHE.get(key)
-    if found is None:
-        found = SelectBuffers.allocate(rows, width, k, device, StreamConfig.default(hint, width, k))
-        _CACHE[key] = found
-        while len(_CACHE) > _CACHE_KEPT:
-            _CACHE.popitem(last=False)
-    else:
-        _CACHE.move_to_end(key)
-    return found
+    return lru_get(_CACHE, (torch.device(device), rows, width, k, hint), _CACHE_KEPT,
+                   lambda: SelectBuffers.allocate(rows, width, k, device, StreamConfig.default(hint, width, k)))
 
 
 # Bound of the cached buffers of one launch (bytes): more rows than fit are selected in consecutive launches

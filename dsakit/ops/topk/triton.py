@@ -62,7 +62,7 @@ import triton
 from ...batch import PagedBatch, check_k
 from ..scores.triton import (QueryTiles, check_q_inputs, check_q_scale_values, launch_index_scores,
                              plan_query_tiles, prepare_q, tiles_from_lens)
-from ._inputs import check_scores_matrix, row_counts_int32, slot_args
+from ._inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
 from ._kernels import _radix_select_kernel, _visible_kernel
 from ._select_stream import (STREAM_MAX_K, launch_stream_select, launch_stream_select_cached,
                              release_select_buffers)
@@ -85,16 +85,8 @@ def release_workspaces() -> None:
 
 def cached_buffer(role: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A reusable uninitialized buffer for ``role`` (allocated once per shape and device)."""
-    key = (role, device, shape, dtype)
-    found = _BUFFERS.get(key)
-    if found is None:
-        found = torch.empty(shape, dtype=dtype, device=device)
-        _BUFFERS[key] = found
-        while len(_BUFFERS) > _BUFFERS_KEPT:
-            _BUFFERS.popitem(last=False)
-    else:
-        _BUFFERS.move_to_end(key)
-    return found
+    return lru_get(_BUFFERS, (role, device, shape, dtype), _BUFFERS_KEPT,
+                   lambda: torch.empty(shape, dtype=dtype, device=device))
 
 
 def launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int, sort: bool, *,
