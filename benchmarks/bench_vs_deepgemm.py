@@ -14,7 +14,8 @@ anchor cases). Sections:
            DeepGEMM ``fp8_fp4_paged_mqa_logits`` (+ ``get_paged_mqa_logits_metadata``, context_lens
            [B, next_n], clean_logits=False) + torch.topk, reading dsakit's fp8 pages; dsakit's select alone
            on those logits; dsakit's decode plan (``plan_decode_topk`` + ``index_topk_decode``) replayed in
-           a CUDA graph, fp8 keys (bf16 / fp4 keys at next_n = 1). Times per call and per query row.
+           a CUDA graph, fp8 keys (at next_n = 1 also bf16 keys with bf16 q, fp4 keys with fp8 q + q_scale
+           as the fp8 row, and fp4 keys with bf16 q: ``fp4_bf16q``). Times per call and per query row.
 
 Every ratio is dsakit / peer from the same run (< 1: dsakit faster). Peak extra memory: max allocated during
 one call above what was allocated before it (dsakit: a call after its cached workspaces were released, so
@@ -224,15 +225,17 @@ def main() -> int:
                         row["dg_plus_topk_us_per_row"] = 1e3 * row["dg_plus_topk_ms"] / rows
                         row["dsakit_fp8_vs_dg_plus_topk"] = row["dsakit_fp8_ms"] / row["dg_plus_topk_ms"]
                     if next_n == 1:
-                        for name in ("bf16", "fp4"):
-                            fmt2 = KeyFormat.parse(name)
+                        # fp4 keys with fp8 q (+ q_scale), as the fp8 row: the decode kernel's per-block fp8
+                        # dots; fp4_bf16q: bf16 q (per-block bf16 dots)
+                        for name, q_kind in (("bf16", "bf16"), ("fp4", "fp8"), ("fp4_bf16q", "bf16")):
+                            fmt2 = KeyFormat.parse(name.split("_")[0])
                             pool2, table2, counts2 = timing_pool(fmt2, [n] * b, dev, seed=13)
-                            q2, w2, _ = make_queries(name, rows, heads, dev, seed=12)
+                            q2, w2, qs2 = make_queries(q_kind, rows, heads, dev, seed=12)
                             batch2 = PagedBatch.build(pool2, fmt2, table2, counts2, seq)
                             plan2 = plan_decode_topk(b, 1, n, k, fmt2, dev, num_heads=heads)
 
                             def call2():
-                                return index_topk_decode(q2, w2, batch2, k, plan=plan2)
+                                return index_topk_decode(q2, w2, batch2, k, plan=plan2, q_scale=qs2)
 
                             call2()
                             row[f"dsakit_{name}_ms"] = bench(call2, graph=dev == "cuda")
@@ -251,12 +254,12 @@ def main() -> int:
               f"{r['dsakit_fp8_ms']:9.3f} {r.get('dsakit_fp8_vs_dg_plus_topk', float('nan')):6.2f} | "
               f"{r['select_ms']:.3f} vs {r['torch_topk_ms']:.3f} = {r['select_speedup_vs_torch_topk']:.2f}x "
               f"(unsorted {r['select_unsorted_speedup_vs_torch_topk']:.2f}x)"
-              + "".join(f" {f} {r[f'dsakit_{f}_ms']:.3f}" for f in ("bf16", "fp4") if f"dsakit_{f}_ms" in r))
+              + "".join(f" {f} {r[f'dsakit_{f}_ms']:.3f}" for f in ("bf16", "fp4", "fp4_bf16q") if f"dsakit_{f}_ms" in r))
     for r in report["decode"]:
         print(f"decode {r['B']}x{r['N']} n{r['next_n']} run {r['run']} {r.get('dg_plus_topk_ms', float('nan')):9.3f} "
               f"{r['dsakit_fp8_ms']:9.3f} {r.get('dsakit_fp8_vs_dg_plus_topk', float('nan')):6.2f} | "
               f"{r['select_ms']:.3f} vs {r['torch_topk_ms']:.3f} = {r['select_speedup_vs_torch_topk']:.2f}x"
-              + "".join(f" {f} {r[f'dsakit_{f}_ms']:.3f}" for f in ("bf16", "fp4") if f"dsakit_{f}_ms" in r))
+              + "".join(f" {f} {r[f'dsakit_{f}_ms']:.3f}" for f in ("bf16", "fp4", "fp4_bf16q") if f"dsakit_{f}_ms" in r))
     bad = [r for r in report["prefill"] + report["decode"] if not r["select_check"]["values_equal"]]
     print(f"done in {report['meta']['total_s']:.0f} s; {len(bad)} cases with an inexact select")
     return 1 if bad else 0

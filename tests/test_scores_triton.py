@@ -33,7 +33,8 @@ TIGHT_RTOL_FP8_DOT_GPU = 5e-4
 
 
 def tight_rtol(fmt_name: str, q_dtype: torch.dtype, device: str) -> float:
-    fp8_dot = fmt_name.startswith("fp8") and q_dtype == torch.float8_e4m3fn
+    # fp4 keys with fp8 q go through fp8 tensor cores in the decode kernel (ScoresConfig.decode_fp4 "blocks")
+    fp8_dot = fmt_name.startswith(("fp8", "fp4")) and q_dtype == torch.float8_e4m3fn
     return TIGHT_RTOL_FP8_DOT_GPU if fp8_dot and device == "cuda" else TIGHT_RTOL
 
 
@@ -157,6 +158,40 @@ def test_matches_reference(fmt_name, q_dtype, kernel, device):
                        positions.to(device), ratio, q_scale=None if q_scale is None else q_scale.to(device),
                        kernel=kernel)
     assert torch.equal(out.cpu(), again.cpu()), "two runs on the same input differ (must be bitwise deterministic)"
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["q-bf16", "q-fp8"])
+@pytest.mark.parametrize("fmt_name", ["fp4", "fp4-rne"])
+def test_decode_fp4_paths(fmt_name, q_dtype, device):
+    """Both fp4 paths of the decode kernel (per-block e4m3 dots, bf16 dequantization) match the reference,
+    on keys whose four block scales within an entry differ by up to 2^20 (one block scaled 1e-6, one 1e3)."""
+    fmt = KeyFormat.parse(fmt_name)
+    cache = PagedCache(fmt, 8)
+    lengths = [150, 70, 3]
+    seqs = [cache.add_sequence() for _ in lengths]
+    gen = torch.Generator().manual_seed(5)
+    for s, n in zip(seqs, lengths):
+        x = torch.randn(n, 128, generator=gen)
+        x[:, 32:64] *= 1e-6
+        x[:, 96:] *= 1e3
+        x[::7, :32] = 0.0  # an all-zero block (scale at the 1e-4 floor)
+        cache.write(cache.append(s, n), x)
+    pool, table, counts = cache.pool.to(device), cache.block_table().to(device), cache.entry_counts().to(device)
+    query_seq = torch.tensor([0, 0, 1, 2], dtype=torch.int32)
+    positions = torch.tensor([149, 100, 69, 2], dtype=torch.int32)
+    t, h = 4, 16
+    q = torch.randn(t, h, 128, generator=gen).to(q_dtype)
+    w = torch.rand(t, h, generator=gen) - 0.25
+    ref = reference_scores(q.float(), w, pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq, positions, 1)
+    outs = {}
+    for mode in ("blocks", "dequant"):
+        outs[mode] = run_kernel(q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device),
+                                positions.to(device), 1, kernel="group", decode_fp4=mode)
+        assert_scores_match(outs[mode], ref, tight_rtol(fmt_name, q_dtype, device))
+    if device == "cpu" or q_dtype != torch.float8_e4m3fn:  # the same fp32 products, summed in another order
+        assert_scores_match(outs["blocks"], outs["dequant"])
+    with pytest.raises(ValueError, match="decode_fp4"):
+        ScoresConfig(decode_fp4="fp16")
 
 
 @pytest.mark.parametrize("fmt_name", ["bf16", "fp8", "fp4"])

@@ -4,6 +4,9 @@
 Kernels read and write keys only through these functions:
 
 * :func:`load_key_tile` - a key tile [BLOCK_N, D] of entries (pages[n], slot[n]) in the dot dtype;
+* :func:`load_key_block` / :func:`load_key_block_scales` / :func:`key_block_scale` - a key tile [BLOCK_N, 32]
+  of one 32-element block in e4m3 with its per-entry block scale kept out of the tile (fp4: the decode
+  kernel's per-block dots, see ``ScoresConfig.decode_fp4``);
 * :func:`scale_key_scores` - per-entry scale of the head-summed scores (fp8: relu(c x) = c relu(x));
 * :func:`store_key_rows` / :func:`store_key_halves` - encode and store transformed keys (the two tile
   layouts of the store kernels: [BLOCK_N, 128] rows and [2, BLOCK_N, 8, 8] halves).
@@ -28,7 +31,8 @@ from .bf16 import load_bf16_tile, store_bf16_halves, store_bf16_rows
 from .centred import (CENTRE_EXTRA, load_centre_entries, load_centre_halves, load_centre_rows, load_centre_tile,
                       store_centre_halves, store_centre_rows)
 from .codes import KeyCode
-from .fp4 import load_fp4_tile, store_fp4_halves, store_fp4_rows
+from .fp4 import (fp4_block_scale, load_fp4_block_e4m3, load_fp4_block_scales, load_fp4_tile, store_fp4_halves,
+                  store_fp4_rows)
 from .fp8 import load_fp8_scales, load_fp8_tile, store_fp8_halves, store_fp8_rows
 
 BF16 = tl.constexpr(int(KeyCode.BF16))
@@ -40,6 +44,8 @@ EXTRA = tl.constexpr(CENTRE_EXTRA)
 # where a centred page's centre starts (D = 128): after 64 x (128 + 4) fp8 bytes / 64 x (64 + 4) fp4 bytes
 FP8_CENTRE_OFFSET = tl.constexpr(64 * (128 + 4))
 FP4_CENTRE_OFFSET = tl.constexpr(64 * (64 + 4))
+# the e4m3 tiles of load_key_block hold fp4 values times 2^-6: a kernel multiplies its scores by this once
+KEY_BLOCK_FACTOR = tl.constexpr(64.0)
 
 
 @triton.jit
@@ -62,6 +68,29 @@ def load_key_tile(values_ptr, scales_ptr, pages, slot, valid, CODE: tl.constexpr
     else:
         k = load_fp4_tile(values_ptr, scales_ptr, pages, slot, valid, D)
     return k
+
+
+@triton.jit
+def load_key_block(values_ptr, pages, slot, valid, BLOCK: tl.constexpr, CODE: tl.constexpr, D: tl.constexpr):
+    """Elements 32 BLOCK .. 32 BLOCK + 31 of entries (pages[n], slot[n]) as an e4m3 tile [BLOCK_N, 32] whose
+    true values are tile x :func:`key_block_scale` x :data:`KEY_BLOCK_FACTOR` (fp4 only: the e2m1 codes
+    placed in e4m3 bits, exact); invalid entries read as 0."""
+    tl.static_assert(CODE == FP4, "per-block key tiles exist for the fp4 code only")
+    return load_fp4_block_e4m3(values_ptr, pages, slot, valid, BLOCK, D)
+
+
+@triton.jit
+def load_key_block_scales(scales_ptr, pages, slot, valid, CODE: tl.constexpr, D: tl.constexpr):
+    """Per-entry block scales of :func:`load_key_block`, packed (fp4: the four ue8m0 bytes as an int32 [BLOCK_N])."""
+    tl.static_assert(CODE == FP4, "per-block key tiles exist for the fp4 code only")
+    return load_fp4_block_scales(scales_ptr, pages, slot, valid, D)
+
+
+@triton.jit
+def key_block_scale(words, BLOCK: tl.constexpr, CODE: tl.constexpr):
+    """fp32 [BLOCK_N] scale of block BLOCK from :func:`load_key_block_scales` (fp4: 2^(s - 127))."""
+    tl.static_assert(CODE == FP4, "per-block key tiles exist for the fp4 code only")
+    return fp4_block_scale(words, BLOCK)
 
 
 @triton.jit

@@ -10,7 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...formats.triton import (load_key_page_rows, load_key_page_tile, load_key_tile, load_logit_scales,
+from ...formats.triton import (KEY_BLOCK_FACTOR, key_block_scale, load_key_block, load_key_block_scales,
+                               load_key_page_rows, load_key_page_tile, load_key_tile, load_logit_scales,
                                scale_key_logits, scale_key_scores)
 
 
@@ -139,10 +140,14 @@ def _index_scores_group_kernel(
     HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
     FP8_DOT: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr = False,
+    FP4_BLOCKS: tl.constexpr = False,
 ):
     # grid: (query groups, cdiv(width, BLOCK_N * TILES_PER_PROGRAM))
     # dot per key tile: keys [BLOCK_N, D] (M) x q^T [D, GROUP * H] (N, column c = g * H + h); the head sum is
     # then a reduction along the dot's N axis, which stays inside a thread quad.
+    # FP4_BLOCKS (fp4 keys): one [BLOCK_N, 32] x [32, GROUP * H] dot per 32-element scale block on keys placed
+    # in e4m3 bits (no dequantization arithmetic), each scaled per entry by its block scale; fp8 tensor cores
+    # when q is fp8 e4m3 (exact products, as for fp8 keys), bf16 otherwise (exact).
     group = tl.program_id(0)
     seq = tl.minimum(tl.load(tile_seq_ptr + group), num_seqs - 1)  # clamps only matter for an unchecked batch
     first = tl.load(tile_start_ptr + group)
@@ -176,6 +181,13 @@ def _index_scores_group_kernel(
         q_c = q_t.to(tl.bfloat16)  # the page term's operand (bf16: q . c exact for fp8 q too), converted once
     else:
         q_c = q_t
+    if FP4_BLOCKS:  # q's four 32-dim blocks [32, GROUP * H], in q's dtype if fp8 e4m3, else bf16
+        q_blocks = (_load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 0),
+                    _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 1),
+                    _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 2),
+                    _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 3))
+    else:
+        q_blocks = (q_t, q_t, q_t, q_t)  # unused
     w = tl.load(w_ptr + c_rows * stride_wt + c_head * stride_wh, mask=c_ok, other=0.0).to(tl.float32)
     if HAS_Q_SCALE:
         w *= tl.load(q_scale_ptr + c_rows * stride_st + c_head * stride_sh, mask=c_ok, other=0.0)
@@ -184,18 +196,20 @@ def _index_scores_group_kernel(
     if INTERPRET:
         # the interpreter cannot take a computed loop bound: score every tile (invisible ones come out -inf)
         for i in range(TILES_PER_PROGRAM):
-            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_c, w, seq, g_rows, g_ok, visible, group_visible,
+            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible,
+                              group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                               num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
-                              PAGE_TERM)
+                              PAGE_TERM, FP4_BLOCKS)
     else:
         # tiles holding visible entries: a counted loop without a branch inside, so the key loads pipeline
         busy_tiles = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, BLOCK_N), 0), TILES_PER_PROGRAM)
         for i in range(0, busy_tiles):
-            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_c, w, seq, g_rows, g_ok, visible, group_visible,
+            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible,
+                              group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                               num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
-                              PAGE_TERM)
+                              PAGE_TERM, FP4_BLOCKS)
         for i in range(busy_tiles, TILES_PER_PROGRAM):
             offs_n = chunk_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None],
@@ -204,18 +218,53 @@ def _index_scores_group_kernel(
 
 
 @triton.jit
-def _score_group_tile(n_start, q_t, q_c, w, seq, g_rows, g_ok, visible, group_visible,
+def _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, BLOCK: tl.constexpr):
+    """q^T rows 32 BLOCK .. 32 BLOCK + 31 [32, GROUP * H]: fp8 e4m3 q as it is, any other q as bf16."""
+    dims = BLOCK * 32 + tl.arange(0, 32)
+    q_b = tl.load(q_ptr + c_rows[None, :] * stride_qt + c_head[None, :] * stride_qh + dims[:, None],
+                  mask=c_ok[None, :], other=0.0)
+    if q_b.dtype != tl.float8e4nv:
+        q_b = q_b.to(tl.bfloat16)
+    return q_b
+
+
+@triton.jit
+def _block_dot(values_ptr, pages, slot, entry_ok, q_b, BLOCK: tl.constexpr, CODE: tl.constexpr, D: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """Unscaled logits of one 32-element key block: e4m3 keys [BLOCK_N, 32] x q_b [32, GROUP * H] -> fp32."""
+    k_b = load_key_block(values_ptr, pages, slot, entry_ok, BLOCK, CODE, D)
+    if q_b.dtype != tl.float8e4nv:
+        k_b = k_b.to(tl.bfloat16)  # exact: e4m3 values are bf16 values
+    return _dot(k_b, q_b, INTERPRET)
+
+
+@triton.jit
+def _score_group_tile(n_start, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible, group_visible,
                       values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                       num_pages, max_pages, CODE: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr,
                       H: tl.constexpr,
-                      BLOCK_N: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr):
+                      BLOCK_N: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr,
+                      FP4_BLOCKS: tl.constexpr):
     """Scores of one key tile (entries n_start ..+BLOCK_N) for a query group: store [BLOCK_N, GROUP] columns."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     entry_ok = offs_n < group_visible
     pages = _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages)
     slot = offs_n % 64
-    k = load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, CODE, FP8_DOT, D)  # [BLOCK_N, D]
-    logits = _dot(k, q_t, INTERPRET)  # [BLOCK_N, GROUP * H]
+    if FP4_BLOCKS:
+        # sum over the four blocks of scale_b x (keys_b . q_b): the scale is a power of two, so each product
+        # is exact and only the fp32 accumulation order differs from one dot over the dequantized keys
+        words = load_key_block_scales(scales_ptr, pages, slot, entry_ok, CODE, D)
+        logits = _block_dot(values_ptr, pages, slot, entry_ok, q_blocks[0], 0, CODE, D, INTERPRET) \
+            * key_block_scale(words, 0, CODE)[:, None]
+        logits += _block_dot(values_ptr, pages, slot, entry_ok, q_blocks[1], 1, CODE, D, INTERPRET) \
+            * key_block_scale(words, 1, CODE)[:, None]
+        logits += _block_dot(values_ptr, pages, slot, entry_ok, q_blocks[2], 2, CODE, D, INTERPRET) \
+            * key_block_scale(words, 2, CODE)[:, None]
+        logits += _block_dot(values_ptr, pages, slot, entry_ok, q_blocks[3], 3, CODE, D, INTERPRET) \
+            * key_block_scale(words, 3, CODE)[:, None]
+    else:
+        k = load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, CODE, FP8_DOT, D)  # [BLOCK_N, D]
+        logits = _dot(k, q_t, INTERPRET)  # [BLOCK_N, GROUP * H]
     if PAGE_TERM:
         # s * (k . q) + c . q: a second [BLOCK_N, D] x [D, GROUP * H] bf16 dot of each entry's page centre,
         # accumulated by the tensor cores into the logits' own registers. A [16, D] dot of the pages' centres
@@ -230,6 +279,8 @@ def _score_group_tile(n_start, q_t, q_c, w, seq, g_rows, g_ok, visible, group_vi
     else:
         scores = tl.sum(tl.reshape(weighted, (BLOCK_N, GROUP, H)), axis=2)  # [BLOCK_N, GROUP]
     scores = scale_key_scores(scores, scales_ptr, pages, slot, entry_ok, CODE, D, 0)
+    if FP4_BLOCKS:  # the block tiles hold the keys times 2^-6: relu(2^6 x) w = 2^6 relu(x) w, exactly
+        scores = scores * KEY_BLOCK_FACTOR
     result = tl.where(offs_n[:, None] < visible[None, :], scores, float("-inf"))
     tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None], result,
              mask=g_ok[None, :] & (offs_n[:, None] < width))

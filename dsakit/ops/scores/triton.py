@@ -13,7 +13,11 @@ of all entries then scales of all entries):
     fp8   values e4m3fn [64, 128], scales fp32 [64]               -> e4m3 operand; the per-entry scale c > 0
           multiplies the head-summed score per column (relu(c x) = c relu(x))
     fp4   values uint8 [64, 64] (low nibble = even element),      -> bf16 operand: e2m1 magnitude x 2^(s - 127),
-          scales ue8m0 [64, 4] (one per 32 elements)                 exact in bf16 (<= 2 significant bits)
+          scales ue8m0 [64, 4] (one per 32 elements)                 exact in bf16 (<= 2 significant bits);
+                                                                     decode (ScoresConfig.decode_fp4 "blocks"):
+                                                                     per 32-element block an e4m3 operand (the
+                                                                     e2m1 bits placed in e4m3 bits = value x 2^-6),
+                                                                     the block scale per entry on that block's dot
 
 Tensor-core operands (documented numerical semantics, tested against the reference run on the same
 rounded inputs with a tight bound):
@@ -23,6 +27,7 @@ rounded inputs with a tight bound):
                                                                 with fewer than fp32 mantissa bits (measured
                                                                 relative L2 6e-5 on the H200); exact under the
                                                                 interpreter
+    fp8 e4m3       fp4 decode   e4m3 x e4m3 per 32-dim block    as fp8 keys (the default decode_fp4 "blocks")
     fp8 e4m3       bf16 / fp4   bf16 x bf16 (q upcast, exact)   none
     bf16           any          bf16 x bf16 (keys exact)        none
     fp32 / fp16    any          bf16 x bf16                     q rounded once to bf16 (nearest even)
@@ -62,6 +67,7 @@ import triton
 
 from ...batch import PagedBatch, check_batch_queries, check_same_device, upload
 from ...formats import INDEX_HEAD_DIM, KeyFormat, key_codec
+from ...formats.codes import KeyCode
 from ._kernels import _index_scores_group_kernel, _index_scores_tile_kernel
 from .config import ScoresConfig
 
@@ -305,7 +311,8 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         # the per-page term is computed for whole pages of a key tile
         raise ValueError(f"{fmt.name} needs key tiles of whole pages (block_n a multiple of 64), got {config}")
     if tiles.kernel == "group":
-        bn = config.decode_block_n or codec.decode_block_n
+        fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
+        bn = config.decode_block_n or (codec.blocks_block_n if fp4_blocks else codec.decode_block_n)
         if codec.page_term and config.decode_block_n is None and tiles.size * num_heads >= 128:
             # the [BLOCK_N, GROUP * H] fp32 logits of a 128-entry tile take a thread's registers from 128 query
             # heads per program on: with the page term's second dot they spill heavily or fail to compile on
@@ -314,7 +321,8 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         per_program = config.decode_tiles_per_program or max(1, min(8, triton.cdiv(width, bn * 4)))
         grid = (tiles.num_tiles, triton.cdiv(width, bn * per_program))
         _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
-                                         num_warps=config.decode_warps, num_stages=config.decode_stages, **common)
+                                         FP4_BLOCKS=fp4_blocks, num_warps=config.decode_warps,
+                                         num_stages=config.decode_stages, **common)
         return out
     bn = config.prefill_block_n
     grid = (tiles.num_tiles * triton.cdiv(width, bn),)
