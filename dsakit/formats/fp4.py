@@ -124,21 +124,40 @@ if triton is not None:
 
     @triton.jit
     def load_fp4_block_e4m3(values_ptr, pages, slot, valid, BLOCK: tl.constexpr, D: tl.constexpr,
-                            PAGE_EXTRA: tl.constexpr = 0):
+                            INTERPRET: tl.constexpr, PAGE_EXTRA: tl.constexpr = 0):
         """Elements 32 BLOCK .. 32 BLOCK + 31 of entries (pages[n], slot[n]) as e4m3 [BLOCK_N, 32], each the e2m1
         value times 2^-6, unscaled (the block's ue8m0 scale: :func:`load_fp4_block_scales`). Invalid entries: 0.
 
         Exact by bit placement, no arithmetic: the e2m1 magnitude bits (e1 e0 m) moved to bits 4..2 of an e4m3
         byte read as exponent e1 e0 (bias 7) and mantissa m00, which is the e2m1 value times 2^(1 - 7) for
         every code, the subnormal 0.5 (e4m3 0x04 = 2^-7) included; the sign moves from bit 3 to bit 7. About
-        four integer operations per element against ~20 for the fp32 dequantization of :func:`load_fp4_tile`.
+        four integer operations per element against ~20 for the fp32 dequantization of :func:`load_fp4_tile`
+        (on the GPU: inline PTX on four bytes at a time; INTERPRET: the same bits with plain Triton ops).
         """
         half = tl.arange(0, 16)
         page_base = pages[:, None] * (64 * (D // 2 + D // 32) + PAGE_EXTRA)
         raw = tl.load(values_ptr + page_base + slot[:, None] * (D // 2) + BLOCK * 16 + half[None, :],
                       mask=valid[:, None], other=0)  # uint8 [BLOCK_N, 16]: elements 2i (low), 2i + 1 (high)
-        low = ((raw & 0x08) << 4) | ((raw & 0x07) << 2)
-        high = (raw & 0x80) | ((raw & 0x70) >> 2)
+        if INTERPRET:
+            low = ((raw & 0x08) << 4) | ((raw & 0x07) << 2)
+            high = (raw & 0x80) | ((raw & 0x70) >> 2)
+        else:
+            # the same on four bytes per 32-bit register (the compiler works byte by byte otherwise); bits
+            # shifted across a byte boundary fall outside each byte's masks
+            low, high = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 t;
+                shl.b32 t, $2, 4;
+                and.b32 t, t, 0x80808080;
+                shl.b32 $0, $2, 2;
+                and.b32 $0, $0, 0x1C1C1C1C;
+                or.b32 $0, $0, t;
+                and.b32 t, $2, 0x80808080;
+                shr.b32 $1, $2, 2;
+                and.b32 $1, $1, 0x1C1C1C1C;
+                or.b32 $1, $1, t;
+                }""",
+                "=r,=r,r", [raw], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
         codes = tl.reshape(tl.join(low, high), (raw.shape[0], 32))
         return codes.to(tl.float8e4nv, bitcast=True)
 

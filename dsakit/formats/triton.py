@@ -71,12 +71,14 @@ def load_key_tile(values_ptr, scales_ptr, pages, slot, valid, CODE: tl.constexpr
 
 
 @triton.jit
-def load_key_block(values_ptr, pages, slot, valid, BLOCK: tl.constexpr, CODE: tl.constexpr, D: tl.constexpr):
+def load_key_block(values_ptr, pages, slot, valid, BLOCK: tl.constexpr, CODE: tl.constexpr, D: tl.constexpr,
+                   INTERPRET: tl.constexpr):
     """Elements 32 BLOCK .. 32 BLOCK + 31 of entries (pages[n], slot[n]) as an e4m3 tile [BLOCK_N, 32] whose
     true values are tile x :func:`key_block_scale` x :data:`KEY_BLOCK_FACTOR` (fp4 only: the e2m1 codes
-    placed in e4m3 bits, exact); invalid entries read as 0."""
+    placed in e4m3 bits, exact); invalid entries read as 0. INTERPRET: plain Triton ops instead of the
+    GPU's inline assembly."""
     tl.static_assert(CODE == FP4, "per-block key tiles exist for the fp4 code only")
-    return load_fp4_block_e4m3(values_ptr, pages, slot, valid, BLOCK, D)
+    return load_fp4_block_e4m3(values_ptr, pages, slot, valid, BLOCK, D, INTERPRET)
 
 
 @triton.jit

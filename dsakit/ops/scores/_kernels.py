@@ -232,7 +232,7 @@ def _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, BLOCK: tl.c
 def _block_dot(values_ptr, pages, slot, entry_ok, q_b, BLOCK: tl.constexpr, CODE: tl.constexpr, D: tl.constexpr,
                INTERPRET: tl.constexpr):
     """Unscaled logits of one 32-element key block: e4m3 keys [BLOCK_N, 32] x q_b [32, GROUP * H] -> fp32."""
-    k_b = load_key_block(values_ptr, pages, slot, entry_ok, BLOCK, CODE, D)
+    k_b = load_key_block(values_ptr, pages, slot, entry_ok, BLOCK, CODE, D, INTERPRET)
     if q_b.dtype != tl.float8e4nv:
         k_b = k_b.to(tl.bfloat16)  # exact: e4m3 values are bf16 values
     return _dot(k_b, q_b, INTERPRET)
