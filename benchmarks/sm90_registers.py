@@ -96,15 +96,19 @@ def cases(formats: list[str], quick: bool):
     block_ts = [64] if quick else [16, 32, 64]
     for fmt in formats:
         codec = KEY_CODECS[fmt]
-        for q_dtype in (["fp8e4nv", "bf16"] if codec.fp8_dot else ["bf16"]):
+        fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
+        for q_dtype in (["fp8e4nv", "bf16"] if codec.fp8_dot or fp4_blocks else ["bf16"]):
             q_scale = q_dtype == "fp8e4nv"
             for group, heads in groups:
-                block_n = config.decode_block_n or codec.decode_block_n
+                block_n = config.decode_block_n or (codec.blocks_block_n if fp4_blocks else codec.decode_block_n)
                 if codec.page_term and config.decode_block_n is None and group * heads >= 128:
                     block_n = 64  # launch_index_scores' choice for page-term formats
                 consts = dict(HAS_POS=False, HAS_Q_SCALE=q_scale, H=heads, GROUP=group, BLOCK_N=block_n,
-                              TILES_PER_PROGRAM=8)
-                yield "group", fmt, q_dtype, consts, config.decode_warps, config.decode_stages
+                              TILES_PER_PROGRAM=8, FP4_BLOCKS=fp4_blocks)
+                warps = config.decode_warps
+                if fp4_blocks and group * heads >= 128:
+                    warps = max(warps, 8)  # launch_index_scores' choice for fp4 blocks
+                yield "group", fmt, q_dtype, consts, warps, config.decode_stages
             for block_t in block_ts:
                 block_n = config.prefill_block_n
                 warps = config.prefill_warps or (4 if block_t * block_n <= 64 * 128 else 8)

@@ -320,8 +320,13 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
             bn = 64
         per_program = config.decode_tiles_per_program or max(1, min(8, triton.cdiv(width, bn * 4)))
         grid = (tiles.num_tiles, triton.cdiv(width, bn * per_program))
+        warps = config.decode_warps
+        if fp4_blocks and tiles.size * num_heads >= 128:
+            # a block's partial logits next to the running sum are two [BLOCK_N, GROUP * H] fp32 tiles: from 128
+            # query heads per program on they spill at 4 warps on sm_90 (255 registers); 8 warps halve them
+            warps = max(warps, 8)
         _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
-                                         FP4_BLOCKS=fp4_blocks, num_warps=config.decode_warps,
+                                         FP4_BLOCKS=fp4_blocks, num_warps=warps,
                                          num_stages=config.decode_stages, **common)
         return out
     bn = config.prefill_block_n
