@@ -115,7 +115,7 @@ def _filter_kernel(
     stats_ptr,                      # int32 [R, SPLITS, STATS]
     K,
     SPLITS: tl.constexpr, CAP: tl.constexpr, LANES: tl.constexpr, LCAP: tl.constexpr,
-    TCAP: tl.constexpr, V: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr,
+    TCAP: tl.constexpr, V: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr, PREFETCH: tl.constexpr = 1,
 ):
     """One pass over a split of a row. Split s of SPLITS streams the tiles s, s + SPLITS, s + 2 SPLITS, ...
     of LANES * V entries; a tile is [V, LANES]: lane l owns entries l * V .. l * V + V - 1 of it and appends
@@ -146,14 +146,24 @@ def _filter_kernel(
     n_gt = tl.sum(tl.zeros([V, LANES], dtype=tl.int32), axis=0)   # per lane, in the reductions' layout
     n_eq = n_gt
     low = tl.full([V, LANES], INT32_MAX, tl.int32)  # smallest candidate key: is any candidate < thr?
-    # the next tile is loaded before the current one is processed (a while loop is not pipelined)
+    # the next PREFETCH tiles are loaded before the current one is processed (a while loop is not
+    # pipelined): with few programs per SM (split decode rows) one tile in flight leaves the loop bound by
+    # the load latency
+    STEP: tl.constexpr = BLOCK * SPLITS
     offs = tl.max_contiguous(start + inner, [1, 1])
     following = tl.load(row_scores + offs, mask=offs < stop, other=float("-inf"))
+    if PREFETCH == 2:
+        second = tl.load(row_scores + offs + STEP, mask=offs + STEP < stop, other=float("-inf"))
+    else:
+        second = following
     while start < stop:
         offs = tl.max_contiguous(start + inner, [1, 1])
         tile = following
-        following = tl.load(row_scores + offs + BLOCK * SPLITS, mask=offs + BLOCK * SPLITS < stop,
-                            other=float("-inf"))
+        if PREFETCH == 2:
+            following = second
+            second = tl.load(row_scores + offs + 2 * STEP, mask=offs + 2 * STEP < stop, other=float("-inf"))
+        else:
+            following = tl.load(row_scores + offs + STEP, mask=offs + STEP < stop, other=float("-inf"))
         key, valid = _order_key(tile, offs < stop)
         gt = valid & (key > thr)
         eq = valid & (key == thr)
@@ -168,7 +178,7 @@ def _filter_kernel(
         total = tl.sum(packed, axis=0)
         n_gt += total & 65535
         n_eq += total >> 16
-        start += BLOCK * SPLITS
+        start += STEP
     tl.store(lane_gt_ptr + part * LANES + lanes, n_gt)
     tl.store(lane_eq_ptr + part * LANES + lanes, n_eq)
     stats = stats_ptr + part * STATS

@@ -14,8 +14,8 @@ and tie list; the final kernel concatenates them in split order = index order).
 
 Buffers (``SelectBuffers``; allocated once per shape, reusable, so a decode plan stays sync-free):
 
-    candidates           int64 [R, cap] (key << 32 | index)      cap = clamp(4 * next_pow2(k), 4096, 16384) (16384 if split)
-    tie lists            int32 [R, splits * lanes * tie_cap]      (128 lanes x 32)
+    candidates           int64 [R, cap] (key << 32 | index)      cap = clamp(4 * next_pow2(k), 4096, 16384)
+    tie lists            int32 [R, splits * lanes * tie_cap]      (tie_cap = max(32, 2 v))
     counters             int32 [R, splits * lanes] x 2 + [R, splits, 8]
     selected             int32 [R, k] x 2 (keys, indices) + [R] counts
 
@@ -63,6 +63,7 @@ class StreamConfig:
     final_warps: int
     order_warps: int
     bins: int
+    prefetch: int = 1
 
     @property
     def lane_cap(self) -> int:
@@ -87,11 +88,16 @@ class StreamConfig:
             # candidates near 1.5 k (each lane ~Poisson(1.5 k / lanes) below its 32 entries)
             sample = max(sample, triton.next_power_of_2(-(-64 * width // k)))
         sample = min(8192, max(256, sample))
-        # >= 32 entries per lane: lane counts are ~Poisson, and the fullest lane must fit
-        lanes = max(16, min(128, cap // (splits * 32)))
-        return StreamConfig(splits=splits, cap=cap, lanes=lanes, v=max(8, 1024 // lanes), tie_cap=32,
+        # >= 64 entries per lane: lane counts are ~Poisson (mean ~1.75 k / lanes in all), and the fullest of
+        # the row's splits * lanes lanes must fit or the row goes to the exact whole-row passes; with 32 per
+        # lane (mean 14) one row in ~200 of a split decode launch overflowed
+        lanes = max(16, min(128, cap // (splits * 64)))
+        v = max(8, 1024 // lanes)
+        # a lane's tie list must reach past its first tile: with TCAP >= 2 V a full list ends in the lane's
+        # second tile, so the ties known complete cover >= splits + 1 tiles of the row (the relu case)
+        return StreamConfig(splits=splits, cap=cap, lanes=lanes, v=v, tie_cap=max(32, 2 * v),
                             sample=sample, num_warps=4, final_warps=16, order_warps=2 if rows >= 512 else 4,
-                            bins=64)
+                            bins=64, prefetch=2 if splits > 1 else 1)
 
     def validate(self) -> None:
         for name in ("splits", "cap", "lanes", "v", "tie_cap", "sample", "bins"):
@@ -102,6 +108,8 @@ class StreamConfig:
                 or self.splits * self.lanes * self.tie_cap > 16384:
             raise ValueError(f"config out of range (sample >= 32, bins >= 32, cap <= 16384 and >= splits * lanes, "
                              f"lanes * v >= 16, splits * lanes * tie_cap <= 16384): {self}")
+        if self.prefetch not in (1, 2) or isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch must be 1 or 2 (tiles loaded ahead by the filter), got {self.prefetch!r}")
         for name in ("num_warps", "final_warps", "order_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16, 32):
                 raise ValueError(f"{name} must be 1..32 (power of two), got {getattr(self, name)!r}")
@@ -166,7 +174,8 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
     _filter_kernel[(rows, cfg.splits)](
         scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
         buffers.lane_eq, buffers.stats, k, SPLITS=cfg.splits, CAP=cfg.cap, LANES=cfg.lanes,
-        LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, V=cfg.v, SAMPLE=cfg.sample, BINS=cfg.bins, num_warps=cfg.num_warps)
+        LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, V=cfg.v, SAMPLE=cfg.sample, BINS=cfg.bins, PREFETCH=cfg.prefetch,
+        num_warps=cfg.num_warps)
     if stages == "filter":
         return
     _final_kernel[(rows,)](
