@@ -3,7 +3,7 @@
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_session.sh OUTDIR SECTION...
 #
-# Sections: tests host select selectq deepgemm* attention centred layer store distributed (see the case below);
+# Sections: tests host select selectq deepgemm* attention centred layer store sweep ncu distributed (see the case below);
 # a deepgemm section builds the DeepGEMM anchor first (~100 s, once per machine) inside its own chain.
 # Sections named "x@N" run pinned to GPU N (CUDA_VISIBLE_DEVICES=N); sections joined with "+" in one argument
 # run one after the other, separate arguments run concurrently (one per GPU on a multi-GPU machine).
@@ -42,6 +42,10 @@ run_section() {
     centred)     "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_centred.py --out "$dir" --commit "$commit" ;;
     layer)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_layer.py --out "$dir" --commit "$commit" ;;
     store)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_store.py --out "$dir" --commit "$commit" --skip memory ;;
+    sweep)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/sweep_topk.py --out "$dir" --commit "$commit" ;;
+    ncu)         "${env_gpu[@]}" timeout 240 ncu --clock-control none -k regex:"_index_scores_group|_filter|_final|_order" \
+                   -c 8 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+                   --section Occupancy --section LaunchStats python3 benchmarks/profile_decode.py ;;
     distributed) timeout "$limit" python3 benchmarks/bench_distributed.py --out "$dir" --gpus 2 --commit "$commit" ;;
     *) echo "unknown section $name"; return 2 ;;
   esac > "$res/$name.log" 2>&1

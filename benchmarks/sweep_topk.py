@@ -1,0 +1,192 @@
+"""Launch-configuration sweep of the indexer's decode scores, streaming select and chunked prefill (H200).
+
+Exploration runs behind the defaults in ``ScoresConfig`` / ``StreamConfig.default`` / ``TopkConfig``:
+  decode    scores kernel alone (CUDA-graph replays), fp8 keys + fp8 q, fp4 keys + fp8 q (each ``decode_fp4``
+            mode the installed version knows), B = 64 sequences x N in {65536, 131072}, per
+            (BLOCK_N, key tiles per program, warps, stages);
+  select    the streaming select on relu-like rows (and relu zeros), per ``StreamConfig`` variant: whole
+            select sorted / unsorted, filter only, filter + final, which path the rows took; torch.topk
+            (sorted and unsorted) on the same scores;
+  prefill   ``index_topk_triton`` end to end at T = 8192 x N = 65536, K 2048, fp8 / bf16 keys, for each
+            ``TopkConfig`` variant the installed version has (e.g. chunk overlap on / off).
+Every selection is checked against torch.topk (same values; a mismatch is recorded, not hidden).
+
+Usage: PYTHONPATH=. python3 benchmarks/sweep_topk.py --out DIR --commit SHA [--sections decode,select,prefill]
+       (``--device cpu --smoke`` under TRITON_INTERPRET=1: toy sizes, no timing claims)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch
+from _common import bench_parser, environment, make_queries, median_ms, same_selection, timing_pool, write_json
+from bench_select import make_scores
+
+from dsakit import PagedBatch
+from dsakit.formats import KeyFormat
+from dsakit.ops.scores.config import DECODE_FP4, ScoresConfig
+from dsakit.ops.scores.triton import launch_index_scores, plan_decode_tiles, prepare_q
+from dsakit.ops.topk.triton import index_topk_triton
+from dsakit.ops.topk._select_stream import SelectBuffers, StreamConfig, launch_stream_select
+from dsakit.ops.topk.config import TopkConfig
+
+HEADS = 64
+
+
+def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) -> None:
+    b = 2 if smoke else 64
+    sizes = [300] if smoke else [65536, 131072]
+    configs = [(64, 8, 4, 3), (64, 16, 4, 3), (64, 32, 4, 4), (64, 8, 4, 4), (64, 16, 4, 5), (64, 4, 4, 3),
+               (128, 8, 4, 3), (128, 8, 8, 3), (128, 16, 8, 4), (64, 8, 8, 3)]
+    if smoke:
+        configs = configs[:2]
+    cases = [("fp8", None)] + [("fp4", mode) for mode in DECODE_FP4]
+    for fmt_name, fp4_mode in cases:
+        fmt = KeyFormat.parse(fmt_name)
+        for n in sizes:
+            pool, table, counts = timing_pool(fmt, [n] * b, dev, seed=9)
+            q, w, qs = make_queries("fp8", b, HEADS, dev, seed=10)
+            seq = torch.arange(b, dtype=torch.int32, device=dev)
+            batch = PagedBatch.build(pool, fmt, table, counts, seq)
+            tiles = plan_decode_tiles(b, 1, HEADS, dev)
+            out = torch.empty(b, n, device=dev)
+            qp = prepare_q(q)
+            ref = None
+            for bn, per_prog, warps, stages in (configs if fp4_mode in (None, "blocks") or n == sizes[-1]
+                                                else configs[:1]):
+                extra = {} if fp4_mode is None else {"decode_fp4": fp4_mode}
+                cfg = ScoresConfig(kernel="group", decode_block_n=bn, decode_tiles_per_program=per_prog,
+                                   decode_warps=warps, decode_stages=stages, **extra)
+                row = {"section": "decode", "format": fmt_name, "fp4_mode": fp4_mode, "B": b, "N": n,
+                       "config": [bn, per_prog, warps, stages]}
+
+                def run(cfg=cfg):
+                    launch_index_scores(qp, w, batch, out, tiles, q_scale=qs, config=cfg)
+                try:
+                    run()
+                    if ref is None:
+                        ref = out.clone()
+                    row["max_abs_vs_first"] = float((out - ref).abs().max())
+                    row["ms"] = median_ms(run, dev, rep, graph=dev == "cuda")
+                    row["key_tb_per_s"] = b * n * fmt.bytes_per_entry / row["ms"] / 1e9
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
+                    row["error"] = repr(exc)[:300]
+                report["decode"].append(row)
+                print(row, flush=True)
+                write_json(path, report)
+            del pool, out, ref
+
+
+def _stream_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]]:
+    base = StreamConfig.default(rows, n, k)
+    out = [("default", base)]
+    if base.splits > 1:
+        # the previous rule: 32 candidates per lane, tie lists of 32, one tile prefetched
+        lanes = max(16, min(128, base.cap // (base.splits * 32)))
+        out.append(("lanes32rule", dataclasses.replace(base, lanes=lanes, v=max(8, 1024 // lanes), tie_cap=32,
+                                                       prefetch=1)))
+        out.append(("prefetch1", dataclasses.replace(base, prefetch=1)))
+        out.append(("v64", dataclasses.replace(base, v=64, tie_cap=128)))
+        out.append(("splits8", dataclasses.replace(base, splits=8, cap=16384, lanes=32, v=32, tie_cap=64)))
+        out.append(("final8", dataclasses.replace(base, final_warps=8)))
+    else:
+        out.append(("v16", dataclasses.replace(base, v=16, tie_cap=32)))
+        out.append(("prefetch2", dataclasses.replace(base, prefetch=2)))
+        out.append(("final8", dataclasses.replace(base, final_warps=8)))
+        out.append(("order4", dataclasses.replace(base, order_warps=4)))
+    out.append(("bins256", dataclasses.replace(base, bins=256)))
+    for field in ("rank_order", "rank_order_rows"):  # the parallel rank order, where this version has it
+        if hasattr(base, field):
+            value = getattr(base, field)
+            flipped = (not value) if isinstance(value, bool) else (0 if value else 1 << 30)
+            out.append((f"{field}={flipped}", dataclasses.replace(base, **{field: flipped})))
+    return out
+
+
+def select_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) -> None:
+    k = 16 if smoke else 2048
+    shapes = [(4, 512)] if smoke else [(64, 131072), (64, 65536), (256, 131072), (8192, 65536)]
+    for rows, n in shapes:
+        for kind in ("relu_like", "relu_zeros"):
+            scores = make_scores(kind, rows, n, dev, seed=0)
+            counts = torch.full((rows,), n, dtype=torch.int32, device=dev)
+            out = torch.empty((rows, k), dtype=torch.int32, device=dev)
+            base_row = {"section": "select", "rows": rows, "N": n, "K": k, "kind": kind}
+            ref = {"torch_topk_ms": median_ms(lambda: torch.topk(scores, k, dim=1), dev, rep),
+                   "torch_topk_unsorted_ms": median_ms(lambda: torch.topk(scores, k, dim=1, sorted=False), dev, rep)}
+            report["select"].append({**base_row, **ref})
+            print(report["select"][-1], flush=True)
+            for name, cfg in _stream_variants(rows, n, k):
+                row = {**base_row, "variant": name, "config": dataclasses.asdict(cfg)}
+                try:
+                    buffers = SelectBuffers.allocate(rows, n, k, dev, cfg)
+                    launch_stream_select(scores, counts, out, k, True, buffers)
+                    row["paths"] = buffers.path_counts(rows)
+                    row["check"] = same_selection(out, scores, k)
+                    ms = {}
+                    for label, sort, stages in (("sorted", True, "all"), ("unsorted", False, "all"),
+                                                ("filter", True, "filter"), ("filter+final", True, "filter+final")):
+                        ms[label] = median_ms(lambda sort=sort, stages=stages: launch_stream_select(
+                            scores, counts, out, k, sort, buffers, stages=stages), dev, rep, graph=dev == "cuda")
+                    row["ms"] = ms
+                    row["speedup_sorted"] = ref["torch_topk_ms"] / ms["sorted"]
+                    row["speedup_unsorted_vs_unsorted"] = ref["torch_topk_unsorted_ms"] / ms["unsorted"]
+                    del buffers
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = repr(exc)[:300]
+                report["select"].append(row)
+                print({a: b for a, b in row.items() if a != "config"}, flush=True)
+                write_json(path, report)
+            del scores, out
+
+
+def prefill_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) -> None:
+    t, n, k = (64, 300, 16) if smoke else (8192, 65536, 2048)
+    variants = [("default", TopkConfig())]
+    if "overlap" in {f.name for f in dataclasses.fields(TopkConfig)}:
+        variants.append(("overlap=False", TopkConfig(overlap=False)))
+    for fmt_name in ("fp8", "bf16"):
+        fmt = KeyFormat.parse(fmt_name)
+        pool, table, counts = timing_pool(fmt, [n], dev, seed=7)
+        q, w, qs = make_queries(fmt_name, t, HEADS, dev, seed=8)
+        batch = PagedBatch.build(pool, fmt, table, counts, torch.zeros(t, dtype=torch.int32, device=dev))
+        first = None
+        for name, cfg in variants:
+            row = {"section": "prefill", "format": fmt_name, "T": t, "N": n, "K": k, "variant": name}
+            got = index_topk_triton(q, w, batch, k, config=cfg, q_scale=qs)
+            first = got if first is None else first
+            row["equal_to_default"] = bool(torch.equal(got, first))
+            row["ms"] = median_ms(lambda cfg=cfg: index_topk_triton(q, w, batch, k, config=cfg, q_scale=qs), dev,
+                                  rep)
+            report["prefill"].append(row)
+            print(row, flush=True)
+            write_json(path, report)
+        del pool, q, w, first
+
+
+def main() -> int:
+    ap = bench_parser()
+    ap.add_argument("--sections", default="decode,select,prefill")
+    ap.add_argument("--rep", type=int, default=50)
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "sweep_topk.json"
+    report = {"meta": environment(args.device, args.commit), "decode": [], "select": [], "prefill": []}
+    start = time.time()
+    sections = {"decode": decode_section, "select": select_section, "prefill": prefill_section}
+    for name in args.sections.split(","):
+        sections[name](args.device, args.smoke, report, path, args.rep)
+    report["meta"]["total_s"] = time.time() - start
+    write_json(path, report)
+    bad = [r for r in report["select"] if "check" in r and not r["check"]["values_equal"]]
+    print(f"done in {report['meta']['total_s']:.0f} s; {len(bad)} inexact selections", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
