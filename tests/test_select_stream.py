@@ -141,3 +141,103 @@ def test_cached_launch_in_row_slices(triton_backend):
     for row, c in enumerate(counts.tolist()):
         masked[row, c:] = float("-inf")
     assert torch.equal(out.cpu(), reference_select(masked, 5))
+
+
+# Rank order with small blocks: several programs per row (cdiv(k, 16)) and several compare chunks per
+# program, so block edges, partial blocks and padding-only programs all run.
+RANK = dict(rank_order=True, rank_block_i=16, rank_block_j=16, rank_warps=4)
+
+
+def _run_order(scores, k, splits, rank, counts=None, slot_map=None):
+    """Sorted select of scores through launch_stream_select with the rank order (rank=True) or the bitonic
+    order; slot_map (seq, block_table): also returns the global slots."""
+    import dataclasses
+
+    from dsakit.ops.topk._select_stream import SelectBuffers, launch_stream_select
+
+    rows, width = scores.shape
+    config = dataclasses.replace(_config(splits), **(RANK if rank else {}))
+    buffers = SelectBuffers.allocate(rows, width, k, scores.device, config)
+    if counts is None:
+        counts = torch.full((rows,), width, dtype=torch.int32, device=scores.device)
+    out = torch.full((rows, k), 7, dtype=torch.int32, device=scores.device)  # 7: columns never written show
+    slots = None
+    if slot_map is not None:
+        slots = torch.full((rows, k), 7, dtype=torch.int32, device=scores.device)
+    launch_stream_select(scores, counts, out, k, True, buffers, slots=slots,
+                         seq=None if slot_map is None else slot_map[0],
+                         block_table=None if slot_map is None else slot_map[1])
+    return out.cpu(), None if slots is None else slots.cpu()
+
+
+@pytest.mark.parametrize("splits, k", [(1, 40), (2, 23)])
+def test_rank_order_equals_bitonic_and_reference(triton_backend, splits, k):
+    """Random rows, many equal keys (ties at the k-th score, relu zeros: lower index first), NaN / +inf /
+    -0.0, rows with fewer candidates than k (-1 padding), k not a power of two: the rank order is the
+    bitonic order and the reference, bit for bit."""
+    torch.manual_seed(11)
+    scores = _rows(256).to(_device())
+    expected = reference_select(scores.cpu(), k)
+    ranked, _ = _run_order(scores, k, splits, rank=True)
+    bitonic, _ = _run_order(scores, k, splits, rank=False)
+    assert torch.equal(ranked, expected)
+    assert torch.equal(ranked, bitonic)
+    assert (expected[5] == -1).sum() == k - 3  # the 3-candidate row is padded
+
+
+def test_rank_order_counts_and_slots(triton_backend):
+    """Row counts (rows with fewer visible entries than k, an empty row) and the global slots through a
+    block table, with splits > 1: rank order == bitonic order == reference."""
+    from dsakit.ops.topk.reference import topk_to_slots
+
+    torch.manual_seed(5)
+    device = _device()
+    scores = _rows(192).to(device)
+    counts = torch.tensor([192, 150, 7, 0, 33, 192, 191, 64], dtype=torch.int32, device=device)
+    k = 36
+    seq = torch.tensor([2, 0, 1, 2, 0, 1, 1, 2], dtype=torch.int32, device=device)
+    block_table = torch.randperm(12, dtype=torch.int32).reshape(3, 4).to(device)  # 3 sequences x 4 pages
+    masked = scores.cpu().clone()
+    for row, c in enumerate(counts.tolist()):
+        masked[row, c:] = float("-inf")
+    expected = reference_select(masked, k)
+    expected_slots = topk_to_slots(expected, block_table.cpu(), seq.cpu())
+    ranked, ranked_slots = _run_order(scores, k, 2, rank=True, counts=counts, slot_map=(seq, block_table))
+    bitonic, bitonic_slots = _run_order(scores, k, 2, rank=False, counts=counts, slot_map=(seq, block_table))
+    assert torch.equal(ranked, expected) and torch.equal(bitonic, expected)
+    assert torch.equal(ranked_slots, expected_slots) and torch.equal(bitonic_slots, expected_slots)
+    assert bool((expected[3] == -1).all()) and bool((expected[2, 7:] == -1).all())
+
+
+def test_rank_order_is_the_default_for_few_rows(triton_backend):
+    """The default configuration orders few rows (decode) with the rank kernel, many rows with the sort; the
+    default launch (real block sizes, blocks clamped to a small k) matches the reference."""
+    from dsakit.ops.topk._select_stream import StreamConfig, select_topk_stream
+
+    assert StreamConfig.default(64, 65536, 2048).rank_order
+    assert not StreamConfig.default(8192, 65536, 2048).rank_order
+    torch.manual_seed(2)
+    scores = _rows(160)[:4].to(_device())
+    assert torch.equal(select_topk_stream(scores, 20).cpu(), reference_select(scores.cpu(), 20))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rank_block_i", 24, "rank_block_i must be a power of two, got 24"),
+    ("rank_block_j", 0, "rank_block_j must be a power of two, got 0"),
+    ("rank_block_i", True, "rank_block_i must be a power of two, got True"),
+    ("rank_block_j", 8, "rank_block_j must be in 16..4096, got 8"),
+    ("rank_block_i", 8192, "rank_block_i must be in 16..4096, got 8192"),
+    ("rank_block_j", 4096, r"rank_block_i \* rank_block_j must be <= 65536 .*, got 128 \* 4096"),
+    ("rank_warps", 3, "rank_warps must be 1..32 .*, got 3"),
+    ("rank_order", 1, "rank_order must be a bool, got 1"),
+])
+def test_rank_order_config_rejected(triton_backend, field, value, message):
+    import dataclasses
+
+    from dsakit.ops.topk._select_stream import select_topk_stream
+
+    bad = dataclasses.replace(_config(), **{**RANK, "rank_block_i": 128, field: value})
+    with pytest.raises(ValueError, match=message):
+        bad.validate()
+    with pytest.raises(ValueError, match=message):
+        select_topk_stream(torch.randn(2, 64, device=_device()), 4, config=bad)
