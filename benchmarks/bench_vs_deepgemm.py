@@ -9,7 +9,8 @@ anchor cases). Sections:
            DeepGEMM ``fp8_fp4_mqa_logits`` (fp8 q, fp8 keys + fp32 scales) and torch.topk on those logits
            (time, peak extra memory); dsakit's select alone vs torch.topk on the same fp32 logits
            (streaming select sorted and unsorted, exactness vs torch.topk); dsakit ``index_topk`` end to end
-           with fp8 keys (fp8 q + q_scale), and bf16 / fp4 keys (bf16 q) at N = 65536.
+           with fp8 keys (fp8 q + q_scale), and bf16 / fp4 keys (bf16 q) at N = 65536; fp8 and bf16 also
+           with ``TopkConfig(overlap=False)`` (``dsakit_<fmt>_serial_ms``: no select / scores overlap).
   decode   B = 64 sequences x N = 65536 / 131072, next_n = 1..4 (rows B * next_n):
            DeepGEMM ``fp8_fp4_paged_mqa_logits`` (+ ``get_paged_mqa_logits_metadata``, context_lens
            [B, next_n], clean_logits=False) + torch.topk, reading dsakit's fp8 pages; dsakit's select alone
@@ -32,6 +33,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,6 +43,7 @@ from _common import (DIM, bench_parser, environment, make_queries, median_ms, pe
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
 from dsakit.ops.topk._select_stream import SelectBuffers, select_topk_stream
+from dsakit.ops.topk.config import TopkConfig
 from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
 from dsakit.ops.topk.triton import index_topk_triton, release_workspaces
 
@@ -164,6 +167,12 @@ def main() -> int:
                         torch.cuda.empty_cache()
                     row[f"dsakit_{name}_peak_gib"] = peak_extra_bytes(e2e, dev) / 2**30
                     row[f"dsakit_{name}_ms"] = bench(e2e)
+                    if name in ("fp8", "bf16"):
+                        # the serial chunk loop (each chunk selected before the next is scored): what the
+                        # default overlap of the select with the next chunk's scores saves
+                        serial = replace(TopkConfig.for_device(dev), overlap=False)
+                        row[f"dsakit_{name}_serial_ms"] = bench(
+                            lambda: index_topk_triton(q, w, batch, k, q_scale=qs, config=serial))
                     if "dg_plus_topk_ms" in row:
                         row[f"dsakit_{name}_vs_dg_plus_topk"] = row[f"dsakit_{name}_ms"] / row["dg_plus_topk_ms"]
                 report["prefill"].append(row)
@@ -254,7 +263,8 @@ def main() -> int:
               f"{r['dsakit_fp8_ms']:9.3f} {r.get('dsakit_fp8_vs_dg_plus_topk', float('nan')):6.2f} | "
               f"{r['select_ms']:.3f} vs {r['torch_topk_ms']:.3f} = {r['select_speedup_vs_torch_topk']:.2f}x "
               f"(unsorted {r['select_unsorted_speedup_vs_torch_topk']:.2f}x)"
-              + "".join(f" {f} {r[f'dsakit_{f}_ms']:.3f}" for f in ("bf16", "fp4", "fp4_bf16q") if f"dsakit_{f}_ms" in r))
+              + "".join(f" {f} {r[f'dsakit_{f}_ms']:.3f}" for f in ("fp8_serial", "bf16", "bf16_serial", "fp4",
+                                                               "fp4_bf16q") if f"dsakit_{f}_ms" in r))
     for r in report["decode"]:
         print(f"decode {r['B']}x{r['N']} n{r['next_n']} run {r['run']} {r.get('dg_plus_topk_ms', float('nan')):9.3f} "
               f"{r['dsakit_fp8_ms']:9.3f} {r.get('dsakit_fp8_vs_dg_plus_topk', float('nan')):6.2f} | "

@@ -71,10 +71,16 @@ class SelectConfig:
 class TopkConfig:
     """Tuning of ``index_topk`` on Triton: workspace_bytes bounds the fp32 score workspace of the chunked
     path (rows per chunk = workspace_bytes // (4 * W)); sort orders each row by (score desc, index asc)
-    (False: the same set in a deterministic, unspecified order); scores / select: the kernels' launch configs."""
+    (False: the same set in a deterministic, unspecified order); overlap: on CUDA, when the rows need
+    several chunks, select chunk i on a second (high-priority) stream while chunk i + 1 is scored, ping-ponging
+    two workspaces of workspace_bytes / 2 each (rows per chunk = (workspace_bytes // 2) // (4 * W)), so the
+    score workspace still totals workspace_bytes; the same indices as overlap=False (with sort=False the same
+    set per row, its order may follow the smaller chunks); ignored on one chunk and off CUDA; scores / select:
+    the kernels' launch configs."""
 
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
     sort: bool = True
+    overlap: bool = True
     scores: ScoresConfig = field(default_factory=ScoresConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
 
@@ -84,6 +90,8 @@ class TopkConfig:
             raise ValueError(f"workspace_bytes must be a positive int, got {wb!r}")
         if not isinstance(self.sort, bool):
             raise ValueError(f"sort must be a bool, got {self.sort!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
         if not isinstance(self.scores, ScoresConfig) or not isinstance(self.select, SelectConfig):
             raise ValueError("scores / select must be a ScoresConfig / SelectConfig")
 
