@@ -225,6 +225,7 @@ def main() -> int:
                     buffers = SelectBuffers.allocate(rows, n, k, dev)
                     got = select_topk_stream(logits, k, buffers=buffers)
                     row["select_check"] = same_selection(got, logits, k)
+                    row["select_paths"] = buffers.path_counts(rows)
                     row["select_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers), graph=dev == "cuda")
                     row["select_speedup_vs_torch_topk"] = row["torch_topk_ms"] / row["select_ms"]
                     row["dsakit_fp8_ms"] = bench(call, graph=dev == "cuda")

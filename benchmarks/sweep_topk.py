@@ -40,8 +40,8 @@ HEADS = 64
 def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) -> None:
     b = 2 if smoke else 64
     sizes = [300] if smoke else [65536, 131072]
-    configs = [(64, 8, 4, 3), (64, 16, 4, 3), (64, 32, 4, 4), (64, 8, 4, 4), (64, 16, 4, 5), (64, 4, 4, 3),
-               (128, 8, 4, 3), (128, 8, 8, 3), (128, 16, 8, 4), (64, 8, 8, 3)]
+    configs = [(64, 8, 4, 3), (64, 16, 4, 5), (64, 16, 4, 6), (64, 16, 4, 7), (64, 32, 4, 6), (64, 8, 4, 6),
+               (64, 32, 4, 8), (128, 8, 4, 4), (128, 16, 4, 5), (32, 32, 4, 8)]
     if smoke:
         configs = configs[:2]
     cases = [("fp8", None)] + [("fp4", mode) for mode in DECODE_FP4]
@@ -83,27 +83,18 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) ->
 
 def _stream_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]]:
     base = StreamConfig.default(rows, n, k)
-    out = [("default", base)]
+    out = [("default", base), ("final8", dataclasses.replace(base, final_warps=8)),
+           ("filter8", dataclasses.replace(base, num_warps=8))]
     if base.splits > 1:
-        # the previous rule: 32 candidates per lane, tie lists of 32, one tile prefetched
-        lanes = max(16, min(128, base.cap // (base.splits * 32)))
-        out.append(("lanes32rule", dataclasses.replace(base, lanes=lanes, v=max(8, 1024 // lanes), tie_cap=32,
-                                                       prefetch=1)))
-        out.append(("prefetch1", dataclasses.replace(base, prefetch=1)))
-        out.append(("v64", dataclasses.replace(base, v=64, tie_cap=128)))
-        out.append(("splits8", dataclasses.replace(base, splits=8, cap=16384, lanes=32, v=32, tie_cap=64)))
-        out.append(("final8", dataclasses.replace(base, final_warps=8)))
-    else:
-        out.append(("v16", dataclasses.replace(base, v=16, tie_cap=32)))
-        out.append(("prefetch2", dataclasses.replace(base, prefetch=2)))
-        out.append(("final8", dataclasses.replace(base, final_warps=8)))
-        out.append(("order4", dataclasses.replace(base, order_warps=4)))
-    out.append(("bins256", dataclasses.replace(base, bins=256)))
-    for field in ("rank_order", "rank_order_rows"):  # the parallel rank order, where this version has it
-        if hasattr(base, field):
-            value = getattr(base, field)
-            flipped = (not value) if isinstance(value, bool) else (0 if value else 1 << 30)
-            out.append((f"{field}={flipped}", dataclasses.replace(base, **{field: flipped})))
+        lanes = max(16, min(128, base.cap // (base.splits * 64)))  # 64 candidates per lane, longer lanes
+        out.append(("lanes64", dataclasses.replace(base, lanes=lanes, v=max(8, 1024 // lanes),
+                                                   tie_cap=max(32, 2048 // lanes))))
+    if hasattr(base, "rank_order"):  # the parallel rank order (few rows) against the bitonic sort
+        out.append((f"rank_order={not base.rank_order}", dataclasses.replace(base, rank_order=not base.rank_order)))
+        if base.rank_order:
+            for bi, bj, warps in ((64, 256, 4), (256, 256, 8), (128, 512, 4), (64, 128, 2)):
+                out.append((f"rank{bi}x{bj}w{warps}", dataclasses.replace(base, rank_block_i=bi, rank_block_j=bj,
+                                                                           rank_warps=warps)))
     return out
 
 

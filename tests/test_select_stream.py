@@ -17,17 +17,17 @@ from dsakit.ops.topk.reference import select_topk as reference_select
 TINY = dict(cap=64, lanes=4, v=8, tie_cap=16, sample=32, num_warps=4, final_warps=4, order_warps=4, bins=32)
 
 
-def _config(splits: int = 1, prefetch: int = 1):
+def _config(splits: int = 1):
     from dsakit.ops.topk._select_stream import StreamConfig
 
-    return StreamConfig(splits=splits, prefetch=prefetch, **TINY)
+    return StreamConfig(splits=splits, **TINY)
 
 
-def _run(scores, k, splits=1, prefetch=1, **kw):
+def _run(scores, k, splits=1, **kw):
     from dsakit.ops.topk._select_stream import SelectBuffers, select_topk_stream
 
     buffers = SelectBuffers.allocate(scores.shape[0], scores.shape[1], k, scores.device,
-                                     _config(splits, prefetch))
+                                     _config(splits))
     return select_topk_stream(scores, k, buffers=buffers, **kw), buffers.path_counts(scores.shape[0])
 
 
@@ -53,10 +53,10 @@ def _rows(n: int) -> torch.Tensor:
     return s
 
 
-@pytest.mark.parametrize("splits,prefetch", [(1, 1), (2, 1), (2, 2)])
-def test_stream_select_equals_reference(triton_backend, splits, prefetch):
+@pytest.mark.parametrize("splits", [1, 2])
+def test_stream_select_equals_reference(triton_backend, splits):
     scores = _rows(256).to(_device())
-    got, paths = _run(scores, 12, splits, prefetch)
+    got, paths = _run(scores, 12, splits)
     assert torch.equal(got.cpu(), reference_select(scores.cpu(), 12))
     # every path ran: buffer (randn-like rows), tie lists (zeros), exact fallback (ties / few candidates)
     assert paths["buffer"] > 0 and paths["ties"] > 0 and paths["exact"] > 0, paths
@@ -112,20 +112,17 @@ def test_stream_select_rejects_bad_input(triton_backend):
         select_topk_stream(scores, 4, row_counts=torch.tensor([65, 1], device=scores.device))
     with pytest.raises(ValueError, match="power of two"):
         select_topk_stream(scores, 4, config=StreamConfig(splits=3, **TINY))
-    with pytest.raises(ValueError, match="prefetch must be 1 or 2.*got 3"):
-        select_topk_stream(scores, 4, config=StreamConfig(splits=1, prefetch=3, **TINY))
 
 
-def test_default_config_split_rows_keep_64_entries_per_lane():
-    """Split (decode) rows: every lane holds >= 64 candidates and its tie list reaches its second tile, so
-    neither a full lane nor a relu row of zeros sends the row to the exact whole-row passes."""
+def test_default_config_tie_lists_reach_the_second_tile():
+    """Every lane's tie list reaches its second tile (tie_cap >= 2 v), so a relu row of zeros is completed
+    from the tie lists instead of the exact whole-row passes; every lane holds >= 32 candidates."""
     from dsakit.ops.topk._select_stream import StreamConfig
 
     for rows, width, k in [(64, 131072, 2048), (256, 131072, 2048), (64, 65536, 512), (8192, 65536, 2048)]:
         cfg = StreamConfig.default(rows, width, k)
         cfg.validate()
-        assert cfg.lane_cap >= 64 and cfg.tie_cap >= 2 * cfg.v, cfg
-        assert cfg.prefetch == (2 if cfg.splits > 1 else 1), cfg
+        assert cfg.lane_cap >= 32 and cfg.tie_cap >= 2 * cfg.v, cfg
 
 
 def test_cached_launch_in_row_slices(triton_backend):

@@ -119,7 +119,7 @@ def _filter_kernel(
     stats_ptr,                      # int32 [R, SPLITS, STATS]
     K,
     SPLITS: tl.constexpr, CAP: tl.constexpr, LANES: tl.constexpr, LCAP: tl.constexpr,
-    TCAP: tl.constexpr, V: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr, PREFETCH: tl.constexpr = 1,
+    TCAP: tl.constexpr, V: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr,
 ):
     """One pass over a split of a row. Split s of SPLITS streams the tiles s, s + SPLITS, s + 2 SPLITS, ...
     of LANES * V entries; a tile is [V, LANES]: lane l owns entries l * V .. l * V + V - 1 of it and appends
@@ -150,24 +150,15 @@ def _filter_kernel(
     n_gt = tl.sum(tl.zeros([V, LANES], dtype=tl.int32), axis=0)   # per lane, in the reductions' layout
     n_eq = n_gt
     low = tl.full([V, LANES], INT32_MAX, tl.int32)  # smallest candidate key: is any candidate < thr?
-    # the next PREFETCH tiles are loaded before the current one is processed (a while loop is not
-    # pipelined): with few programs per SM (split decode rows) one tile in flight leaves the loop bound by
-    # the load latency
+    # the next tile is loaded before the current one is processed (a while loop is not pipelined; a second
+    # tile in flight measured no faster: the loop is bound by its scan and stores, not by the load)
     STEP: tl.constexpr = BLOCK * SPLITS
     offs = tl.max_contiguous(start + inner, [1, 1])
     following = tl.load(row_scores + offs, mask=offs < stop, other=float("-inf"))
-    if PREFETCH == 2:
-        second = tl.load(row_scores + offs + STEP, mask=offs + STEP < stop, other=float("-inf"))
-    else:
-        second = following
     while start < stop:
         offs = tl.max_contiguous(start + inner, [1, 1])
         tile = following
-        if PREFETCH == 2:
-            following = second
-            second = tl.load(row_scores + offs + 2 * STEP, mask=offs + 2 * STEP < stop, other=float("-inf"))
-        else:
-            following = tl.load(row_scores + offs + STEP, mask=offs + STEP < stop, other=float("-inf"))
+        following = tl.load(row_scores + offs + STEP, mask=offs + STEP < stop, other=float("-inf"))
         key, valid = _order_key(tile, offs < stop)
         gt = valid & (key > thr)
         eq = valid & (key == thr)

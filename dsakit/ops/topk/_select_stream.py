@@ -72,7 +72,6 @@ class StreamConfig:
     final_warps: int
     order_warps: int
     bins: int
-    prefetch: int = 1
     rank_order: bool = False
     rank_block_i: int = 128
     rank_block_j: int = 256
@@ -101,16 +100,15 @@ class StreamConfig:
             # candidates near 1.5 k (each lane ~Poisson(1.5 k / lanes) below its 32 entries)
             sample = max(sample, triton.next_power_of_2(-(-64 * width // k)))
         sample = min(8192, max(256, sample))
-        # >= 64 entries per lane: lane counts are ~Poisson (mean ~1.75 k / lanes in all), and the fullest of
-        # the row's splits * lanes lanes must fit or the row goes to the exact whole-row passes; with 32 per
-        # lane (mean 14) one row in ~200 of a split decode launch overflowed
-        lanes = max(16, min(128, cap // (splits * 64)))
+        # >= 32 entries per lane: lane counts are ~Poisson, and the fullest lane must fit (64 per lane with
+        # fewer, longer lanes measured 3-9 % slower on the H200 with no fewer exact-path rows)
+        lanes = max(16, min(128, cap // (splits * 32)))
         v = max(8, 1024 // lanes)
         # a lane's tie list must reach past its first tile: with TCAP >= 2 V a full list ends in the lane's
         # second tile, so the ties known complete cover >= splits + 1 tiles of the row (the relu case)
         return StreamConfig(splits=splits, cap=cap, lanes=lanes, v=v, tie_cap=max(32, 2 * v),
                             sample=sample, num_warps=4, final_warps=16, order_warps=2 if rows >= 512 else 4,
-                            bins=64, prefetch=2 if splits > 1 else 1, rank_order=rows < _RANK_ORDER_ROWS)
+                            bins=64, rank_order=rows < _RANK_ORDER_ROWS)
 
     def validate(self) -> None:
         for name in ("splits", "cap", "lanes", "v", "tie_cap", "sample", "bins", "rank_block_i", "rank_block_j"):
@@ -121,8 +119,6 @@ class StreamConfig:
                 or self.splits * self.lanes * self.tie_cap > 16384:
             raise ValueError(f"config out of range (sample >= 32, bins >= 32, cap <= 16384 and >= splits * lanes, "
                              f"lanes * v >= 16, splits * lanes * tie_cap <= 16384): {self}")
-        if self.prefetch not in (1, 2) or isinstance(self.prefetch, bool):
-            raise ValueError(f"prefetch must be 1 or 2 (tiles loaded ahead by the filter), got {self.prefetch!r}")
         for name in ("rank_block_i", "rank_block_j"):
             if not 16 <= getattr(self, name) <= STREAM_MAX_K:
                 raise ValueError(f"{name} must be in 16..{STREAM_MAX_K}, got {getattr(self, name)!r}")
@@ -196,7 +192,7 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
     _filter_kernel[(rows, cfg.splits)](
         scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
         buffers.lane_eq, buffers.stats, k, SPLITS=cfg.splits, CAP=cfg.cap, LANES=cfg.lanes,
-        LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, V=cfg.v, SAMPLE=cfg.sample, BINS=cfg.bins, PREFETCH=cfg.prefetch,
+        LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, V=cfg.v, SAMPLE=cfg.sample, BINS=cfg.bins,
         num_warps=cfg.num_warps)
     if stages == "filter":
         return
