@@ -40,8 +40,10 @@ HEADS = 64
 def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) -> None:
     b = 2 if smoke else 64
     sizes = [300] if smoke else [65536, 131072]
-    configs = [(64, 8, 4, 3), (64, 16, 4, 5), (64, 16, 4, 6), (64, 16, 4, 7), (64, 32, 4, 6), (64, 8, 4, 6),
-               (64, 32, 4, 8), (128, 8, 4, 4), (128, 16, 4, 5), (32, 32, 4, 8)]
+    # (BLOCK_N, key tiles per program, warps, stages, register cap)
+    configs = [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (64, 16, 4, 6, None), (64, 16, 4, 7, None),
+               (64, 32, 4, 6, None), (64, 32, 4, 8, None), (64, 16, 4, 5, 80), (64, 16, 4, 6, 72),
+               (64, 16, 4, 6, 64), (128, 8, 4, 4, None), (128, 16, 4, 5, None), (32, 32, 4, 8, None)]
     if smoke:
         configs = configs[:2]
     cases = [("fp8", None)] + [("fp4", mode) for mode in DECODE_FP4]
@@ -49,20 +51,20 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) ->
         fmt = KeyFormat.parse(fmt_name)
         for n in sizes:
             pool, table, counts = timing_pool(fmt, [n] * b, dev, seed=9)
+            ref = None
             q, w, qs = make_queries("fp8", b, HEADS, dev, seed=10)
             seq = torch.arange(b, dtype=torch.int32, device=dev)
             batch = PagedBatch.build(pool, fmt, table, counts, seq)
             tiles = plan_decode_tiles(b, 1, HEADS, dev)
             out = torch.empty(b, n, device=dev)
             qp = prepare_q(q)
-            ref = None
-            for bn, per_prog, warps, stages in (configs if fp4_mode in (None, "blocks") or n == sizes[-1]
-                                                else configs[:1]):
+            for bn, per_prog, warps, stages, maxnreg in (configs if fp4_mode in (None, "shifted")
+                                                         else configs[:2]):
                 extra = {} if fp4_mode is None else {"decode_fp4": fp4_mode}
                 cfg = ScoresConfig(kernel="group", decode_block_n=bn, decode_tiles_per_program=per_prog,
-                                   decode_warps=warps, decode_stages=stages, **extra)
+                                   decode_warps=warps, decode_stages=stages, decode_maxnreg=maxnreg, **extra)
                 row = {"section": "decode", "format": fmt_name, "fp4_mode": fp4_mode, "B": b, "N": n,
-                       "config": [bn, per_prog, warps, stages]}
+                       "config": [bn, per_prog, warps, stages, maxnreg]}
 
                 def run(cfg=cfg):
                     launch_index_scores(qp, w, batch, out, tiles, q_scale=qs, config=cfg)

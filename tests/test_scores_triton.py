@@ -709,3 +709,23 @@ def test_unvalidated_counts_without_pages_stay_in_bounds(device):
             assert torch.isnan(out[t:]).all() and torch.isnan(out[:, 40:]).all(), f"{name}: wrote outside out"
         with pytest.raises(ValueError):
             scores_kernel(q, w, pool, fmt, table, counts, query_seq, None, 1)
+
+
+def test_decode_maxnreg_validated_and_result_unchanged(triton_backend):
+    """A register cap changes only how many programs share an SM, never the scores."""
+    from dsakit.ops.scores.config import ScoresConfig
+
+    for bad in (20, 65, 256, True, 64.0):
+        with pytest.raises(ValueError, match="decode_maxnreg.*got"):
+            ScoresConfig(decode_maxnreg=bad)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fmt, pool, table, counts, _ = make_cache("fp8", [130, 97], device)
+    gen = torch.Generator().manual_seed(5)
+    query_seq = torch.tensor([0, 1], dtype=torch.int32)
+    q = torch.randn(2, 64, 128, generator=gen).to(torch.bfloat16)
+    w = torch.rand(2, 64, generator=gen)
+    outs = [run_kernel(q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device), None, 1,
+                       kernel="group", decode_maxnreg=reg) for reg in (None, 64)]
+    assert torch.equal(outs[0], outs[1])
+    ref = reference_scores(q.float(), w, pool, fmt, table, counts, query_seq)
+    assert_scores_match(outs[0], ref, tight_rtol("fp8", torch.bfloat16, device))

@@ -21,7 +21,9 @@ class ScoresConfig:
     than 64 x 128, and for page-centred formats from 64 x 128 on) and pipeline stages of the tile kernel.
     decode_*: BLOCK_N (None = the key format's preferred tile, see ``KeyCodec.decode_block_n``; 64 for
     page-centred formats from 128 query heads per program on), key tiles per program (None = min(8, enough to
-    cover W in four programs' worth)), warps and stages of the group kernel.
+    cover W in four programs' worth)), warps and stages of the group kernel; decode_maxnreg: a register cap
+    per thread for the group kernel (None = the compiler's choice; a lower cap lets more programs share an
+    SM, at the risk of spills).
     decode_fp4: how the group kernel reads fp4 keys: "shifted" (one dot per key tile on an e4m3 tile whose
     blocks are shifted to the entry's largest block scale, that scale applied per entry to the head-summed
     scores; tiles with an entry whose block scales spread over more than 2^14 take a per-block branch),
@@ -41,6 +43,7 @@ class ScoresConfig:
     decode_warps: int = 4
     decode_stages: int = 3
     decode_fp4: str = "shifted"
+    decode_maxnreg: int | None = None
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -59,6 +62,11 @@ class ScoresConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+        reg = self.decode_maxnreg
+        if reg is not None and (isinstance(reg, bool) or not isinstance(reg, int) or not 24 <= reg <= 255
+                                or reg % 8):
+            raise ValueError(f"decode_maxnreg must be None or a multiple of 8 in 24..255, got {reg!r}")
 
     @staticmethod
     def for_device(device: "torch.device | str | None" = None) -> "ScoresConfig":

@@ -331,9 +331,10 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
             # shifted path's rare per-block branch too): from 128 query heads per program on they spill at 4
             # warps on sm_90 (255 registers); 8 warps halve them
             warps = max(warps, 8)
+        registers = {} if config.decode_maxnreg is None or interpreting() else {"maxnreg": config.decode_maxnreg}
         _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
                                          FP4_BLOCKS=fp4_blocks, FP4_SHIFTED=fp4_shifted, num_warps=warps,
-                                         num_stages=config.decode_stages, **common)
+                                         num_stages=config.decode_stages, **registers, **common)
         return out
     bn = config.prefill_block_n
     grid = (tiles.num_tiles * triton.cdiv(width, bn),)
