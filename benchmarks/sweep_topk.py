@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-from _common import bench_parser, environment, make_queries, median_ms, same_selection, timing_pool, write_json
+from _common import (bench_parser, environment, make_queries, median_ms, peak_extra_bytes, same_selection, timing_pool,
+                     write_json)
 from bench_select import make_scores
 
 from dsakit import PagedBatch
@@ -153,8 +154,9 @@ def prefill_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) -
             got = index_topk_triton(q, w, batch, k, config=cfg, q_scale=qs)
             first = got if first is None else first
             row["equal_to_default"] = bool(torch.equal(got, first))
-            row["ms"] = median_ms(lambda cfg=cfg: index_topk_triton(q, w, batch, k, config=cfg, q_scale=qs), dev,
-                                  rep)
+            call = lambda cfg=cfg: index_topk_triton(q, w, batch, k, config=cfg, q_scale=qs)  # noqa: E731
+            row["peak_extra_gib"] = peak_extra_bytes(call, dev) / 2**30
+            row["ms"] = median_ms(call, dev, rep)
             report["prefill"].append(row)
             print(row, flush=True)
             write_json(path, report)
