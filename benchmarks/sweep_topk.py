@@ -29,7 +29,7 @@ from bench_select import make_scores
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.config import DECODE_FP4, ScoresConfig
+from dsakit.ops.scores.config import ScoresConfig
 from dsakit.ops.scores.triton import launch_index_scores, plan_decode_tiles, prepare_q
 from dsakit.ops.topk.triton import index_topk_triton
 from dsakit.ops.topk._select_stream import SelectBuffers, StreamConfig, launch_stream_select
@@ -41,26 +41,29 @@ HEADS = 64
 def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) -> None:
     b = 2 if smoke else 64
     sizes = [300] if smoke else [65536, 131072]
-    # (BLOCK_N, key tiles per program, warps, stages, register cap)
-    configs = [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (64, 16, 4, 6, None), (64, 16, 4, 7, None),
-               (64, 32, 4, 6, None), (64, 32, 4, 8, None), (64, 16, 4, 5, 80), (64, 16, 4, 6, 72),
-               (64, 16, 4, 6, 64), (128, 8, 4, 4, None), (128, 16, 4, 5, None), (32, 32, 4, 8, None)]
-    if smoke:
-        configs = configs[:2]
-    cases = [("fp8", None)] + [("fp4", mode) for mode in DECODE_FP4]
-    for fmt_name, fp4_mode in cases:
+    # (BLOCK_N, key tiles per program, warps, stages, register cap) per case; the first sweep
+    # (sweep_topk_h200_8cb899a) picked BLOCK_N 128 / 16 tiles / 5 stages for fp8 and register caps for fp4
+    # shifted; this list refines around them
+    fp8_like = [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (128, 16, 4, 5, None), (128, 16, 4, 6, None),
+                (128, 32, 4, 5, None), (128, 8, 4, 5, None), (128, 16, 8, 5, None)]
+    per_case = {("fp8", None): fp8_like,
+                ("bf16", None): [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (128, 16, 4, 5, None), (64, 16, 4, 3, None)],
+                ("fp4", "blocks"): [(64, 16, 4, 5, None), (64, 16, 4, 6, None), (128, 16, 4, 5, None),
+                                    (64, 16, 4, 5, 80), (64, 32, 4, 6, None)],
+                ("fp4", "shifted"): [(64, 16, 4, 6, 72), (64, 16, 4, 6, 80), (128, 16, 4, 5, 72), (64, 32, 4, 6, 72)]}
+    for (fmt_name, fp4_mode), configs in per_case.items():
+        configs = configs[:2] if smoke else configs
         fmt = KeyFormat.parse(fmt_name)
         for n in sizes:
             pool, table, counts = timing_pool(fmt, [n] * b, dev, seed=9)
             ref = None
-            q, w, qs = make_queries("fp8", b, HEADS, dev, seed=10)
+            q, w, qs = make_queries("bf16" if fmt_name == "bf16" else "fp8", b, HEADS, dev, seed=10)
             seq = torch.arange(b, dtype=torch.int32, device=dev)
             batch = PagedBatch.build(pool, fmt, table, counts, seq)
             tiles = plan_decode_tiles(b, 1, HEADS, dev)
             out = torch.empty(b, n, device=dev)
             qp = prepare_q(q)
-            for bn, per_prog, warps, stages, maxnreg in (configs if fp4_mode in (None, "shifted")
-                                                         else configs[:2]):
+            for bn, per_prog, warps, stages, maxnreg in configs:
                 extra = {} if fp4_mode is None else {"decode_fp4": fp4_mode}
                 cfg = ScoresConfig(kernel="group", decode_block_n=bn, decode_tiles_per_program=per_prog,
                                    decode_warps=warps, decode_stages=stages, decode_maxnreg=maxnreg, **extra)
@@ -86,26 +89,21 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) ->
 
 def _stream_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]]:
     base = StreamConfig.default(rows, n, k)
-    out = [("default", base), ("final8", dataclasses.replace(base, final_warps=8)),
-           ("filter8", dataclasses.replace(base, num_warps=8))]
-    if base.splits > 1:
-        lanes = max(16, min(128, base.cap // (base.splits * 64)))  # 64 candidates per lane, longer lanes
-        out.append(("lanes64", dataclasses.replace(base, lanes=lanes, v=max(8, 1024 // lanes),
-                                                   tie_cap=max(32, 2048 // lanes))))
+    out = [("default", base)]
     if hasattr(base, "rank_order"):  # the parallel rank order (few rows) against the bitonic sort
         out.append((f"rank_order={not base.rank_order}", dataclasses.replace(base, rank_order=not base.rank_order)))
-        if base.rank_order:
-            for bi, bj, warps in ((64, 256, 4), (256, 256, 8), (128, 512, 4), (64, 128, 2)):
-                out.append((f"rank{bi}x{bj}w{warps}", dataclasses.replace(base, rank_block_i=bi, rank_block_j=bj,
-                                                                           rank_warps=warps)))
+        # the first sweep's tiles ([128, 256] compares per step) spilled: small tiles, <= 32 compares a thread
+        for bi, bj, warps in ((128, 16, 4), (128, 32, 4), (64, 32, 2), (256, 16, 8), (32, 32, 1)):
+            out.append((f"rank{bi}x{bj}w{warps}", dataclasses.replace(base, rank_order=True, rank_block_i=bi,
+                                                                       rank_block_j=bj, rank_warps=warps)))
     return out
 
 
 def select_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) -> None:
     k = 16 if smoke else 2048
-    shapes = [(4, 512)] if smoke else [(64, 131072), (64, 65536), (256, 131072), (8192, 65536)]
+    shapes = [(4, 512)] if smoke else [(64, 131072), (64, 65536)]
     for rows, n in shapes:
-        for kind in ("relu_like", "relu_zeros"):
+        for kind in ("relu_like",):
             scores = make_scores(kind, rows, n, dev, seed=0)
             counts = torch.full((rows,), n, dtype=torch.int32, device=dev)
             out = torch.empty((rows, k), dtype=torch.int32, device=dev)

@@ -42,7 +42,7 @@ class ScoresConfig:
     decode_tiles_per_program: int | None = None
     decode_warps: int = 4
     decode_stages: int = 3
-    decode_fp4: str = "shifted"
+    decode_fp4: str = "blocks"
     decode_maxnreg: int | None = None
 
     def __post_init__(self):

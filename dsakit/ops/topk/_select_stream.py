@@ -41,7 +41,7 @@ MAX_BLOCK = 16384  # the filter packs two per-tile ranks into one int32 prefix s
 _TARGET_PROGRAMS = 512
 _MIN_SPLIT = 8192  # entries per split program: below this the per-program sample and setup dominate
 # rows below which a sorted select orders with the rank kernel: the per-row sort then runs on few SMs
-_RANK_ORDER_ROWS = 512
+_RANK_ORDER_ROWS = 0
 _RANK_TILE = 1 << 16  # compares per loop step of a rank program (a register tile: bounds its size)
 
 
@@ -107,7 +107,7 @@ class StreamConfig:
         # a lane's tie list must reach past its first tile: with TCAP >= 2 V a full list ends in the lane's
         # second tile, so the ties known complete cover >= splits + 1 tiles of the row (the relu case)
         return StreamConfig(splits=splits, cap=cap, lanes=lanes, v=v, tie_cap=max(32, 2 * v),
-                            sample=sample, num_warps=4, final_warps=16, order_warps=2 if rows >= 512 else 4,
+                            sample=sample, num_warps=8, final_warps=8, order_warps=2 if rows >= 512 else 4,
                             bins=64, rank_order=rows < _RANK_ORDER_ROWS)
 
     def validate(self) -> None:
