@@ -7,9 +7,7 @@ rising with the index like a recency bias):
           not tied), which path the rows took (candidate buffer / tie lists / exact fallback), two runs
           bitwise equal;
   time    medians (triton.testing.do_bench) of the streaming select (sorted and unsorted), the multi-pass
-          select of dsakit.ops.topk.triton, torch.topk (sorted) on the same scores; ratios; where the default
-          orders with the parallel rank kernel (few rows), also the select with the bitonic order
-          (``stream_bitonic``; both sorted outputs must be equal);
+          select of dsakit.ops.topk.triton, torch.topk (sorted) on the same scores; ratios;
   sweep   (optional) launch configurations of the streaming select.
 
 Usage: PYTHONPATH=. python3 benchmarks/bench_select.py --out DIR --commit SHA [--sweep] [--quick]
@@ -88,18 +86,11 @@ def main() -> int:
             if kind in ("relu_zeros",) and rows * n <= 64 * 131072:
                 from dsakit.ops.topk.reference import select_topk as reference_select
                 row["equals_reference"] = bool(torch.equal(got.cpu(), reference_select(scores.cpu(), k)))
-            bitonic = None  # the same select ordered by the bitonic sort, where the default ranks
-            if buffers.config.rank_order:
-                bitonic = SelectBuffers.allocate(rows, n, k, dev, dataclasses.replace(buffers.config, rank_order=False))
-                row["rank_equals_bitonic"] = bool(torch.equal(got, select_topk_stream(scores, k, buffers=bitonic)))
             if kind in ("relu_like", "relu_zeros") or number == 0:
                 ms = {}
                 ms["stream"] = median_ms(lambda: select_topk_stream(scores, k, buffers=buffers), dev, args.rep)
                 ms["stream_unsorted"] = median_ms(
                     lambda: select_topk_stream(scores, k, buffers=buffers, sort=False), dev, args.rep)
-                if bitonic is not None:
-                    ms["stream_bitonic"] = median_ms(lambda: select_topk_stream(scores, k, buffers=bitonic), dev,
-                                                     args.rep)
                 counts = torch.full((rows,), n, dtype=torch.int32, device=dev)
                 out = torch.empty((rows, k), dtype=torch.int32, device=dev)
                 for stages in ("filter", "filter+final"):
@@ -115,10 +106,9 @@ def main() -> int:
             report["check"].append(row)
             print(f"{rows:5d} x {n:6d} K {k:4d} {kind:10s} paths {paths} exact {row['values_equal']} "
                   f"sets-off {row['set_mismatch_rows']} det {row['deterministic']} "
-                  f"rank==bitonic {row.get('rank_equals_bitonic', '-')} "
                   + (" ".join(f"{a} {b:.3f}" for a, b in row.get("ms", {}).items())), flush=True)
             write_json(path, report)
-            del scores, buffers, bitonic
+            del scores, buffers
 
     if args.sweep and not args.smoke:
         for rows, n, k in [(8192, 65536, 2048), (64, 131072, 2048)]:
@@ -131,11 +121,6 @@ def main() -> int:
             else:
                 variants += [dataclasses.replace(base, splits=2, lanes=128), dataclasses.replace(base, v=16),
                              dataclasses.replace(base, order_warps=4)]
-                # the order kernel: bitonic sort per row vs rank blocks / warps
-                variants += [dataclasses.replace(base, rank_order=False)] + [
-                    dataclasses.replace(base, rank_block_i=bi, rank_block_j=bj, rank_warps=w)
-                    for bi, bj, w in [(64, 256, 4), (128, 128, 4), (128, 512, 4), (256, 256, 8), (128, 256, 8),
-                                      (64, 128, 2)]]
             for cfg in variants:
                 buffers = SelectBuffers.allocate(rows, n, k, dev, cfg)
                 ms = median_ms(lambda: select_topk_stream(scores, k, buffers=buffers), dev, args.rep)
@@ -150,8 +135,7 @@ def main() -> int:
             del scores
     report["meta"]["total_s"] = time.time() - t_start
     write_json(path, report)
-    bad = [r for r in report["check"] if not (r["values_equal"] and r["pad_ok"] and r["deterministic"]
-                                              and r.get("rank_equals_bitonic", True))]
+    bad = [r for r in report["check"] if not (r["values_equal"] and r["pad_ok"] and r["deterministic"])]
     print(f"done in {report['meta']['total_s']:.0f} s; {len(bad)} inexact rows sets", flush=True)
     return 1 if bad else 0
 

@@ -5,7 +5,7 @@ int32 key whose signed order is the float order (non-negative floats keep their 
 31 magnitude bits); NaN -> INT32_MAX (above +inf), -0.0 -> +0.0. Candidates are scores > -inf (NaN
 included); the key of -inf, ``KEY_NEG_INF``, is below every candidate.
 
-Three kernels per call (one of the two order kernels) (see the launcher's docstring for the buffers):
+Three kernels per call (see the launcher's docstring for the buffers):
 
 * ``_filter_kernel``, grid (rows, splits): every program of a row first derives the same threshold key
   ``thr`` from a fixed sample of the row (SAMPLE entries in SAMPLE / 32 groups of 32 spread over the row; the
@@ -30,10 +30,6 @@ Three kernels per call (one of the two order kernels) (see the launcher's docstr
 * ``_order_kernel``, grid (rows,): the <= k selected (key, index) pairs are ordered by key descending,
   index ascending with one tl.sort on packed int64 (key << 32 | 0x7FFFFFFF - index); -1 padding; optional
   map to global slots.
-* ``_rank_order_kernel``, grid (rows, cdiv(k, BLOCK_I)): the same sorted output for few rows (decode),
-  where one program per row leaves most SMs idle: each program ranks BLOCK_I of a row's entries by
-  counting, with int32 compares, the row's entries that precede each of them, and scatters them to their
-  ranks.
 
 Every path is deterministic: no atomics, the buffers are written in index order, the sample is fixed.
 """
@@ -367,51 +363,3 @@ def _order_kernel(
     tl.store(out_row + col, idx, mask=col < K)
     if WITH_SLOTS:
         _store_slots(slots_ptr, stride_slots, seq_ptr, table_ptr, stride_table, row, idx, filled, col, K)
-
-
-@triton.jit
-def _rank_order_kernel(
-    out_ptr, stride_out, sel_key_ptr, sel_idx_ptr, sel_count_ptr,
-    slots_ptr, stride_slots, seq_ptr, table_ptr, stride_table,  # as in _order_kernel (WITH_SLOTS)
-    K,
-    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, WITH_SLOTS: tl.constexpr,
-):
-    """The sorted output of ``_order_kernel`` (same order, bitwise) for few rows, grid (rows, cdiv(K, BLOCK_I)).
-
-    Program (r, b) owns the entries i of columns [b * BLOCK_I, (b + 1) * BLOCK_I) of row r's selected list
-    (count entries) and counts, in chunks of BLOCK_J over the whole list, rank_i = #{j : key_j > key_i or
-    (key_j == key_i and idx_j < idx_i)}; indices are unique within a row, so the ranks are a permutation of
-    0..count-1 and out[r, rank_i] = idx_i is the (key desc, index asc) order. It also writes -1 to the
-    padding columns (>= count) of its own column range: every column < K is written exactly once (ranks
-    are < count), no atomics. With few rows the one-program-per-row sort leaves most SMs idle and is a
-    long chain of block-level exchanges; here a row is spread over many programs of independent
-    compares."""
-    row_id = tl.program_id(0)
-    row = row_id.to(tl.int64)
-    count = tl.load(sel_count_ptr + row)
-    col = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    mine = col < count
-    key_i = tl.load(sel_key_ptr + row * K + col, mask=mine, other=0)
-    idx_i = tl.load(sel_idx_ptr + row * K + col, mask=mine, other=0)
-    rank = tl.zeros([BLOCK_I], dtype=tl.int32)
-    # programs made only of padding columns skip the compares
-    stop = tl.where(tl.program_id(1) * BLOCK_I < count, count, 0)
-    lane_j = tl.arange(0, BLOCK_J)
-    start = 0
-    while start < stop:  # (a while loop: the interpreter cannot range() over a loaded scalar)
-        j = start + lane_j
-        valid = j < count
-        # padding j: key INT32_MIN is below every selected key (candidates are > -inf, whose key is
-        # KEY_NEG_INF > INT32_MIN), so it never counts: no extra mask in the compare tile
-        key_j = tl.load(sel_key_ptr + row * K + j, mask=valid, other=INT32_MIN)
-        idx_j = tl.load(sel_idx_ptr + row * K + j, mask=valid, other=INT32_MAX)
-        before = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None])
-                                                      & (idx_j[None, :] < idx_i[:, None]))
-        rank += tl.sum(before.to(tl.int32), axis=1)
-        start += BLOCK_J
-    # one scattered store: selected entries at their rank, padding columns at their own column
-    target = tl.where(mine, rank, col)
-    idx = tl.where(mine, idx_i, -1)
-    tl.store(out_ptr + row * stride_out + target, idx, mask=col < K)
-    if WITH_SLOTS:
-        _store_slots(slots_ptr, stride_slots, seq_ptr, table_ptr, stride_table, row, idx, mine, target, K)

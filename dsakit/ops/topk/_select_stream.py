@@ -7,9 +7,8 @@ deterministic (no atomics; every buffer is written in index order).
 Algorithm (details in :mod:`dsakit.ops.topk._select_kernels`): a threshold per row from a fixed sample of
 the row, one streaming pass that keeps the entries above it (and the first ones equal to it) in a per-row
 candidate buffer, then an exact select of that buffer with in-register range narrowing and a sort of the k
-winners (one bitonic sort per row, or for few rows a parallel rank order over many programs per row).
-Rows the sample misjudges (buffer overflow, or fewer than k entries >= the threshold) are re-selected
-exactly by whole-row passes in the same launch, so the result never depends on the sample.
+winners. Rows the sample misjudges (buffer overflow, or fewer than k entries >= the threshold) are
+re-selected exactly by whole-row passes in the same launch, so the result never depends on the sample.
 Long rows with few of them (decode) are split over ``splits`` programs per row (each keeps its own buffer
 and tie list; the final kernel concatenates them in split order = index order).
 
@@ -33,16 +32,13 @@ import torch
 import triton
 
 from ._inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
-from ._select_kernels import STATS, _filter_kernel, _final_kernel, _order_kernel, _rank_order_kernel
+from ._select_kernels import STATS, _filter_kernel, _final_kernel, _order_kernel
 
 STREAM_MAX_K = 4096
 MAX_BLOCK = 16384  # the filter packs two per-tile ranks into one int32 prefix sum (16 bits each)
 # rows below which a row is split over several programs (decode): a few programs per SM of the H200
 _TARGET_PROGRAMS = 512
 _MIN_SPLIT = 8192  # entries per split program: below this the per-program sample and setup dominate
-# rows below which a sorted select orders with the rank kernel: the per-row sort then runs on few SMs
-_RANK_ORDER_ROWS = 0
-_RANK_TILE = 1 << 16  # compares per loop step of a rank program (a register tile: bounds its size)
 
 
 def _pow2_floor(x: int) -> int:
@@ -55,12 +51,7 @@ class StreamConfig:
     splits and lanes); lanes: buffer lanes per program (each lane owns v consecutive entries of every
     tile of lanes * v entries and cap // (splits * lanes) buffer entries); tie_cap: entries of each lane's
     list of the first indices equal to the threshold; sample: entries of the threshold sample (>= 32);
-    num_warps / final_warps / order_warps: the three kernels; bins: histogram buckets of the narrowing.
-
-    rank_order: a sorted select orders its rows with the parallel rank kernel (grid rows x cdiv(k,
-    rank_block_i), rank_warps warps; each program ranks rank_block_i entries against the row's list in
-    chunks of rank_block_j) instead of one bitonic sort per row; same result bit for bit. The default
-    takes it for few rows (decode), where one program per row leaves most SMs idle."""
+    num_warps / final_warps / order_warps: the three kernels; bins: histogram buckets of the narrowing."""
 
     splits: int
     cap: int
@@ -72,10 +63,6 @@ class StreamConfig:
     final_warps: int
     order_warps: int
     bins: int
-    rank_order: bool = False
-    rank_block_i: int = 128
-    rank_block_j: int = 256
-    rank_warps: int = 4
 
     @property
     def lane_cap(self) -> int:
@@ -108,10 +95,10 @@ class StreamConfig:
         # second tile, so the ties known complete cover >= splits + 1 tiles of the row (the relu case)
         return StreamConfig(splits=splits, cap=cap, lanes=lanes, v=v, tie_cap=max(32, 2 * v),
                             sample=sample, num_warps=8, final_warps=8, order_warps=2 if rows >= 512 else 4,
-                            bins=64, rank_order=rows < _RANK_ORDER_ROWS)
+                            bins=64)
 
     def validate(self) -> None:
-        for name in ("splits", "cap", "lanes", "v", "tie_cap", "sample", "bins", "rank_block_i", "rank_block_j"):
+        for name in ("splits", "cap", "lanes", "v", "tie_cap", "sample", "bins"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, got {value!r}")
@@ -119,15 +106,7 @@ class StreamConfig:
                 or self.splits * self.lanes * self.tie_cap > 16384:
             raise ValueError(f"config out of range (sample >= 32, bins >= 32, cap <= 16384 and >= splits * lanes, "
                              f"lanes * v >= 16, splits * lanes * tie_cap <= 16384): {self}")
-        for name in ("rank_block_i", "rank_block_j"):
-            if not 16 <= getattr(self, name) <= STREAM_MAX_K:
-                raise ValueError(f"{name} must be in 16..{STREAM_MAX_K}, got {getattr(self, name)!r}")
-        if self.rank_block_i * self.rank_block_j > _RANK_TILE:
-            raise ValueError(f"rank_block_i * rank_block_j must be <= {_RANK_TILE} (compares per step), got "
-                             f"{self.rank_block_i} * {self.rank_block_j}")
-        if not isinstance(self.rank_order, bool):
-            raise ValueError(f"rank_order must be a bool, got {self.rank_order!r}")
-        for name in ("num_warps", "final_warps", "order_warps", "rank_warps"):
+        for name in ("num_warps", "final_warps", "order_warps"):
             value = getattr(self, name)
             if isinstance(value, bool) or value not in (1, 2, 4, 8, 16, 32):
                 raise ValueError(f"{name} must be 1..32 (power of two), got {value!r}")
@@ -203,19 +182,10 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
         BINS=cfg.bins, num_warps=cfg.final_warps)
     if stages == "filter+final":
         return
-    k_pad = triton.next_power_of_2(k)
-    if sort and cfg.rank_order:
-        # blocks above the (padded) row only waste lanes: a small k gets smaller blocks
-        block_i, block_j = min(cfg.rank_block_i, max(16, k_pad)), min(cfg.rank_block_j, max(16, k_pad))
-        _rank_order_kernel[(rows, triton.cdiv(k, block_i))](
-            out, out.stride(0), buffers.sel_key, buffers.sel_idx, buffers.sel_count,
-            *slot_args(out, counts, slots, seq, block_table),
-            k, BLOCK_I=block_i, BLOCK_J=block_j, WITH_SLOTS=slots is not None, num_warps=cfg.rank_warps)
-        return
     _order_kernel[(rows,)](
         out, out.stride(0), buffers.sel_key, buffers.sel_idx, buffers.sel_count,
         *slot_args(out, counts, slots, seq, block_table),
-        k, K_PAD=k_pad, SORT=sort, WITH_SLOTS=slots is not None, num_warps=cfg.order_warps)
+        k, K_PAD=triton.next_power_of_2(k), SORT=sort, WITH_SLOTS=slots is not None, num_warps=cfg.order_warps)
 
 
 _CACHE: "OrderedDict[tuple, SelectBuffers]" = OrderedDict()
