@@ -111,14 +111,17 @@ def _cases(formats: list[str], quick: bool, config: ScoresConfig, prefill: bool)
             for group, heads in groups:
                 block_n = config.decode_block_n or (codec.blocks_block_n if fp4_blocks or fp4_shifted
                                                     else codec.decode_block_n)
+                if config.decode_block_n is None and block_n > 64 and group * heads > 64:
+                    block_n = 64  # launch_index_scores' choice for more than 64 columns
                 if codec.page_term and config.decode_block_n is None and group * heads >= 128:
                     block_n = 64  # launch_index_scores' choice for page-term formats
                 consts = dict(HAS_POS=False, HAS_Q_SCALE=q_scale, H=heads, GROUP=group, BLOCK_N=block_n,
-                              TILES_PER_PROGRAM=8, FP4_BLOCKS=fp4_blocks, FP4_SHIFTED=fp4_shifted)
+                              TILES_PER_PROGRAM=config.decode_tiles_per_program or codec.decode_tiles,
+                              FP4_BLOCKS=fp4_blocks, FP4_SHIFTED=fp4_shifted)
                 warps = config.decode_warps
                 if (fp4_blocks or fp4_shifted) and group * heads >= 128:
                     warps = max(warps, 8)  # launch_index_scores' choice for fp4 blocks / shifted
-                yield "group", fmt, q_dtype, consts, warps, config.decode_stages
+                yield "group", fmt, q_dtype, consts, warps, config.decode_stages or codec.decode_stages
             for block_t in (block_ts if prefill else []):
                 block_n = config.prefill_block_n
                 warps = config.prefill_warps or (4 if block_t * block_n <= 64 * 128 else 8)

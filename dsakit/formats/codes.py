@@ -29,7 +29,9 @@ class KeyCodec:
 
     code: the KeyCode the codec functions switch on. decode_block_n: key tile of the decode scores kernel
     measured fastest on the H200 for this encoding (fp4: for ``ScoresConfig.decode_fp4 = "dequant"``;
-    blocks_block_n: the tile of the e4m3 decode paths, ``"blocks"`` and ``"shifted"``, not yet measured). fp8_dot: the stored values can feed fp8 tensor cores as
+    blocks_block_n: the tile of the e4m3 decode paths, ``"blocks"`` and ``"shifted"``). decode_tiles /
+    decode_stages: key tiles per program and pipeline stages of the decode kernel measured fastest for it
+    (``ScoresConfig`` fields left at None take these). fp8_dot: the stored values can feed fp8 tensor cores as
     they are (the per-entry scale is then applied per score column). page_term: the format keeps a side value
     per page (a page-centred format's centre): the scores kernels add a per-page term q . c to every logit
     and the store kernel runs twice (first the pages' side values, from their entry 0, then the entries).
@@ -38,6 +40,8 @@ class KeyCodec:
     code: KeyCode
     decode_block_n: int
     blocks_block_n: int = 64
+    decode_tiles: int = 8
+    decode_stages: int = 3
     fp8_dot: bool = False
     page_term: bool = False
 
@@ -52,9 +56,11 @@ class KeyCodec:
 
 
 KEY_CODECS: dict[str, KeyCodec] = {
-    "bf16": KeyCodec(KeyCode.BF16, decode_block_n=64),
-    "fp8": KeyCodec(KeyCode.FP8, decode_block_n=64, fp8_dot=True),
-    "fp4": KeyCodec(KeyCode.FP4, decode_block_n=128),
+    # decode tiles / stages measured on the H200 at B = 64 x N = 64K / 128K, H 64 (sweep_topk_h200_1ceb8eb):
+    # bf16 0.293 -> 0.284 ms at 64K, fp8 0.198 -> 0.168 ms (BLOCK_N 128), fp4 "blocks" 0.332 -> 0.279 ms
+    "bf16": KeyCodec(KeyCode.BF16, decode_block_n=64, decode_tiles=16, decode_stages=5),
+    "fp8": KeyCodec(KeyCode.FP8, decode_block_n=128, fp8_dot=True, decode_tiles=16, decode_stages=5),
+    "fp4": KeyCodec(KeyCode.FP4, decode_block_n=128, decode_tiles=16, decode_stages=5),
     # page-centred formats, by format name (their kind is the residual's encoding)
     "fp8-centred": KeyCodec(KeyCode.FP8_CENTRED, decode_block_n=64, fp8_dot=True, page_term=True),
     "fp4-centred": KeyCodec(KeyCode.FP4_CENTRED, decode_block_n=128, page_term=True),

@@ -20,8 +20,9 @@ class ScoresConfig:
     (prefill) or "group" (decode). prefill_*: BLOCK_T x BLOCK_N tile, warps (None = 4, or 8 for tiles larger
     than 64 x 128, and for page-centred formats from 64 x 128 on) and pipeline stages of the tile kernel.
     decode_*: BLOCK_N (None = the key format's preferred tile, see ``KeyCodec.decode_block_n``; 64 for
-    page-centred formats from 128 query heads per program on), key tiles per program (None = min(8, enough to
-    cover W in four programs' worth)), warps and stages of the group kernel; decode_maxnreg: a register cap
+    page-centred formats from 128 query heads per program on), key tiles per program (None = min(the format's
+    ``KeyCodec.decode_tiles``, enough to cover W in four programs' worth)), warps and stages (None = the
+    format's ``KeyCodec.decode_stages``) of the group kernel; decode_maxnreg: a register cap
     per thread for the group kernel (None = the compiler's choice; a lower cap lets more programs share an
     SM, at the risk of spills).
     decode_fp4: how the group kernel reads fp4 keys: "shifted" (one dot per key tile on an e4m3 tile whose
@@ -41,7 +42,7 @@ class ScoresConfig:
     decode_block_n: int | None = None
     decode_tiles_per_program: int | None = None
     decode_warps: int = 4
-    decode_stages: int = 3
+    decode_stages: int | None = None
     decode_fp4: str = "blocks"
     decode_maxnreg: int | None = None
 

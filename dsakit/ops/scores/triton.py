@@ -318,12 +318,16 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
         fp4_shifted = codec.code == KeyCode.FP4 and config.decode_fp4 == "shifted"
         bn = config.decode_block_n or (codec.blocks_block_n if fp4_blocks or fp4_shifted else codec.decode_block_n)
+        if config.decode_block_n is None and bn > 64 and tiles.size * num_heads > 64:
+            # a 128-entry tile's [128, GROUP * H] fp32 logits spill on sm_90 from 128 columns on (fp8 keys:
+            # 255 registers, serialized wgmma at 4 x 64); 64 entries keep them in registers
+            bn = 64
         if codec.page_term and config.decode_block_n is None and tiles.size * num_heads >= 128:
             # the [BLOCK_N, GROUP * H] fp32 logits of a 128-entry tile take a thread's registers from 128 query
             # heads per program on: with the page term's second dot they spill heavily or fail to compile on
             # sm_90; a 64-entry tile halves them
             bn = 64
-        per_program = config.decode_tiles_per_program or max(1, min(8, triton.cdiv(width, bn * 4)))
+        per_program = config.decode_tiles_per_program or max(1, min(codec.decode_tiles, triton.cdiv(width, bn * 4)))
         grid = (tiles.num_tiles, triton.cdiv(width, bn * per_program))
         warps = config.decode_warps
         if (fp4_blocks or fp4_shifted) and tiles.size * num_heads >= 128:
@@ -334,7 +338,8 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         registers = {} if config.decode_maxnreg is None or interpreting() else {"maxnreg": config.decode_maxnreg}
         _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
                                          FP4_BLOCKS=fp4_blocks, FP4_SHIFTED=fp4_shifted, num_warps=warps,
-                                         num_stages=config.decode_stages, **registers, **common)
+                                         num_stages=config.decode_stages or codec.decode_stages, **registers,
+                                         **common)
         return out
     bn = config.prefill_block_n
     grid = (tiles.num_tiles * triton.cdiv(width, bn),)
