@@ -10,7 +10,9 @@ anchor cases). Sections:
            (time, peak extra memory); dsakit's select alone vs torch.topk on the same fp32 logits
            (streaming select sorted and unsorted, exactness vs torch.topk); dsakit ``index_topk`` end to end
            with fp8 keys (fp8 q + q_scale), and bf16 / fp4 keys (bf16 q) at N = 65536; fp8 and bf16 also
-           with ``TopkConfig(overlap=False)`` (``dsakit_<fmt>_serial_ms``: no select / scores overlap).
+           with ``TopkConfig(overlap=True)`` (``dsakit_<fmt>_overlap_ms``: selects on a second stream) and
+           ``TopkConfig(sort=False)`` (``dsakit_<fmt>_unsorted_ms``, beside torch.topk(sorted=False):
+           the engines' contract is a set).
   decode   B = 64 sequences x N = 65536 / 131072, next_n = 1..4 (rows B * next_n):
            DeepGEMM ``fp8_fp4_paged_mqa_logits`` (+ ``get_paged_mqa_logits_metadata``, context_lens
            [B, next_n], clean_logits=False) + torch.topk, reading dsakit's fp8 pages; dsakit's select alone
@@ -42,10 +44,13 @@ from _common import (DIM, bench_parser, environment, make_queries, median_ms, pe
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
+from dsakit.ops.scores.triton import launch_index_scores, prepare_q
 from dsakit.ops.topk._select_stream import SelectBuffers, select_topk_stream
 from dsakit.ops.topk.config import TopkConfig
 from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
 from dsakit.ops.topk.triton import index_topk_triton, release_workspaces
+
+PREFILL_VARIANTS = ("fp8_overlap", "fp8_unsorted", "bf16", "bf16_overlap", "bf16_unsorted", "fp4", "fp4_bf16q")
 
 HEADS = 64
 K = 2048
@@ -131,7 +136,9 @@ def main() -> int:
                     logits = dg_logits()
                     row["dg_logits_ms"] = bench(dg_logits)
                     row["torch_topk_ms"] = bench(lambda: torch.topk(logits, k, dim=1))
+                    row["torch_topk_unsorted_ms"] = bench(lambda: torch.topk(logits, k, dim=1, sorted=False))
                     row["dg_plus_topk_ms"] = row["dg_logits_ms"] + row["torch_topk_ms"]
+                    row["dg_plus_topk_unsorted_ms"] = row["dg_logits_ms"] + row["torch_topk_unsorted_ms"]
                     row["dg_plus_topk_peak_gib"] = peak_extra_bytes(
                         lambda: torch.topk(dg_logits(), k, dim=1), dev) / 2**30
                 else:  # the same fp32 scores for the select-alone columns, from dsakit's scores
@@ -147,6 +154,9 @@ def main() -> int:
                 row["select_unsorted_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers, sort=False))
                 row["select_speedup_vs_torch_topk"] = row["torch_topk_ms"] / row["select_ms"]
                 row["select_unsorted_speedup_vs_torch_topk"] = row["torch_topk_ms"] / row["select_unsorted_ms"]
+                if "torch_topk_unsorted_ms" in row:
+                    row["select_unsorted_speedup_vs_torch_topk_unsorted"] = (row["torch_topk_unsorted_ms"]
+                                                                             / row["select_unsorted_ms"])
                 del logits, buffers, got
                 # end to end
                 formats = ["fp8"] + (["bf16", "fp4"] if n == other_formats_n else [])
@@ -168,13 +178,17 @@ def main() -> int:
                     row[f"dsakit_{name}_peak_gib"] = peak_extra_bytes(e2e, dev) / 2**30
                     row[f"dsakit_{name}_ms"] = bench(e2e)
                     if name in ("fp8", "bf16"):
-                        # the serial chunk loop (each chunk selected before the next is scored): what the
-                        # default overlap of the select with the next chunk's scores saves
-                        serial = replace(TopkConfig.for_device(dev), overlap=False)
-                        row[f"dsakit_{name}_serial_ms"] = bench(
-                            lambda: index_topk_triton(q, w, batch, k, q_scale=qs, config=serial))
+                        # the opt-in overlap of each chunk's select with the next chunk's scores, and the
+                        # unsorted set (what the sparse attention consumes)
+                        for variant, change in (("overlap", dict(overlap=True)), ("unsorted", dict(sort=False))):
+                            cfg = replace(TopkConfig.for_device(dev), **change)
+                            row[f"dsakit_{name}_{variant}_ms"] = bench(
+                                lambda cfg=cfg: index_topk_triton(q, w, batch, k, q_scale=qs, config=cfg))
                     if "dg_plus_topk_ms" in row:
                         row[f"dsakit_{name}_vs_dg_plus_topk"] = row[f"dsakit_{name}_ms"] / row["dg_plus_topk_ms"]
+                        if f"dsakit_{name}_unsorted_ms" in row:
+                            row[f"dsakit_{name}_unsorted_vs_dg_plus_topk_unsorted"] = (
+                                row[f"dsakit_{name}_unsorted_ms"] / row["dg_plus_topk_unsorted_ms"])
                 report["prefill"].append(row)
                 print({key: (round(v, 4) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
                 write_json(path, report)
@@ -209,7 +223,9 @@ def main() -> int:
                             logits = dg_logits()
                             row["dg_logits_ms"] = bench(dg_logits)
                             row["torch_topk_ms"] = bench(lambda: torch.topk(logits, k, dim=1))
+                            row["torch_topk_unsorted_ms"] = bench(lambda: torch.topk(logits, k, dim=1, sorted=False))
                             row["dg_plus_topk_ms"] = row["dg_logits_ms"] + row["torch_topk_ms"]
+                            row["dg_plus_topk_unsorted_ms"] = row["dg_logits_ms"] + row["torch_topk_unsorted_ms"]
                         except Exception as error:  # noqa: BLE001 - e.g. no next_n = 3 kernel on Hopper
                             row["dg_error"] = f"{type(error).__name__}: {str(error)[:200]}"
                             logits = None
@@ -228,12 +244,28 @@ def main() -> int:
                     row["select_paths"] = buffers.path_counts(rows)
                     row["select_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers), graph=dev == "cuda")
                     row["select_speedup_vs_torch_topk"] = row["torch_topk_ms"] / row["select_ms"]
+                    row["select_unsorted_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers, sort=False),
+                                                      graph=dev == "cuda")
+                    if "torch_topk_unsorted_ms" in row:
+                        row["select_unsorted_speedup_vs_torch_topk_unsorted"] = (row["torch_topk_unsorted_ms"]
+                                                                                 / row["select_unsorted_ms"])
+                    qp = prepare_q(q)
+                    row["dsakit_fp8_scores_ms"] = bench(  # the scores kernel alone, as DeepGEMM's logits
+                        lambda: launch_index_scores(qp, w, batch, plan.workspace[:, :n], plan.tiles, q_scale=qs,
+                                                    config=plan.scores), graph=dev == "cuda")
                     row["dsakit_fp8_ms"] = bench(call, graph=dev == "cuda")
+                    plan_set = plan_decode_topk(b, next_n, n, k, fmt, dev, num_heads=heads, sort=False)
+                    index_topk_decode(q, w, batch, k, plan=plan_set, q_scale=qs)
+                    row["dsakit_fp8_unsorted_ms"] = bench(
+                        lambda: index_topk_decode(q, w, batch, k, plan=plan_set, q_scale=qs), graph=dev == "cuda")
+                    del plan_set
                     row["dsakit_fp8_us_per_row"] = 1e3 * row["dsakit_fp8_ms"] / rows
                     row["check_plan_vs_torch_topk"] = same_selection(plan.indices, plan.workspace, k)
                     if "dg_plus_topk_ms" in row:
                         row["dg_plus_topk_us_per_row"] = 1e3 * row["dg_plus_topk_ms"] / rows
                         row["dsakit_fp8_vs_dg_plus_topk"] = row["dsakit_fp8_ms"] / row["dg_plus_topk_ms"]
+                        row["dsakit_fp8_unsorted_vs_dg_plus_topk_unsorted"] = (row["dsakit_fp8_unsorted_ms"]
+                                                                              / row["dg_plus_topk_unsorted_ms"])
                     if next_n == 1:
                         # fp4 keys with fp8 q (+ q_scale), as the fp8 row: the decode kernel's per-block fp8
                         # dots; fp4_bf16q: bf16 q (per-block bf16 dots)
@@ -264,8 +296,7 @@ def main() -> int:
               f"{r['dsakit_fp8_ms']:9.3f} {r.get('dsakit_fp8_vs_dg_plus_topk', float('nan')):6.2f} | "
               f"{r['select_ms']:.3f} vs {r['torch_topk_ms']:.3f} = {r['select_speedup_vs_torch_topk']:.2f}x "
               f"(unsorted {r['select_unsorted_speedup_vs_torch_topk']:.2f}x)"
-              + "".join(f" {f} {r[f'dsakit_{f}_ms']:.3f}" for f in ("fp8_serial", "bf16", "bf16_serial", "fp4",
-                                                               "fp4_bf16q") if f"dsakit_{f}_ms" in r))
+              + "".join(f" {f} {r[f'dsakit_{f}_ms']:.3f}" for f in PREFILL_VARIANTS if f"dsakit_{f}_ms" in r))
     for r in report["decode"]:
         print(f"decode {r['B']}x{r['N']} n{r['next_n']} run {r['run']} {r.get('dg_plus_topk_ms', float('nan')):9.3f} "
               f"{r['dsakit_fp8_ms']:9.3f} {r.get('dsakit_fp8_vs_dg_plus_topk', float('nan')):6.2f} | "

@@ -296,7 +296,7 @@ def test_index_topk_triton_rejects_bad_input(triton_backend):
 
 
 def test_topk_config_overlap_must_be_bool():
-    assert TopkConfig().overlap is True and TopkConfig(overlap=False).overlap is False
+    assert TopkConfig().overlap is False and TopkConfig(overlap=True).overlap is True
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match=f"overlap must be a bool, got {bad!r}"):
             TopkConfig(overlap=bad)

@@ -75,12 +75,14 @@ class TopkConfig:
     several chunks, select chunk i on a second (high-priority) stream while chunk i + 1 is scored, ping-ponging
     two workspaces of workspace_bytes / 2 each (rows per chunk = (workspace_bytes // 2) // (4 * W)), so the
     score workspace still totals workspace_bytes; the same indices as overlap=False (with sort=False the same
-    set per row, its order may follow the smaller chunks); ignored on one chunk and off CUDA; scores / select:
-    the kernels' launch configs."""
+    set per row, its order may follow the smaller chunks); ignored on one chunk and off CUDA; off by default:
+    on the H200 the scores kernel keeps every SM busy and a select program does not fit beside it, so the
+    two streams ran no faster than one (T 8192 x N 65536: fp8 13.3 vs 13.1 ms, bf16 19.1 vs 18.8 ms);
+    scores / select: the kernels' launch configs."""
 
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
     sort: bool = True
-    overlap: bool = True
+    overlap: bool = False
     scores: ScoresConfig = field(default_factory=ScoresConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
 
