@@ -399,7 +399,8 @@ def test_index_topk_overlap_protocol_with_fake_streams(triton_backend, monkeypat
     q, w, batch, table, seq = _overlap_inputs(device)
     # 3 rows serial -> 1 row per chunk overlapped (budget // 2 holds one 256-column row): 13 chunks
     budget = 3 * 4 * 256
-    got = topk_triton.index_topk_triton(q, w, batch, 24, return_slots=True, config=TopkConfig(workspace_bytes=budget))
+    got = topk_triton.index_topk_triton(q, w, batch, 24, return_slots=True,
+                                        config=TopkConfig(workspace_bytes=budget, overlap=True))
     chunks = q.shape[0]
     assert sum(entry[0] == "scores" for entry in log) == chunks
     ptrs = [entry[3] for entry in log if entry[0] == "scores"]
@@ -438,7 +439,7 @@ def test_index_topk_overlap_cuda_matches_serial_without_sync_and_under_graph_cap
     k = 64
     budget = 8 * 4 * 1024  # W' = 1024: 8 rows per serial chunk, 4 per overlapped one, 32 chunks of 128 rows
     serial_config = TopkConfig(workspace_bytes=budget, overlap=False)
-    config = TopkConfig(workspace_bytes=budget)
+    config = TopkConfig(workspace_bytes=budget, overlap=True)
     for return_slots in (False, True):
         serial = index_topk_triton(q, w, batch, k, return_slots=return_slots, config=serial_config)
         got = index_topk_triton(q, w, batch, k, return_slots=return_slots, config=config)
