@@ -38,7 +38,7 @@ from dsakit.ops.topk.config import TopkConfig
 HEADS = 64
 
 
-def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) -> None:
+def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, formats: str = "") -> None:
     b = 2 if smoke else 64
     sizes = [300] if smoke else [65536, 131072]
     # (BLOCK_N, key tiles per program, warps, stages, register cap) per case; the first sweep
@@ -57,6 +57,8 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) ->
                                      (64, 16, 4, 6, 80), (64, 16, 4, 6, 72), (64, 32, 4, 6, None)],
                 ("fp4", "shifted-inline"): [(64, 16, 4, 6, 72), (64, 16, 4, 6, None)]}
     for (fmt_name, fp4_mode), configs in per_case.items():
+        if formats and fmt_name not in formats.split(","):
+            continue
         configs = configs[:2] if smoke else configs
         fmt = KeyFormat.parse(fmt_name)
         for n in sizes:
@@ -170,6 +172,7 @@ def main() -> int:
     ap = bench_parser()
     ap.add_argument("--sections", default="decode,select,prefill")
     ap.add_argument("--rep", type=int, default=50)
+    ap.add_argument("--decode-formats", default="", help="comma list: only these key formats in the decode section")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -178,7 +181,8 @@ def main() -> int:
     start = time.time()
     sections = {"decode": decode_section, "select": select_section, "prefill": prefill_section}
     for name in args.sections.split(","):
-        sections[name](args.device, args.smoke, report, path, args.rep)
+        extra = {"formats": args.decode_formats} if name == "decode" else {}
+        sections[name](args.device, args.smoke, report, path, args.rep, **extra)
     report["meta"]["total_s"] = time.time() - start
     write_json(path, report)
     bad = [r for r in report["select"] if "check" in r and not r["check"]["values_equal"]]
