@@ -132,7 +132,7 @@ def run_case(fmt_name: str, n: int, ks: list[int], b: int, heads: int, device: s
             scores_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(scores_graph):
                 launch_index_scores(prepare_q(a["q"].reshape(b, heads, DIM)), a["w"], a["batch"], plan.workspace,
-                                    plan.tiles, q_scale=a["qs"], config=plan.scores, fix_flags=plan.fix_flags)
+                                    plan.tiles, q_scale=a["qs"], config=plan.scores)
             select_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(select_graph):
                 launch_select(plan.workspace, plan.visible, plan.indices, k, True, config=plan.select,

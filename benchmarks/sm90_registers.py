@@ -1,7 +1,7 @@
 """Register use of the scores kernels on sm_90a, measured on a machine without a GPU.
 
     PYTHONPATH=. python3 benchmarks/sm90_registers.py --out DIR [--formats fp8-centred,fp4-centred] [--quick]
-        [--decode-fp4 blocks,shifted,shifted-inline]
+        [--decode-fp4 blocks,shifted]
 
 Compiles ``_index_scores_group_kernel`` (decode) and ``_index_scores_tile_kernel`` (prefill) ahead of time for
 sm_90a with Triton's own compiler and the ptxas it ships (no CUDA device or driver needed), with the
@@ -40,7 +40,7 @@ from dsakit.ops.scores import _kernels  # noqa: E402
 from dsakit.ops.scores.config import ScoresConfig  # noqa: E402
 
 INT_ARGS = ("width", "ratio", "num_pages", "num_seqs", "max_pages", "stride_qt", "stride_qh", "stride_wt",
-            "stride_wh", "stride_st", "stride_sh", "stride_bt", "stride_out", "flag_stride")
+            "stride_wh", "stride_st", "stride_sh", "stride_bt", "stride_out")
 ALIGNED_INTS = ("stride_qt", "stride_qh", "stride_bt", "stride_out")  # multiples of 16 in every real launch
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
@@ -53,7 +53,7 @@ def compile_case(kernel, fmt: str, q_dtype: str, consts: dict, warps: int, stage
                 "values_ptr": "*bf16" if codec.code == KeyCode.BF16 else "*u8",
                 "scales_ptr": "*fp32" if fp32_scales else "*u8", "block_table_ptr": "*i32", "counts_ptr": "*i32",
                 "pos_ptr": "*i64" if consts["HAS_POS"] else "*i32", "rows_ptr": "*i32", "tile_seq_ptr": "*i32",
-                "tile_start_ptr": "*i32", "tile_len_ptr": "*i32", "out_ptr": "*fp32", "flags_ptr": "*i32"}
+                "tile_start_ptr": "*i32", "tile_len_ptr": "*i32", "out_ptr": "*fp32"}
     constants = dict(consts, CODE=int(codec.code), FP8_DOT=q_dtype == "fp8e4nv" and codec.fp8_dot, D=128,
                      INTERPRET=False, PAGE_TERM=codec.page_term, stride_wh=1)
     signature, attrs = {}, {}
@@ -92,8 +92,7 @@ def compile_case(kernel, fmt: str, q_dtype: str, consts: dict, warps: int, stage
 
 def cases(formats: list[str], quick: bool, decode_fp4: tuple[str, ...] = (ScoresConfig().decode_fp4,)):
     """(kernel name, format, q dtype, constexprs, warps, stages) with the launcher's default choices; fp4 decode
-    cases once per ``decode_fp4`` mode (constexprs FP4_BLOCKS / FP4_SHIFTED / FP4_DEFER; "shifted" also its
-    fixup launch, FP4_FIXUP), prefill cases once."""
+    cases once per ``decode_fp4`` mode (constexprs FP4_BLOCKS / FP4_SHIFTED), prefill cases once."""
     for index, mode in enumerate(decode_fp4):
         yield from _cases(formats, quick, ScoresConfig(decode_fp4=mode), prefill=index == 0)
 
@@ -104,8 +103,7 @@ def _cases(formats: list[str], quick: bool, config: ScoresConfig, prefill: bool)
     for fmt in formats:
         codec = KEY_CODECS[fmt]
         fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
-        fp4_shifted = codec.code == KeyCode.FP4 and config.decode_fp4 in ("shifted", "shifted-inline")
-        defer = codec.code == KeyCode.FP4 and config.decode_fp4 == "shifted"
+        fp4_shifted = codec.code == KeyCode.FP4 and config.decode_fp4 == "shifted"
         if not prefill and codec.code != KeyCode.FP4:
             continue  # a further decode_fp4 mode: only the fp4 decode cases change
         for q_dtype in (["fp8e4nv", "bf16"] if codec.fp8_dot or fp4_blocks or fp4_shifted else ["bf16"]):
@@ -119,14 +117,11 @@ def _cases(formats: list[str], quick: bool, config: ScoresConfig, prefill: bool)
                     block_n = 64  # launch_index_scores' choice for page-term formats
                 consts = dict(HAS_POS=False, HAS_Q_SCALE=q_scale, H=heads, GROUP=group, BLOCK_N=block_n,
                               TILES_PER_PROGRAM=config.decode_tiles_per_program or codec.decode_tiles,
-                              FP4_BLOCKS=fp4_blocks, FP4_SHIFTED=fp4_shifted, FP4_DEFER=defer)
+                              FP4_BLOCKS=fp4_blocks, FP4_SHIFTED=fp4_shifted)
                 warps = config.decode_warps
                 if (fp4_blocks or fp4_shifted) and group * heads >= 128:
                     warps = max(warps, 8)  # launch_index_scores' choice for fp4 blocks / shifted
-                stages = config.decode_stages or codec.decode_stages
-                yield "group", fmt, q_dtype, consts, warps, stages
-                if defer:  # the second launch: rescoring the flagged tiles
-                    yield "group", fmt, q_dtype, dict(consts, FP4_DEFER=False, FP4_FIXUP=True), warps, stages
+                yield "group", fmt, q_dtype, consts, warps, config.decode_stages or codec.decode_stages
             for block_t in (block_ts if prefill else []):
                 block_n = config.prefill_block_n
                 warps = config.prefill_warps or (4 if block_t * block_n <= 64 * 128 else 8)
@@ -155,8 +150,7 @@ def main() -> int:
     for mode in modes:
         ScoresConfig(decode_fp4=mode)  # ValueError names a bad mode
     for name, fmt, q_dtype, consts, warps, stages in cases(formats, args.quick, modes):
-        fp4_mode = ("shifted fixup" if consts.get("FP4_FIXUP") else "shifted" if consts.get("FP4_DEFER")
-                    else "shifted-inline" if consts.get("FP4_SHIFTED") else "blocks" if consts.get("FP4_BLOCKS")
+        fp4_mode = ("shifted" if consts.get("FP4_SHIFTED") else "blocks" if consts.get("FP4_BLOCKS")
                     else "dequant" if name == "group" and KEY_CODECS[fmt].code == KeyCode.FP4 else None)
         row = {"kernel": name, "format": fmt, "q_dtype": q_dtype, "warps": warps, "stages": stages,
                **({"decode_fp4": fp4_mode} if fp4_mode else {}),

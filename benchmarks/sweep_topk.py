@@ -50,12 +50,7 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
                 ("bf16", None): [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (128, 16, 4, 5, None), (64, 16, 4, 3, None)],
                 ("fp4", "blocks"): [(64, 16, 4, 5, None), (64, 16, 4, 6, None), (128, 16, 4, 5, None),
                                     (64, 16, 4, 5, 80), (64, 32, 4, 6, None)],
-                # "shifted": the hot kernel without the rare per-block branch (~95 registers at 64 x 16 x 4 warps on
-                # sm_90a against ~165 with it) and its fixup launch (which takes no register cap);
-                # "shifted-inline": the branch inside the one kernel, at the first sweep's best cap
-                ("fp4", "shifted"): [(64, 16, 4, 6, None), (64, 16, 4, 5, None), (128, 16, 4, 5, None),
-                                     (64, 16, 4, 6, 80), (64, 16, 4, 6, 72), (64, 32, 4, 6, None)],
-                ("fp4", "shifted-inline"): [(64, 16, 4, 6, 72), (64, 16, 4, 6, None)]}
+                ("fp4", "shifted"): [(64, 16, 4, 6, 72), (64, 16, 4, 6, 80), (128, 16, 4, 5, 72), (64, 32, 4, 6, 72)]}
     for (fmt_name, fp4_mode), configs in per_case.items():
         if formats and fmt_name not in formats.split(","):
             continue

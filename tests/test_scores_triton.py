@@ -8,8 +8,6 @@ storage format costs. -inf masks must match exactly; outputs are NaN-poisoned be
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -188,14 +186,13 @@ def test_decode_fp4_paths(fmt_name, q_dtype, device):
     w = torch.rand(t, h, generator=gen) - 0.25
     ref = reference_scores(q.float(), w, pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq, positions, 1)
     outs = {}
-    for mode in ("blocks", "shifted", "shifted-inline", "dequant"):
+    for mode in ("blocks", "shifted", "dequant"):
         outs[mode] = run_kernel(q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device),
                                 positions.to(device), 1, kernel="group", decode_fp4=mode)
         assert_scores_match(outs[mode], ref, tight_rtol(fmt_name, q_dtype, device))
     if device == "cpu" or q_dtype != torch.float8_e4m3fn:  # the same fp32 products, summed in another order
         assert_scores_match(outs["blocks"], outs["dequant"])
         assert_scores_match(outs["shifted"], outs["dequant"])
-    assert torch.equal(outs["shifted"].cpu(), outs["shifted-inline"].cpu())  # same dots, fixup or not
     with pytest.raises(ValueError, match="decode_fp4"):
         ScoresConfig(decode_fp4="fp16")
 
@@ -266,7 +263,7 @@ def test_decode_fp4_shifted_bytes(q_dtype, device):
     assert torch.isfinite(ref[4, :40]).all() and ref[4, 20:40].abs().max() > 2.0**100
     assert ref[3, :20].abs().max() < 2.0**-100
     outs = {}
-    for mode in ("shifted", "shifted-inline", "blocks"):
+    for mode in ("shifted", "blocks"):
         outs[mode] = run_kernel(q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device),
                                 positions.to(device), 1, kernel="group", decode_fp4=mode).cpu()
         for row in range(t):
@@ -279,96 +276,9 @@ def test_decode_fp4_shifted_bytes(q_dtype, device):
         # the crafted entries on their own scale (their scores are small next to the others')
         for row, entries in ((0, list(range(0, 150, 9))), (1, list(range(0, 121, 9))), (2, [80, 81, 82])):
             assert_scores_match(outs[mode][row, entries], ref[row, entries], tight_rtol("fp4", q_dtype, device))
-    assert torch.equal(outs["shifted"], outs["shifted-inline"])  # the fixup launch runs the inline branch
     if device == "cpu" or q_dtype != torch.float8_e4m3fn:
         for row in range(4):  # row 4: seq 2's entries 0..19 (tiny scores) need their own bound, checked above
             assert_scores_match(outs["shifted"][row], outs["blocks"][row])
-
-
-def test_decode_fp4_shifted_fixup_flags(device, monkeypatch):
-    """decode_fp4 "shifted": the key tiles holding an entry whose block scales spread over 2^15 (and only
-    those) are flagged by the first launch, every flag of the launch's [query groups, key tiles] is written,
-    and the fixup launch turns the flagged tiles' scores (wrong from the single dot: a 1.5 code 2^15 below
-    the entry's top rounds in e4m3) into the reference's; through the plain call and the decode plan."""
-    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
-
-    scores_triton = _triton()
-    fmt = KeyFormat.parse("fp4")
-    cache = PagedCache(fmt, 16)
-    lengths = [300, 200, 130]
-    wide_entries = {0: [70, 100, 290], 1: [], 2: [5]}  # key tiles of 64: seq 0 tiles 1 and 4, seq 2 tile 0
-    seqs = [cache.add_sequence() for _ in lengths]
-    gen = torch.Generator().manual_seed(12)
-    for i, (s, n) in enumerate(zip(seqs, lengths)):
-        slots = cache.append(s, n)
-        codes = torch.randint(0, 16, (n, 128), generator=gen, dtype=torch.uint8)
-        exps = 127 - torch.randint(0, 15, (n, 4), generator=gen)
-        exps[:, 0] = 127
-        for e in wide_entries[i]:  # the score from the block 2^15 below the top alone: codes 1.5 / -1.5
-            exps[e, 2] = 112
-            codes[e] = 0
-            codes[e, 64:96] = torch.tensor([3, 11], dtype=torch.uint8).repeat(16)
-        _fp4_entries(cache.pool, fmt, slots, codes, exps.to(torch.uint8))
-    pool, table, counts = cache.pool.to(device), cache.block_table().to(device), cache.entry_counts().to(device)
-    b, h, width, bn = len(lengths), 16, max(lengths), 64
-    q = torch.randn(b, h, 128, generator=gen).to(torch.float8_e4m3fn)
-    w = torch.rand(b, h, generator=gen) + 0.5  # positive: the small blocks' scores do not vanish in the relu
-    query_seq = torch.arange(b, dtype=torch.int32)
-    ref = reference_scores(q.float(), w, pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq)
-    config = ScoresConfig(kernel="group", decode_fp4="shifted", decode_block_n=bn, decode_tiles_per_program=2)
-    expected = torch.zeros(b, -(-width // bn), dtype=torch.int32)
-    for i, entries in wide_entries.items():
-        for e in entries:
-            expected[i, e // bn] = 1
-    wide_cols = [(i, e) for i, entries in wide_entries.items() for e in entries]
-
-    def launch(out, flags):
-        batch = batch_of(pool, fmt, table, counts, query_seq.to(device))
-        tiles = scores_triton.plan_batch_tiles(batch, h, config)
-        return scores_triton.launch_index_scores(scores_triton.prepare_q(q.to(device)), w.to(device), batch, out,
-                                                 tiles, config=config, fix_flags=flags)
-
-    flags = torch.full((expected.numel() + 3,), 7, dtype=torch.int32, device=device)  # poison, one spare
-    out = launch(torch.full((b, width), float("nan"), device=device), flags).cpu()
-    assert torch.equal(flags[:expected.numel()].cpu(), expected.flatten())
-    assert torch.equal(flags[expected.numel():].cpu(), torch.full((3,), 7, dtype=torch.int32))
-    assert_scores_match(out, ref)
-    for i, e in wide_cols:  # on their own scale: these scores are small next to the others'
-        torch.testing.assert_close(out[i, e], ref[i, e], rtol=TIGHT_RTOL, atol=0.0)
-
-    real = scores_triton._index_scores_group_kernel
-
-    class FirstLaunchOnly:  # the kernel without its fixup launch
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                if not kwargs.get("FP4_FIXUP"):
-                    real[grid](*args, **kwargs)
-            return run
-
-    monkeypatch.setattr(scores_triton, "_index_scores_group_kernel", FirstLaunchOnly())
-    unfixed = launch(torch.full((b, width), float("nan"), device=device), None).cpu()
-    monkeypatch.undo()
-    for i in range(b):
-        for tile in range(expected.shape[1]):
-            cols = slice(tile * bn, (tile + 1) * bn)
-            if not expected[i, tile]:  # tiles not flagged: the first launch's scores are final
-                assert torch.equal(unfixed[i, cols], out[i, cols])
-    assert all(float(unfixed[i, e]) != float(ref[i, e]) for i, e in wide_cols)
-
-    # the decode plan: its own flags buffer, the same scores in its workspace, the reference's top-k
-    k = 16
-    plan = plan_decode_topk(b, 1, 320, k, fmt, device, num_heads=h, scores=config)
-    assert plan.fix_flags is not None and plan.fix_flags.numel() == b * 5
-    plan.fix_flags.fill_(7)
-    batch = batch_of(pool, fmt, table, counts, query_seq.to(device))
-    got = index_topk_decode(q.to(device), w.to(device), batch, k, plan=plan).cpu()
-    assert torch.equal(plan.fix_flags.cpu(), expected.flatten())
-    assert torch.equal(plan.workspace[:, :width].cpu(), out)
-    top = torch.topk(ref, k, dim=1).values
-    torch.testing.assert_close(torch.gather(ref, 1, got.long()), top, rtol=0.0, atol=0.0)
-    assert plan_decode_topk(b, 1, 320, k, "fp8", device, num_heads=h, scores=config).fix_flags is None
-    blocks = dataclasses.replace(config, decode_fp4="blocks")
-    assert plan_decode_topk(b, 1, 320, k, fmt, device, num_heads=h, scores=blocks).fix_flags is None
 
 
 @pytest.mark.parametrize("fmt_name", ["bf16", "fp8", "fp4"])

@@ -139,12 +139,10 @@ def _index_scores_group_kernel(
     tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
     width, ratio, num_pages, num_seqs, max_pages,
     stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
-    flags_ptr, flag_stride,
     HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
     FP8_DOT: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr = False,
-    FP4_BLOCKS: tl.constexpr = False, FP4_SHIFTED: tl.constexpr = False, FP4_DEFER: tl.constexpr = False,
-    FP4_FIXUP: tl.constexpr = False,
+    FP4_BLOCKS: tl.constexpr = False, FP4_SHIFTED: tl.constexpr = False,
 ):
     # grid: (query groups, cdiv(width, BLOCK_N * TILES_PER_PROGRAM))
     # dot per key tile: keys [BLOCK_N, D] (M) x q^T [D, GROUP * H] (N, column c = g * H + h); the head sum is
@@ -153,52 +151,7 @@ def _index_scores_group_kernel(
     # in e4m3 bits (no dequantization arithmetic), each scaled per entry by its block scale; fp8 tensor cores
     # when q is fp8 e4m3 (exact products, as for fp8 keys), bf16 otherwise (exact).
     # FP4_SHIFTED (fp4 keys): one [BLOCK_N, D] x [D, GROUP * H] dot per key tile on a tile whose blocks are
-    # shifted to the entry's largest block scale (exact, see _shifted_logits), same operand dtypes. A tile
-    # with an entry whose block scales spread too wide for that takes a per-block branch, which on its own
-    # roughly doubles the kernel's registers (sm_90: ~165 against ~88 per thread, fewer programs per SM).
-    # FP4_DEFER keeps that branch out of this kernel: such a tile is scored with the fast path anyway (a wrong
-    # value, overwritten below) and recorded in flags int32 [query groups, flag_stride] at column
-    # n_start / BLOCK_N (1 = needs the per-block branch; every column < cdiv(width, BLOCK_N) of the group's
-    # row is written by every launch, so the buffer needs no zeroing). The launcher then runs this kernel
-    # again on the same grid with FP4_FIXUP: a program reads its tiles' flags and, only if one is set,
-    # rescores the flagged tiles with the exact per-block branch (same stream: nobody reads the scores in
-    # between).
-    group = tl.program_id(0)
-    flag_row = flags_ptr + group.to(tl.int64) * flag_stride
-    first_key_tile = tl.program_id(1) * TILES_PER_PROGRAM
-    key_tiles = tl.cdiv(width, BLOCK_N)
-    if FP4_FIXUP:
-        flagged = 0
-        for i in tl.static_range(TILES_PER_PROGRAM):
-            flagged += tl.load(flag_row + first_key_tile + i, mask=first_key_tile + i < key_tiles, other=0)
-        if flagged > 0:  # rare: most programs stop after reading their flags
-            _group_program(q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr,
-                           rows_ptr, tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr, flag_row, first_key_tile,
-                           key_tiles, width, ratio, num_pages, num_seqs, max_pages, stride_qt, stride_qh,
-                           stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
-                           HAS_POS, HAS_Q_SCALE, CODE, FP8_DOT, H, GROUP, BLOCK_N, TILES_PER_PROGRAM, D, INTERPRET,
-                           PAGE_TERM, FP4_BLOCKS, FP4_SHIFTED, False, True)
-    else:
-        _group_program(q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr,
-                       rows_ptr, tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr, flag_row, first_key_tile,
-                       key_tiles, width, ratio, num_pages, num_seqs, max_pages, stride_qt, stride_qh,
-                       stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
-                       HAS_POS, HAS_Q_SCALE, CODE, FP8_DOT, H, GROUP, BLOCK_N, TILES_PER_PROGRAM, D, INTERPRET,
-                       PAGE_TERM, FP4_BLOCKS, FP4_SHIFTED, FP4_DEFER, False)
-
-
-@triton.jit
-def _group_program(
-    q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
-    tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr, flag_row, first_key_tile, key_tiles,
-    width, ratio, num_pages, num_seqs, max_pages,
-    stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
-    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
-    FP8_DOT: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr,
-    FP4_BLOCKS: tl.constexpr, FP4_SHIFTED: tl.constexpr, FP4_DEFER: tl.constexpr, FP4_FIXUP: tl.constexpr,
-):
-    """One program of :func:`_index_scores_group_kernel`: its query group against its run of key tiles."""
+    # shifted to the entry's largest block scale (exact, see _shifted_logits), same operand dtypes.
     group = tl.program_id(0)
     seq = tl.minimum(tl.load(tile_seq_ptr + group), num_seqs - 1)  # clamps only matter for an unchecked batch
     first = tl.load(tile_start_ptr + group)
@@ -245,44 +198,29 @@ def _group_program(
     if HAS_Q_SCALE:
         w *= tl.load(q_scale_ptr + c_rows * stride_st + c_head * stride_sh, mask=c_ok, other=0.0)
 
-    chunk_start = first_key_tile * BLOCK_N
-    if FP4_FIXUP:
-        # only the tiles the first launch flagged, each with the exact per-block branch
-        for i in range(TILES_PER_PROGRAM):
-            tile = first_key_tile + i
-            if tl.load(flag_row + tile, mask=tile < key_tiles, other=0) != 0:
-                _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible,
-                                  group_visible, flag_row + tile, tile < key_tiles,
-                                  values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                                  num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
-                                  PAGE_TERM, FP4_BLOCKS, FP4_SHIFTED, False)
-    elif INTERPRET:
+    chunk_start = tl.program_id(1) * (TILES_PER_PROGRAM * BLOCK_N)
+    if INTERPRET:
         # the interpreter cannot take a computed loop bound: score every tile (invisible ones come out -inf)
         for i in range(TILES_PER_PROGRAM):
-            tile = first_key_tile + i
             _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible,
-                              group_visible, flag_row + tile, tile < key_tiles,
+                              group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                               num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
-                              PAGE_TERM, FP4_BLOCKS, FP4_SHIFTED, FP4_DEFER)
+                              PAGE_TERM, FP4_BLOCKS, FP4_SHIFTED)
     else:
         # tiles holding visible entries: a counted loop without a branch inside, so the key loads pipeline
         busy_tiles = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, BLOCK_N), 0), TILES_PER_PROGRAM)
         for i in range(0, busy_tiles):
-            tile = first_key_tile + i
             _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible,
-                              group_visible, flag_row + tile, tile < key_tiles,
+                              group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                               num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
-                              PAGE_TERM, FP4_BLOCKS, FP4_SHIFTED, FP4_DEFER)
+                              PAGE_TERM, FP4_BLOCKS, FP4_SHIFTED)
         for i in range(busy_tiles, TILES_PER_PROGRAM):
             offs_n = chunk_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None],
                      tl.full([BLOCK_N, GROUP], float("-inf"), tl.float32),
                      mask=g_ok[None, :] & (offs_n[:, None] < width))
-            if FP4_DEFER:
-                tile = first_key_tile + i
-                tl.store(flag_row + tile, 0, mask=tile < key_tiles)
 
 
 @triton.jit
@@ -316,9 +254,8 @@ def _pow2_diff(d):
 
 @triton.jit
 def _shifted_logits(values_ptr, scales_ptr, pages, slot, entry_ok, q_t, CODE: tl.constexpr, D: tl.constexpr,
-                    INTERPRET: tl.constexpr, DEFER: tl.constexpr):
-    """fp4 keys: (logits fp32 [BLOCK_N, GROUP * H], post fp32 [BLOCK_N], wide) with true logits = logits x post[n]
-    unless ``wide`` (DEFER only).
+                    INTERPRET: tl.constexpr):
+    """fp4 keys: (logits fp32 [BLOCK_N, GROUP * H], post fp32 [BLOCK_N]) with true logits = logits x post[n].
 
     Per entry, top = its largest block exponent; when every entry of the tile has its block exponents within
     SHIFT_RANGE of its top (a uniform branch per tile), one dot of the tile shifted by s_b - top (e4m3 when
@@ -328,21 +265,12 @@ def _shifted_logits(values_ptr, scales_ptr, pages, slot, entry_ok, q_t, CODE: tl
     per entry, the running sum scaled by 2^(s_prev - s_this) before each (same units and post). Both sum
     exact products in fp32 (the powers of two are exact unless a partial sum falls below 2^-126 of the top
     block's units, where fp32 drops it next to the top block's terms in any order).
-    DEFER: no per-block branch (it roughly doubles the registers of the kernel holding it); the tile always
-    takes the single dot, wrong (never out of bounds: blocks more than 2^26 below the top read as zero) when
-    wide = 1, i.e. when the tile needed the per-block branch, which the caller then runs elsewhere.
     """
     packed = load_key_packed(values_ptr, pages, slot, entry_ok, CODE, D)  # [BLOCK_N, D / 32, 16]
     exps = load_key_exponents(scales_ptr, pages, slot, entry_ok, CODE, D)  # [BLOCK_N, D / 32]
     top = tl.max(exps, axis=1)
     bf16_tile: tl.constexpr = q_t.dtype != tl.float8e4nv
-    spread = tl.max(top - tl.min(exps, axis=1), axis=0)
-    wide = (spread > SHIFT_RANGE).to(tl.int32)
-    if DEFER:
-        k = shifted_key_tile(packed, exps - top[:, None], CODE, bf16_tile, INTERPRET)  # [BLOCK_N, D]
-        logits = _dot(k, q_t, INTERPRET)
-        post = pow2_tl(top) * SHIFTED_FACTOR
-    elif spread <= SHIFT_RANGE:
+    if tl.max(top - tl.min(exps, axis=1), axis=0) <= SHIFT_RANGE:
         k = shifted_key_tile(packed, exps - top[:, None], CODE, bf16_tile, INTERPRET)  # [BLOCK_N, D]
         logits = _dot(k, q_t, INTERPRET)
         post = pow2_tl(top) * SHIFTED_FACTOR
@@ -363,27 +291,23 @@ def _shifted_logits(values_ptr, scales_ptr, pages, slot, entry_ok, q_t, CODE: tl
             logits = _dot_acc(k, q_t, logits * _pow2_diff(below - here)[:, None], INTERPRET)
             below = here
         post = pow2_tl(top) * SHIFTED_FACTOR
-    return logits, post, wide
+    return logits, post
 
 
 @triton.jit
-def _score_group_tile(n_start, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible, group_visible, flag_ptr, flag_ok,
+def _score_group_tile(n_start, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible, group_visible,
                       values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                       num_pages, max_pages, CODE: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr,
                       H: tl.constexpr,
                       BLOCK_N: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr,
-                      FP4_BLOCKS: tl.constexpr, FP4_SHIFTED: tl.constexpr, FP4_DEFER: tl.constexpr):
-    """Scores of one key tile (entries n_start ..+BLOCK_N) for a query group: store [BLOCK_N, GROUP] columns
-    (FP4_DEFER: and at flag_ptr, if flag_ok, whether the tile still needs the per-block branch)."""
+                      FP4_BLOCKS: tl.constexpr, FP4_SHIFTED: tl.constexpr):
+    """Scores of one key tile (entries n_start ..+BLOCK_N) for a query group: store [BLOCK_N, GROUP] columns."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     entry_ok = offs_n < group_visible
     pages = _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages)
     slot = offs_n % 64
     if FP4_SHIFTED:
-        logits, post, wide = _shifted_logits(values_ptr, scales_ptr, pages, slot, entry_ok, q_t, CODE, D, INTERPRET,
-                                             FP4_DEFER)
-        if FP4_DEFER:
-            tl.store(flag_ptr, wide, mask=flag_ok)
+        logits, post = _shifted_logits(values_ptr, scales_ptr, pages, slot, entry_ok, q_t, CODE, D, INTERPRET)
     elif FP4_BLOCKS:
         # sum over the four blocks of scale_b x (keys_b . q_b): the scale is a power of two, so each product
         # is exact and only the fp32 accumulation order differs from one dot over the dequantized keys

@@ -17,9 +17,8 @@ of all entries then scales of all entries):
                                                                      decode (ScoresConfig.decode_fp4 "shifted"):
                                                                      one e4m3 operand, each block shifted to the
                                                                      entry's largest block scale (exact within
-                                                                     2^14; wider tiles are flagged and rescored
-                                                                     by a fixup launch), that scale per entry on
-                                                                     the scores; "blocks" (the default): per 32-element block an e4m3
+                                                                     2^14), that scale per entry on the scores;
+                                                                     "blocks": per 32-element block an e4m3
                                                                      operand (e2m1 bits placed in e4m3 bits =
                                                                      value x 2^-6), the block scale on its dot
 
@@ -31,8 +30,8 @@ rounded inputs with a tight bound):
                                                                 with fewer than fp32 mantissa bits (measured
                                                                 relative L2 6e-5 on the H200); exact under the
                                                                 interpreter
-    fp8 e4m3       fp4 decode   e4m3 x e4m3 (one dot, shifted;  as fp8 keys (decode_fp4 "shifted" or
-                                or per 32-dim block)            "blocks", the default)
+    fp8 e4m3       fp4 decode   e4m3 x e4m3 (one dot, shifted;  as fp8 keys (decode_fp4 "shifted", the
+                                or per 32-dim block)            default, or "blocks")
     fp8 e4m3       bf16 / fp4   bf16 x bf16 (q upcast, exact)   none
     bf16           any          bf16 x bf16 (keys exact)        none
     fp32 / fp16    any          bf16 x bf16                     q rounded once to bf16 (nearest even)
@@ -82,9 +81,6 @@ Q_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + _FP8_Q_DTYPES
 # steady-state call neither syncs nor uploads a plan.
 _TILE_CACHE: "OrderedDict[tuple, QueryTiles]" = OrderedDict()
 _TILE_CACHE_SIZE = 32
-# Fixup flags of the fp4 "shifted" decode path (see fix_flags_for), keyed by (device, stream, size).
-_FLAG_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-_FLAG_CACHE_SIZE = 4
 
 # --------------------------------------------------------------------------------------------------
 # Host side
@@ -286,57 +282,11 @@ def prepare_q(q: torch.Tensor) -> torch.Tensor:
     return q if q.stride(2) == 1 else q.contiguous()
 
 
-def decode_block_n(codec, config: ScoresConfig, group_heads: int) -> int:
-    """BLOCK_N of the group kernel for a key codec, a config and G * H query heads per program."""
-    fp4_e4m3 = codec.code == KeyCode.FP4 and config.decode_fp4 != "dequant"
-    bn = config.decode_block_n or (codec.blocks_block_n if fp4_e4m3 else codec.decode_block_n)
-    if config.decode_block_n is None and bn > 64 and group_heads > 64:
-        # a 128-entry tile's [128, GROUP * H] fp32 logits spill on sm_90 from 128 columns on (fp8 keys:
-        # 255 registers, serialized wgmma at 4 x 64); 64 entries keep them in registers
-        bn = 64
-    if codec.page_term and config.decode_block_n is None and group_heads >= 128:
-        # the [BLOCK_N, GROUP * H] fp32 logits of a 128-entry tile take a thread's registers from 128 query
-        # heads per program on: with the page term's second dot they spill heavily or fail to compile on
-        # sm_90; a 64-entry tile halves them
-        bn = 64
-    return bn
-
-
-def fix_flags_for(fmt: "KeyFormat | str", config: ScoresConfig, tiles: QueryTiles, num_heads: int, max_width: int,
-                  device: "torch.device | str") -> torch.Tensor | None:
-    """The fixup flags int32 [query tiles x cdiv(max_width, BLOCK_N)] of the fp4 "shifted" decode path for calls
-    of up to max_width columns with this tile plan (None when that path does not run), for callers that
-    preallocate (:func:`dsakit.ops.topk.plan_decode_topk`). No need to initialize it: every launch writes the
-    flags it reads."""
-    codec = key_codec(KeyFormat.parse(fmt))
-    if tiles.kernel != "group" or codec.code != KeyCode.FP4 or config.decode_fp4 != "shifted":
-        return None
-    key_tiles = triton.cdiv(max(1, max_width), decode_block_n(codec, config, tiles.size * num_heads))
-    return torch.empty(tiles.num_tiles * key_tiles, dtype=torch.int32, device=device)
-
-
-def _fix_flags_buffer(numel: int, device: torch.device) -> torch.Tensor:
-    """A cached int32 scratch of at least ``numel`` elements (power-of-two sizes, so that a growing decode
-    width reuses it), one per stream: launches on one stream use it in turn."""
-    size = triton.next_power_of_2(max(numel, 1024))
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream, size)
-    found = _FLAG_CACHE.get(key)
-    if found is None:
-        found = _FLAG_CACHE[key] = torch.empty(size, dtype=torch.int32, device=device)
-        while len(_FLAG_CACHE) > _FLAG_CACHE_SIZE:
-            _FLAG_CACHE.popitem(last=False)
-    else:
-        _FLAG_CACHE.move_to_end(key)
-    return found
-
-
 def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, out: torch.Tensor,
                         tiles: QueryTiles, *, start: int = 0, q_scale: torch.Tensor | None = None,
-                        config: ScoresConfig, fix_flags: torch.Tensor | None = None) -> torch.Tensor:
+                        config: ScoresConfig) -> torch.Tensor:
     """Launch the scores kernel for batch rows start .. start + len(q) into out [len(q), W'] (no checks, no
-    sync). q from :func:`prepare_q`; ``tiles`` plans exactly these rows. fix_flags: int32 scratch of the fp4
-    "shifted" decode path (:func:`fix_flags_for`; None or too small: a cached buffer)."""
+    sync). q from :func:`prepare_q`; ``tiles`` plans exactly these rows."""
     t, num_heads, d = q.shape
     width = out.shape[1]
     if t == 0 or width == 0 or batch.num_seqs == 0:
@@ -366,9 +316,17 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         raise ValueError(f"{fmt.name} needs key tiles of whole pages (block_n a multiple of 64), got {config}")
     if tiles.kernel == "group":
         fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
-        fp4_shifted = codec.code == KeyCode.FP4 and config.decode_fp4 in ("shifted", "shifted-inline")
-        defer = codec.code == KeyCode.FP4 and config.decode_fp4 == "shifted"
-        bn = decode_block_n(codec, config, tiles.size * num_heads)
+        fp4_shifted = codec.code == KeyCode.FP4 and config.decode_fp4 == "shifted"
+        bn = config.decode_block_n or (codec.blocks_block_n if fp4_blocks or fp4_shifted else codec.decode_block_n)
+        if config.decode_block_n is None and bn > 64 and tiles.size * num_heads > 64:
+            # a 128-entry tile's [128, GROUP * H] fp32 logits spill on sm_90 from 128 columns on (fp8 keys:
+            # 255 registers, serialized wgmma at 4 x 64); 64 entries keep them in registers
+            bn = 64
+        if codec.page_term and config.decode_block_n is None and tiles.size * num_heads >= 128:
+            # the [BLOCK_N, GROUP * H] fp32 logits of a 128-entry tile take a thread's registers from 128 query
+            # heads per program on: with the page term's second dot they spill heavily or fail to compile on
+            # sm_90; a 64-entry tile halves them
+            bn = 64
         per_program = config.decode_tiles_per_program or max(1, min(codec.decode_tiles, triton.cdiv(width, bn * 4)))
         grid = (tiles.num_tiles, triton.cdiv(width, bn * per_program))
         warps = config.decode_warps
@@ -378,21 +336,10 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
             # warps on sm_90 (255 registers); 8 warps halve them
             warps = max(warps, 8)
         registers = {} if config.decode_maxnreg is None or interpreting() else {"maxnreg": config.decode_maxnreg}
-        key_tiles = triton.cdiv(width, bn)
-        if defer:
-            # per (query group, key tile): 1 = the tile needs the per-block branch (see the kernel)
-            if fix_flags is None or fix_flags.numel() < tiles.num_tiles * key_tiles \
-                    or fix_flags.dtype != torch.int32 or fix_flags.device != out.device:
-                fix_flags = _fix_flags_buffer(tiles.num_tiles * key_tiles, out.device)
-        else:
-            fix_flags = tiles.tile_seq  # any int32 tensor: never read or written
-        kwargs = dict(GROUP=tiles.size, BLOCK_N=bn, TILES_PER_PROGRAM=per_program, FP4_BLOCKS=fp4_blocks,
-                      FP4_SHIFTED=fp4_shifted, num_warps=warps, num_stages=config.decode_stages or codec.decode_stages,
-                      **common)
-        _index_scores_group_kernel[grid](*args, fix_flags, key_tiles, FP4_DEFER=defer, **registers, **kwargs)
-        if defer:
-            # the rare tiles the first launch flagged, rescored exactly; same stream, no host sync
-            _index_scores_group_kernel[grid](*args, fix_flags, key_tiles, FP4_FIXUP=True, **kwargs)
+        _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
+                                         FP4_BLOCKS=fp4_blocks, FP4_SHIFTED=fp4_shifted, num_warps=warps,
+                                         num_stages=config.decode_stages or codec.decode_stages, **registers,
+                                         **common)
         return out
     bn = config.prefill_block_n
     grid = (tiles.num_tiles * triton.cdiv(width, bn),)
@@ -498,5 +445,5 @@ def flops(visible_pairs: int, num_heads: int, head_dim: int = INDEX_HEAD_DIM) ->
     return 2 * num_heads * head_dim * int(visible_pairs)
 
 
-__all__ = ["index_scores_triton", "index_scores_decode", "launch_index_scores", "fix_flags_for", "plan_query_tiles",
+__all__ = ["index_scores_triton", "index_scores_decode", "launch_index_scores", "plan_query_tiles",
            "plan_decode_tiles", "plan_batch_tiles", "tiles_from_lens", "QueryTiles", "ScoresConfig", "flops"]

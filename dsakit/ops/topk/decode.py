@@ -25,8 +25,7 @@ What one call launches (nothing else touches the GPU, nothing is allocated for b
     1. visible-count kernel    visible[r] = clamp(min(entry_counts[b], (pos[r] + 1) // ratio), 0, limit)
                                limit = min(W, 64 * max_pages): the select never reads past the workspace
                                row, the slot map never past the block-table row
-    2. scores group kernel     workspace fp32 [B * next_n, W] (tile plan from the plan; fp4 keys with
-                               decode_fp4 "shifted": and its fixup launch, see ScoresConfig)
+    2. scores group kernel     workspace fp32 [B * next_n, W] (tile plan from the plan)
     3. radix select kernel     indices int32 [B * next_n, K] (+ slots), -1 padded
 
 The plan owns the workspace and the outputs. Memory (bytes, fixed at plan time):
@@ -34,7 +33,6 @@ The plan owns the workspace and the outputs. Memory (bytes, fixed at plan time):
     4 * R * W (scores workspace) + 8 * R * 2048 (candidate buffer) + 4 * R * K (indices)
     [+ 4 * R * K (slots)] + 8 * R (visible counts, tile rows) + 12 * B (tile plan),  R = B * next_n
     + the streaming select's buffers for k <= 4096 (``plan.stream.nbytes``, see dsakit.ops.topk._select_stream)
-    + 4 * B * cdiv(W, BLOCK_N) for fp4 keys with ``ScoresConfig.decode_fp4 = "shifted"`` (the fixup flags)
 
 e.g. B = 64, next_n = 1, W = 128K, K = 2048: 32 MiB + 1 MiB + 0.5 MiB + 9 MiB.
 
@@ -55,8 +53,7 @@ from ..._memory import check_fits, parse_device
 from ...batch import PagedBatch, check_k, check_positive_int
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from ..scores.config import ScoresConfig
-from ..scores.triton import (QueryTiles, check_q_inputs, fix_flags_for, launch_index_scores, plan_decode_tiles,
-                             prepare_q)
+from ..scores.triton import QueryTiles, check_q_inputs, launch_index_scores, plan_decode_tiles, prepare_q
 from .config import SelectConfig
 from ._select_stream import STREAM_MAX_K, SelectBuffers
 from .triton import CANDIDATE_CAP, MAX_K, launch_select, launch_visible
@@ -69,8 +66,7 @@ class DecodeTopkPlan:
     batch B, next_n, num_heads H, max_entries W (workspace columns: the largest entry count a call may have),
     k, fmt, sort. Buffers (all on ``device``, R = B * next_n): workspace fp32 [R, W], visible int32 [R],
     indices int32 [R, k], slots int32 [R, k] or None, cand_vals fp32 / cand_idx int32 [R, 2048], tiles
-    (scores tile plan), fix_flags int32 [query tiles x cdiv(W, BLOCK_N)] or None (the fixup flags of the fp4
-    "shifted" decode scores, ``ScoresConfig.decode_fp4``). scores / select: kernel launch configs.
+    (scores tile plan). scores / select: kernel launch configs.
     """
 
     batch: int
@@ -90,7 +86,6 @@ class DecodeTopkPlan:
     scores: ScoresConfig
     select: SelectConfig
     stream: SelectBuffers | None = None  # streaming-select scratch (None: the multi-pass select runs)
-    fix_flags: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -105,7 +100,8 @@ class DecodeTopkPlan:
         """Bytes held by the plan (workspace, candidates, outputs, counts, tile plan)."""
         tensors = [self.workspace, self.visible, self.indices, self.cand_vals, self.cand_idx,
                    self.tiles.rows, self.tiles.tile_seq, self.tiles.tile_start, self.tiles.tile_len]
-        tensors += [x for x in (self.slots, self.fix_flags) if x is not None]
+        if self.slots is not None:
+            tensors.append(self.slots)
         return sum(t.numel() * t.element_size() for t in tensors) + (self.stream.nbytes if self.stream else 0)
 
 
@@ -134,21 +130,18 @@ def plan_decode_topk(batch: int, next_n: int, max_entries: int, k: int, fmt: "Ke
     rows = batch * next_n
     per_row = 4 * (max_entries + 1 + k * (2 if return_slots else 1)) + 8 * select.cap
     check_fits(rows * per_row, device, f"a decode plan for {rows:,} rows x max_entries {max_entries:,}")
-    scores = scores or ScoresConfig.for_device(device)
-    tiles = plan_decode_tiles(batch, next_n, num_heads, device)
     return DecodeTopkPlan(
         batch=batch, next_n=next_n, num_heads=num_heads, max_entries=max_entries, k=k, fmt=fmt, sort=sort,
-        tiles=tiles,
+        tiles=plan_decode_tiles(batch, next_n, num_heads, device),
         workspace=torch.empty((rows, max_entries), dtype=torch.float32, device=device),
         visible=torch.zeros((rows,), dtype=torch.int32, device=device),
         indices=torch.full((rows, k), -1, dtype=torch.int32, device=device),
         slots=torch.full((rows, k), -1, dtype=torch.int32, device=device) if return_slots else None,
         cand_vals=torch.empty((rows, select.cap), dtype=torch.float32, device=device),
         cand_idx=torch.empty((rows, select.cap), dtype=torch.int32, device=device),
-        scores=scores, select=select,
+        scores=scores or ScoresConfig.for_device(device), select=select,
         stream=SelectBuffers.allocate(rows, max_entries, k, device)
-        if select.algorithm == "stream" or (select.algorithm == "auto" and k <= STREAM_MAX_K) else None,
-        fix_flags=fix_flags_for(fmt, scores, tiles, num_heads, max_entries, device))
+        if select.algorithm == "stream" or (select.algorithm == "auto" and k <= STREAM_MAX_K) else None)
 
 
 def _check_plan(q, weights, batch, k, plan, q_scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -206,8 +199,7 @@ def index_topk_decode(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
     width = max(1, min(batch.max_entries, plan.max_entries))
     launch_visible(batch, plan.visible, min(width, batch.block_table.shape[1] * ENTRIES_PER_PAGE))
     scores = plan.workspace[:, :width]
-    launch_index_scores(prepare_q(q), weights, batch, scores, plan.tiles, q_scale=q_scale, config=plan.scores,
-                        fix_flags=plan.fix_flags)
+    launch_index_scores(prepare_q(q), weights, batch, scores, plan.tiles, q_scale=q_scale, config=plan.scores)
     launch_select(scores, plan.visible, plan.indices, plan.k, plan.sort, config=plan.select, slots=plan.slots,
                   seq=batch.query_seq, block_table=batch.block_table if plan.slots is not None else None,
                   cand_vals=plan.cand_vals, cand_idx=plan.cand_idx, stream_buffers=plan.stream)
