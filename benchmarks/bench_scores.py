@@ -307,18 +307,6 @@ def decode_bench(device: str, quick: bool, b: int = 64, sizes: list[int] | None 
                     index_scores_triton(q.view(b, HEADS, DIM), w, unchecked, out=out, tiles=plan, config=config)
                 measure(results, {**base, "mode": "planned, graph", "config": [bn, per_prog, warps, stages]}, run,
                         True, extra)
-            if fmt_name == "fp4":
-                # the fp4 decode paths side by side (launcher defaults otherwise), fp8 q as the fp8-key rows
-                # use and bf16 q: ScoresConfig.decode_fp4 "blocks" (four K = 32 dots) vs "shifted" (one dot)
-                for mode in ("blocks", "shifted"):
-                    for q_mode in (torch.float8_e4m3fn, torch.bfloat16):
-                        q_m = q.to(torch.float32).to(q_mode).view(b, HEADS, DIM)
-
-                        def run_mode(mode=mode, q_m=q_m):
-                            index_scores_triton(q_m, w, unchecked, out=out, tiles=plan,
-                                                config=ScoresConfig(kernel="group", decode_fp4=mode))
-                        measure(results, {**base, "q": str(q_mode), "mode": f"decode_fp4 {mode}, graph"}, run_mode,
-                                True, extra)
             del pool, out
     return results
 

@@ -1,7 +1,6 @@
 """Register use of the scores kernels on sm_90a, measured on a machine without a GPU.
 
     PYTHONPATH=. python3 benchmarks/sm90_registers.py --out DIR [--formats fp8-centred,fp4-centred] [--quick]
-        [--decode-fp4 blocks,shifted]
 
 Compiles ``_index_scores_group_kernel`` (decode) and ``_index_scores_tile_kernel`` (prefill) ahead of time for
 sm_90a with Triton's own compiler and the ptxas it ships (no CUDA device or driver needed), with the
@@ -90,39 +89,30 @@ def compile_case(kernel, fmt: str, q_dtype: str, consts: dict, warps: int, stage
             "wgmma_serialized": "C7511" in info, "shared_bytes": compiled.metadata.shared}
 
 
-def cases(formats: list[str], quick: bool, decode_fp4: tuple[str, ...] = (ScoresConfig().decode_fp4,)):
-    """(kernel name, format, q dtype, constexprs, warps, stages) with the launcher's default choices; fp4 decode
-    cases once per ``decode_fp4`` mode (constexprs FP4_BLOCKS / FP4_SHIFTED), prefill cases once."""
-    for index, mode in enumerate(decode_fp4):
-        yield from _cases(formats, quick, ScoresConfig(decode_fp4=mode), prefill=index == 0)
-
-
-def _cases(formats: list[str], quick: bool, config: ScoresConfig, prefill: bool):
+def cases(formats: list[str], quick: bool):
+    """(kernel name, format, q dtype, constexprs, warps, stages) with the launcher's default choices."""
+    config = ScoresConfig()
     groups = [(1, 64), (4, 64)] if quick else [(1, 16), (4, 16), (1, 64), (2, 64), (4, 64), (1, 128), (2, 128)]
     block_ts = [64] if quick else [16, 32, 64]
     for fmt in formats:
         codec = KEY_CODECS[fmt]
         fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
-        fp4_shifted = codec.code == KeyCode.FP4 and config.decode_fp4 == "shifted"
-        if not prefill and codec.code != KeyCode.FP4:
-            continue  # a further decode_fp4 mode: only the fp4 decode cases change
-        for q_dtype in (["fp8e4nv", "bf16"] if codec.fp8_dot or fp4_blocks or fp4_shifted else ["bf16"]):
+        for q_dtype in (["fp8e4nv", "bf16"] if codec.fp8_dot or fp4_blocks else ["bf16"]):
             q_scale = q_dtype == "fp8e4nv"
             for group, heads in groups:
-                block_n = config.decode_block_n or (codec.blocks_block_n if fp4_blocks or fp4_shifted
-                                                    else codec.decode_block_n)
+                block_n = config.decode_block_n or (codec.blocks_block_n if fp4_blocks else codec.decode_block_n)
                 if config.decode_block_n is None and block_n > 64 and group * heads > 64:
                     block_n = 64  # launch_index_scores' choice for more than 64 columns
                 if codec.page_term and config.decode_block_n is None and group * heads >= 128:
                     block_n = 64  # launch_index_scores' choice for page-term formats
                 consts = dict(HAS_POS=False, HAS_Q_SCALE=q_scale, H=heads, GROUP=group, BLOCK_N=block_n,
                               TILES_PER_PROGRAM=config.decode_tiles_per_program or codec.decode_tiles,
-                              FP4_BLOCKS=fp4_blocks, FP4_SHIFTED=fp4_shifted)
+                              FP4_BLOCKS=fp4_blocks)
                 warps = config.decode_warps
-                if (fp4_blocks or fp4_shifted) and group * heads >= 128:
-                    warps = max(warps, 8)  # launch_index_scores' choice for fp4 blocks / shifted
+                if fp4_blocks and group * heads >= 128:
+                    warps = max(warps, 8)  # launch_index_scores' choice for fp4 blocks
                 yield "group", fmt, q_dtype, consts, warps, config.decode_stages or codec.decode_stages
-            for block_t in (block_ts if prefill else []):
+            for block_t in block_ts:
                 block_n = config.prefill_block_n
                 warps = config.prefill_warps or (4 if block_t * block_n <= 64 * 128 else 8)
                 if codec.page_term and config.prefill_warps is None and block_t * block_n >= 64 * 128:
@@ -137,8 +127,6 @@ def main() -> int:
     parser.add_argument("--formats", default=",".join(KEY_CODECS), help="comma-separated key format names")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (decode 1 and 4 queries x 64 heads, "
                         "prefill 64-query tiles)")
-    parser.add_argument("--decode-fp4", default=ScoresConfig().decode_fp4,
-                        help="comma-separated ScoresConfig.decode_fp4 modes for the fp4 decode cases")
     args = parser.parse_args()
     formats = args.formats.split(",")
     for fmt in formats:
@@ -146,14 +134,8 @@ def main() -> int:
             raise SystemExit(f"unknown key format {fmt!r}; known: {', '.join(KEY_CODECS)}")
     kernels = {"group": _kernels._index_scores_group_kernel, "tile": _kernels._index_scores_tile_kernel}
     rows = []
-    modes = tuple(args.decode_fp4.split(","))
-    for mode in modes:
-        ScoresConfig(decode_fp4=mode)  # ValueError names a bad mode
-    for name, fmt, q_dtype, consts, warps, stages in cases(formats, args.quick, modes):
-        fp4_mode = ("shifted" if consts.get("FP4_SHIFTED") else "blocks" if consts.get("FP4_BLOCKS")
-                    else "dequant" if name == "group" and KEY_CODECS[fmt].code == KeyCode.FP4 else None)
+    for name, fmt, q_dtype, consts, warps, stages in cases(formats, args.quick):
         row = {"kernel": name, "format": fmt, "q_dtype": q_dtype, "warps": warps, "stages": stages,
-               **({"decode_fp4": fp4_mode} if fp4_mode else {}),
                **{k: v for k, v in consts.items() if k in ("H", "GROUP", "BLOCK_T", "BLOCK_N")}}
         row.update(compile_case(kernels[name], fmt, q_dtype, consts, warps, stages))
         rows.append(row)

@@ -42,15 +42,13 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
     b = 2 if smoke else 64
     sizes = [300] if smoke else [65536, 131072]
     # (BLOCK_N, key tiles per program, warps, stages, register cap) per case; the first sweep
-    # (sweep_topk_h200_8cb899a) picked BLOCK_N 128 / 16 tiles / 5 stages for fp8 and register caps for fp4
-    # shifted; this list refines around them
+    # (sweep_topk_h200_8cb899a) picked BLOCK_N 128 / 16 tiles / 5 stages for fp8; this list refines around it
     fp8_like = [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (128, 16, 4, 5, None), (128, 16, 4, 6, None),
                 (128, 32, 4, 5, None), (128, 8, 4, 5, None), (128, 16, 8, 5, None)]
     per_case = {("fp8", None): fp8_like,
                 ("bf16", None): [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (128, 16, 4, 5, None), (64, 16, 4, 3, None)],
                 ("fp4", "blocks"): [(64, 16, 4, 5, None), (64, 16, 4, 6, None), (128, 16, 4, 5, None),
-                                    (64, 16, 4, 5, 80), (64, 32, 4, 6, None)],
-                ("fp4", "shifted"): [(64, 16, 4, 6, 72), (64, 16, 4, 6, 80), (128, 16, 4, 5, 72), (64, 32, 4, 6, 72)]}
+                                    (64, 16, 4, 5, 80), (64, 32, 4, 6, None)]}
     for (fmt_name, fp4_mode), configs in per_case.items():
         if formats and fmt_name not in formats.split(","):
             continue

@@ -33,8 +33,7 @@ TIGHT_RTOL_FP8_DOT_GPU = 5e-4
 
 
 def tight_rtol(fmt_name: str, q_dtype: torch.dtype, device: str) -> float:
-    # fp4 keys with fp8 q go through fp8 tensor cores in the decode kernel (ScoresConfig.decode_fp4 "shifted"
-    # and "blocks")
+    # fp4 keys with fp8 q go through fp8 tensor cores in the decode kernel (ScoresConfig.decode_fp4 "blocks")
     fp8_dot = fmt_name.startswith(("fp8", "fp4")) and q_dtype == torch.float8_e4m3fn
     return TIGHT_RTOL_FP8_DOT_GPU if fp8_dot and device == "cuda" else TIGHT_RTOL
 
@@ -164,9 +163,8 @@ def test_matches_reference(fmt_name, q_dtype, kernel, device):
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["q-bf16", "q-fp8"])
 @pytest.mark.parametrize("fmt_name", ["fp4", "fp4-rne"])
 def test_decode_fp4_paths(fmt_name, q_dtype, device):
-    """The fp4 paths of the decode kernel (per-block e4m3 dots, one shifted dot, bf16 dequantization) match the
-    reference, on keys whose four block scales within an entry differ by up to 2^30 (one block scaled 1e-6, one
-    1e3: every tile takes the shifted path's per-block branch)."""
+    """Both fp4 paths of the decode kernel (per-block e4m3 dots, bf16 dequantization) match the reference,
+    on keys whose four block scales within an entry differ by up to 2^20 (one block scaled 1e-6, one 1e3)."""
     fmt = KeyFormat.parse(fmt_name)
     cache = PagedCache(fmt, 8)
     lengths = [150, 70, 3]
@@ -186,99 +184,14 @@ def test_decode_fp4_paths(fmt_name, q_dtype, device):
     w = torch.rand(t, h, generator=gen) - 0.25
     ref = reference_scores(q.float(), w, pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq, positions, 1)
     outs = {}
-    for mode in ("blocks", "shifted", "dequant"):
+    for mode in ("blocks", "dequant"):
         outs[mode] = run_kernel(q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device),
                                 positions.to(device), 1, kernel="group", decode_fp4=mode)
         assert_scores_match(outs[mode], ref, tight_rtol(fmt_name, q_dtype, device))
     if device == "cpu" or q_dtype != torch.float8_e4m3fn:  # the same fp32 products, summed in another order
         assert_scores_match(outs["blocks"], outs["dequant"])
-        assert_scores_match(outs["shifted"], outs["dequant"])
     with pytest.raises(ValueError, match="decode_fp4"):
         ScoresConfig(decode_fp4="fp16")
-
-
-def _fp4_entries(pool, fmt, slots, codes, exps):
-    """Write e2m1 codes uint8 [n, 128] (sign bit 3) and ue8m0 bytes uint8 [n, 4] of entries ``slots`` into the
-    page pool, in the layout of dsakit.formats.fp4 (byte i = element 2i low nibble, 2i + 1 high nibble)."""
-    flat = pool.view(-1)
-    for slot, c, e in zip(slots.tolist(), codes, exps):
-        page, entry = divmod(slot, 64)
-        base = page * fmt.page_bytes
-        flat[base + entry * 64: base + entry * 64 + 64] = c[0::2] | (c[1::2] << 4)
-        flat[base + fmt.scale_offset_in_page + entry * 4: base + fmt.scale_offset_in_page + entry * 4 + 4] = e
-
-
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["q-bf16", "q-fp8"])
-def test_decode_fp4_shifted_bytes(q_dtype, device):
-    """The shifted fp4 decode path (one dot per tile, blocks shifted to the entry's largest scale) on crafted
-    page bytes, each query row against the reference on its own scale:
-
-    seq 0: random codes (signs, -0 codes 0x8, zeros), block exponents spread by up to exactly 14 octaves (the
-    widest exact shift, tile in one dot), including 0.5 and 1.5 codes at the bottom (e4m3 subnormals);
-    seq 1: one entry spread by 15 octaves (its tile takes the per-block branch) next to entries spread by 14,
-    and an all-zero block; seq 2: extreme scales, exponents -126..-112 (ue8m0 bytes 1..15) and +113..+127
-    (bytes 240..254, small codes and queries so that the fp32 scores stay finite)."""
-    fmt = KeyFormat.parse("fp4")
-    cache = PagedCache(fmt, 8)
-    lengths = [150, 100, 40]
-    seqs = [cache.add_sequence() for _ in lengths]
-    gen = torch.Generator().manual_seed(11)
-    for s, n in zip(seqs, lengths):
-        slots = cache.append(s, n)
-        codes = torch.randint(0, 16, (n, 128), generator=gen, dtype=torch.uint8)
-        if s == seqs[0]:
-            top = torch.randint(110, 140, (n, 1), generator=gen)
-            exps = top - torch.randint(0, 15, (n, 4), generator=gen)
-            exps[::3, 1] = top[::3, 0] - 14
-            codes[::3, 32:64] = torch.tensor([1, 9, 3, 11, 2, 8, 0, 10], dtype=torch.uint8).repeat(4)
-            # entries whose whole score comes from the block 2^-14 below their top (e4m3 subnormals)
-            exps[::9, 1], exps[::9, 0] = 113, 127
-            codes[::9, :32], codes[::9, 64:] = 0, 0
-            codes[::9, 32:64] = torch.randint(0, 4, (len(range(0, n, 9)), 32), generator=gen, dtype=torch.uint8) \
-                | (torch.randint(0, 2, (len(range(0, n, 9)), 32), generator=gen, dtype=torch.uint8) << 3)
-        elif s == seqs[1]:
-            exps = 127 - torch.randint(0, 15, (n, 4), generator=gen)
-            exps[:, 0] = 127
-            exps[::5, 3] = 113
-            # spread 15 (the tile of entries 64..99 goes block by block), the score from the small block alone
-            exps[80:83, 2] = 112
-            codes[80:83, :64], codes[80:83, 96:] = 0, 0
-            codes[80:83, 64:96] = torch.tensor([1, 3, 9, 1], dtype=torch.uint8).repeat(3, 8)
-            codes[7, 96:] = torch.tensor([0, 8], dtype=torch.uint8).repeat(16)  # an all-zero block (+0 / -0)
-            exps[7, 3] = 1
-        else:
-            exps = torch.randint(1, 16, (n, 4), generator=gen)
-            exps[20:] = torch.randint(240, 255, (n - 20, 4), generator=gen)
-            codes[20:] = codes[20:] & 0b1001  # magnitudes 0 and 0.5 on the large scales
-        _fp4_entries(cache.pool, fmt, slots, codes, exps.to(torch.uint8))
-    pool, table, counts = cache.pool.to(device), cache.block_table().to(device), cache.entry_counts().to(device)
-    query_seq = torch.tensor([0, 0, 1, 2, 2], dtype=torch.int32)
-    positions = torch.tensor([149, 120, 99, 19, 39], dtype=torch.int32)
-    t, h = 5, 16
-    q = torch.randn(t, h, 128, generator=gen)
-    q[3:] *= 2.0**-8  # seq 2: with the 2^113..2^127 scales (the group also multiplies row 3 by them, masked)
-    q = q.to(q_dtype)
-    w = torch.rand(t, h, generator=gen) - 0.25
-    ref = reference_scores(q.float(), w, pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq, positions, 1)
-    assert torch.isfinite(ref[4, :40]).all() and ref[4, 20:40].abs().max() > 2.0**100
-    assert ref[3, :20].abs().max() < 2.0**-100
-    outs = {}
-    for mode in ("shifted", "blocks"):
-        outs[mode] = run_kernel(q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device),
-                                positions.to(device), 1, kernel="group", decode_fp4=mode).cpu()
-        for row in range(t):
-            finite = torch.isfinite(ref[row])
-            cols = finite.nonzero().flatten()
-            pieces = [cols] if row != 4 else [cols[cols < 20], cols[cols >= 20]]  # tiny vs huge scales
-            for part in pieces:
-                assert_scores_match(outs[mode][row, part], ref[row, part], tight_rtol("fp4", q_dtype, device))
-            assert torch.equal(torch.isneginf(outs[mode][row]), torch.isneginf(ref[row]))
-        # the crafted entries on their own scale (their scores are small next to the others')
-        for row, entries in ((0, list(range(0, 150, 9))), (1, list(range(0, 121, 9))), (2, [80, 81, 82])):
-            assert_scores_match(outs[mode][row, entries], ref[row, entries], tight_rtol("fp4", q_dtype, device))
-    if device == "cpu" or q_dtype != torch.float8_e4m3fn:
-        for row in range(4):  # row 4: seq 2's entries 0..19 (tiny scores) need their own bound, checked above
-            assert_scores_match(outs["shifted"][row], outs["blocks"][row])
 
 
 @pytest.mark.parametrize("fmt_name", ["bf16", "fp8", "fp4"])

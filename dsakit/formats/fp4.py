@@ -123,21 +123,27 @@ if triton is not None:
         return value_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
     @triton.jit
-    def e2m1_pairs_e4m3(raw, INTERPRET: tl.constexpr):
-        """Packed e2m1 bytes uint8 [..] (element 2i in the low nibble, 2i + 1 in the high one) -> (low, high)
-        uint8 [..] e4m3 bit patterns of the two elements, each the e2m1 value times 2^-6.
+    def load_fp4_block_e4m3(values_ptr, pages, slot, valid, BLOCK: tl.constexpr, D: tl.constexpr,
+                            INTERPRET: tl.constexpr, PAGE_EXTRA: tl.constexpr = 0):
+        """Elements 32 BLOCK .. 32 BLOCK + 31 of entries (pages[n], slot[n]) as e4m3 [BLOCK_N, 32], each the e2m1
+        value times 2^-6, unscaled (the block's ue8m0 scale: :func:`load_fp4_block_scales`). Invalid entries: 0.
 
         Exact by bit placement, no arithmetic: the e2m1 magnitude bits (e1 e0 m) moved to bits 4..2 of an e4m3
         byte read as exponent e1 e0 (bias 7) and mantissa m00, which is the e2m1 value times 2^(1 - 7) for
-        every code, the subnormal 0.5 (e4m3 0x04 = 2^-7) included; the sign moves from bit 3 to bit 7 (code
-        0x8, -0, gives e4m3 -0). On the GPU: inline PTX on four bytes per 32-bit register (the compiler works
-        byte by byte otherwise); INTERPRET: the same bits with plain Triton ops.
+        every code, the subnormal 0.5 (e4m3 0x04 = 2^-7) included; the sign moves from bit 3 to bit 7. About
+        four integer operations per element against ~20 for the fp32 dequantization of :func:`load_fp4_tile`
+        (on the GPU: inline PTX on four bytes at a time; INTERPRET: the same bits with plain Triton ops).
         """
+        half = tl.arange(0, 16)
+        page_base = pages[:, None] * (64 * (D // 2 + D // 32) + PAGE_EXTRA)
+        raw = tl.load(values_ptr + page_base + slot[:, None] * (D // 2) + BLOCK * 16 + half[None, :],
+                      mask=valid[:, None], other=0)  # uint8 [BLOCK_N, 16]: elements 2i (low), 2i + 1 (high)
         if INTERPRET:
             low = ((raw & 0x08) << 4) | ((raw & 0x07) << 2)
             high = (raw & 0x80) | ((raw & 0x70) >> 2)
         else:
-            # bits shifted across a byte boundary fall outside each byte's masks
+            # the same on four bytes per 32-bit register (the compiler works byte by byte otherwise); bits
+            # shifted across a byte boundary fall outside each byte's masks
             low, high = tl.inline_asm_elementwise(
                 """{
                 .reg .b32 t;
@@ -152,75 +158,8 @@ if triton is not None:
                 or.b32 $1, $1, t;
                 }""",
                 "=r,=r,r", [raw], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-        return low, high
-
-    @triton.jit
-    def load_fp4_block_e4m3(values_ptr, pages, slot, valid, BLOCK: tl.constexpr, D: tl.constexpr,
-                            INTERPRET: tl.constexpr, PAGE_EXTRA: tl.constexpr = 0):
-        """Elements 32 BLOCK .. 32 BLOCK + 31 of entries (pages[n], slot[n]) as e4m3 [BLOCK_N, 32], each the e2m1
-        value times 2^-6, unscaled (the block's ue8m0 scale: :func:`load_fp4_block_scales`). Invalid entries: 0.
-        About four integer operations per element (:func:`e2m1_pairs_e4m3`) against ~20 for the fp32
-        dequantization of :func:`load_fp4_tile`.
-        """
-        half = tl.arange(0, 16)
-        page_base = pages[:, None] * (64 * (D // 2 + D // 32) + PAGE_EXTRA)
-        raw = tl.load(values_ptr + page_base + slot[:, None] * (D // 2) + BLOCK * 16 + half[None, :],
-                      mask=valid[:, None], other=0)  # uint8 [BLOCK_N, 16]: elements 2i (low), 2i + 1 (high)
-        low, high = e2m1_pairs_e4m3(raw, INTERPRET)
         codes = tl.reshape(tl.join(low, high), (raw.shape[0], 32))
         return codes.to(tl.float8e4nv, bitcast=True)
-
-    @triton.jit
-    def load_fp4_packed(values_ptr, pages, slot, valid, D: tl.constexpr, PAGE_EXTRA: tl.constexpr = 0):
-        """Packed e2m1 bytes uint8 [BLOCK_N, D / 32, 16] of entries (pages[n], slot[n]): [n, b, i] holds elements
-        32 b + 2i (low nibble) and 32 b + 2i + 1 (high nibble). Invalid entries: 0 (value 0)."""
-        blocks = tl.arange(0, D // 32)
-        half = tl.arange(0, 16)
-        page_base = pages[:, None, None] * (64 * (D // 2 + D // 32) + PAGE_EXTRA)
-        return tl.load(values_ptr + page_base + slot[:, None, None] * (D // 2) + blocks[None, :, None] * 16
-                       + half[None, None, :], mask=valid[:, None, None], other=0)
-
-    @triton.jit
-    def load_fp4_exponents(scales_ptr, pages, slot, valid, D: tl.constexpr, PAGE_EXTRA: tl.constexpr = 0):
-        """ue8m0 scale bytes int32 [BLOCK_N, D / 32] of entries (pages[n], slot[n]) (block b's scale is
-        2^(s - 127)). Invalid entries: 127 (scale 1)."""
-        blocks = tl.arange(0, D // 32)
-        page_base = pages[:, None] * (64 * (D // 2 + D // 32) + PAGE_EXTRA)
-        return tl.load(scales_ptr + page_base + 64 * (D // 2) + slot[:, None] * (D // 32) + blocks[None, :],
-                       mask=valid[:, None], other=127).to(tl.int32)
-
-    @triton.jit
-    def fp4_shifted_tile(raw, shift, BF16_OUT: tl.constexpr, INTERPRET: tl.constexpr):
-        """One tile [BLOCK_N, D] for a single K = D dot from packed e2m1 bytes raw uint8 [BLOCK_N, D / 32, 16]
-        (:func:`load_fp4_packed`) and a shift per entry and block, int32 [BLOCK_N, D / 32]: element i of block b
-        = e2m1 value x 2^(6 + shift[n, b]), as e4m3 (BF16_OUT: as bf16).
-
-        Exact for -14 <= shift <= 0: every e2m1 value x 2^(6 + shift) lies in [2^-9, 384] with at most two
-        significant bits, so it is an e4m3 number, normal (exponent field 1..15, mantissa m00) or subnormal
-        (k x 2^-9, k = 1..7, e.g. 0.5 x 2^-8 = 0x01, 1.5 x 2^-8 = 0x03), and never the NaN pattern 0x7F (the
-        largest, 6 x 2^6 = 384, is 0x7C). With shift = s_b - max_b s_b (ue8m0 bytes s_b of an entry), the
-        tile is the dequantized entry times 2^(133 - max_b s_b), so a kernel multiplies the entry's dot by
-        2^(max_b s_b - 127) x 2^-6. shift <= -27: the block reads as zero (exact, used to mask blocks);
-        -26..-15 rounds (not exact: callers keep the shift in -14..0).
-
-        How: the codes placed in e4m3 bits (:func:`e2m1_pairs_e4m3`, value x 2^-6, exact), widened to fp16
-        (exact), times the fp16 power of two 2^(12 + shift) (bits (27 + shift) << 10: exact, a power of two
-        times a value that stays in fp16's range), narrowed to e4m3 (exact: the result is an e4m3 number). The
-        exponent arithmetic, subnormal results included, is thus done by the GPU's packed fp16 multiply and its
-        e4m3 <-> fp16 conversions (two elements per instruction) instead of ~14 integer operations per element.
-        Codes 0 and 0x8 (-0) stay (signed) zero.
-        """
-        low, high = e2m1_pairs_e4m3(raw, INTERPRET)
-        factor = (tl.maximum(shift + 27, 0) << 10).to(tl.int16).to(tl.float16, bitcast=True)[:, :, None]
-        low = low.to(tl.float8e4nv, bitcast=True).to(tl.float16) * factor
-        high = high.to(tl.float8e4nv, bitcast=True).to(tl.float16) * factor
-        if BF16_OUT:
-            low = low.to(tl.bfloat16)
-            high = high.to(tl.bfloat16)
-        else:
-            low = low.to(tl.float8e4nv)
-            high = high.to(tl.float8e4nv)
-        return tl.reshape(tl.join(low, high), (raw.shape[0], raw.shape[1] * 32))
 
     @triton.jit
     def load_fp4_block_scales(scales_ptr, pages, slot, valid, D: tl.constexpr, PAGE_EXTRA: tl.constexpr = 0):

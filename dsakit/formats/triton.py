@@ -7,9 +7,6 @@ Kernels read and write keys only through these functions:
 * :func:`load_key_block` / :func:`load_key_block_scales` / :func:`key_block_scale` - a key tile [BLOCK_N, 32]
   of one 32-element block in e4m3 with its per-entry block scale kept out of the tile (fp4: the decode
   kernel's per-block dots, see ``ScoresConfig.decode_fp4``);
-* :func:`load_key_packed` / :func:`load_key_exponents` / :func:`shifted_key_tile` - the packed key codes and
-  per-block exponents of a tile, and one [BLOCK_N, D] e4m3 (or bf16) tile of them with each block shifted
-  relative to the entry's largest block scale (fp4: the decode kernel's single-dot path, ``"shifted"``);
 * :func:`scale_key_scores` - per-entry scale of the head-summed scores (fp8: relu(c x) = c relu(x));
 * :func:`store_key_rows` / :func:`store_key_halves` - encode and store transformed keys (the two tile
   layouts of the store kernels: [BLOCK_N, 128] rows and [2, BLOCK_N, 8, 8] halves).
@@ -34,8 +31,8 @@ from .bf16 import load_bf16_tile, store_bf16_halves, store_bf16_rows
 from .centred import (CENTRE_EXTRA, load_centre_entries, load_centre_halves, load_centre_rows, load_centre_tile,
                       store_centre_halves, store_centre_rows)
 from .codes import KeyCode
-from .fp4 import (fp4_block_scale, fp4_shifted_tile, load_fp4_block_e4m3, load_fp4_block_scales, load_fp4_exponents,
-                  load_fp4_packed, load_fp4_tile, store_fp4_halves, store_fp4_rows)
+from .fp4 import (fp4_block_scale, load_fp4_block_e4m3, load_fp4_block_scales, load_fp4_tile, store_fp4_halves,
+                  store_fp4_rows)
 from .fp8 import load_fp8_scales, load_fp8_tile, store_fp8_halves, store_fp8_rows
 
 BF16 = tl.constexpr(int(KeyCode.BF16))
@@ -49,10 +46,6 @@ FP8_CENTRE_OFFSET = tl.constexpr(64 * (128 + 4))
 FP4_CENTRE_OFFSET = tl.constexpr(64 * (64 + 4))
 # the e4m3 tiles of load_key_block hold fp4 values times 2^-6: a kernel multiplies its scores by this once
 KEY_BLOCK_FACTOR = tl.constexpr(64.0)
-# shifted_key_tile is exact for block shifts -14..0 (fp4): a tile whose entries' block scales spread wider
-# takes another path; its tiles hold the keys times 2^(6 - (largest exponent of the entry))
-SHIFT_RANGE = tl.constexpr(14)
-SHIFTED_FACTOR = tl.constexpr(2.0**-6)
 
 
 @triton.jit
@@ -100,31 +93,6 @@ def key_block_scale(words, BLOCK: tl.constexpr, CODE: tl.constexpr):
     """fp32 [BLOCK_N] scale of block BLOCK from :func:`load_key_block_scales` (fp4: 2^(s - 127))."""
     tl.static_assert(CODE == FP4, "per-block key tiles exist for the fp4 code only")
     return fp4_block_scale(words, BLOCK)
-
-
-@triton.jit
-def load_key_packed(values_ptr, pages, slot, valid, CODE: tl.constexpr, D: tl.constexpr):
-    """Packed codes of entries (pages[n], slot[n]) per scale block (fp4: uint8 [BLOCK_N, D / 32, 16], two e2m1
-    codes a byte); invalid entries read as 0. Input of :func:`shifted_key_tile`."""
-    tl.static_assert(CODE == FP4, "shifted key tiles exist for the fp4 code only")
-    return load_fp4_packed(values_ptr, pages, slot, valid, D)
-
-
-@triton.jit
-def load_key_exponents(scales_ptr, pages, slot, valid, CODE: tl.constexpr, D: tl.constexpr):
-    """Biased block exponents int32 [BLOCK_N, D / 32] (fp4: the ue8m0 bytes s, block scale 2^(s - 127));
-    invalid entries read as 127."""
-    tl.static_assert(CODE == FP4, "shifted key tiles exist for the fp4 code only")
-    return load_fp4_exponents(scales_ptr, pages, slot, valid, D)
-
-
-@triton.jit
-def shifted_key_tile(packed, shift, CODE: tl.constexpr, BF16_OUT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Key tile [BLOCK_N, D] (e4m3, or bf16 if BF16_OUT) of :func:`load_key_packed`'s codes, block b of entry n
-    times 2^(6 + shift[n, b]) with its scale left out: exact for shift in -SHIFT_RANGE..0, zero for shift
-    <= -27 (fp4: :func:`dsakit.formats.fp4.fp4_shifted_tile`)."""
-    tl.static_assert(CODE == FP4, "shifted key tiles exist for the fp4 code only")
-    return fp4_shifted_tile(packed, shift, BF16_OUT, INTERPRET)
 
 
 @triton.jit

@@ -10,11 +10,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...formats.common import pow2_tl
-from ...formats.triton import (KEY_BLOCK_FACTOR, SHIFT_RANGE, SHIFTED_FACTOR, key_block_scale, load_key_block,
-                               load_key_block_scales, load_key_exponents, load_key_packed, load_key_page_rows,
-                               load_key_page_tile, load_key_tile, load_logit_scales, scale_key_logits,
-                               scale_key_scores, shifted_key_tile)
+from ...formats.triton import (KEY_BLOCK_FACTOR, key_block_scale, load_key_block, load_key_block_scales,
+                               load_key_page_rows, load_key_page_tile, load_key_tile, load_logit_scales,
+                               scale_key_logits, scale_key_scores)
 
 
 @triton.jit
@@ -142,7 +140,7 @@ def _index_scores_group_kernel(
     HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
     FP8_DOT: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr = False,
-    FP4_BLOCKS: tl.constexpr = False, FP4_SHIFTED: tl.constexpr = False,
+    FP4_BLOCKS: tl.constexpr = False,
 ):
     # grid: (query groups, cdiv(width, BLOCK_N * TILES_PER_PROGRAM))
     # dot per key tile: keys [BLOCK_N, D] (M) x q^T [D, GROUP * H] (N, column c = g * H + h); the head sum is
@@ -150,8 +148,6 @@ def _index_scores_group_kernel(
     # FP4_BLOCKS (fp4 keys): one [BLOCK_N, 32] x [32, GROUP * H] dot per 32-element scale block on keys placed
     # in e4m3 bits (no dequantization arithmetic), each scaled per entry by its block scale; fp8 tensor cores
     # when q is fp8 e4m3 (exact products, as for fp8 keys), bf16 otherwise (exact).
-    # FP4_SHIFTED (fp4 keys): one [BLOCK_N, D] x [D, GROUP * H] dot per key tile on a tile whose blocks are
-    # shifted to the entry's largest block scale (exact, see _shifted_logits), same operand dtypes.
     group = tl.program_id(0)
     seq = tl.minimum(tl.load(tile_seq_ptr + group), num_seqs - 1)  # clamps only matter for an unchecked batch
     first = tl.load(tile_start_ptr + group)
@@ -179,8 +175,6 @@ def _index_scores_group_kernel(
                   mask=c_ok[None, :], other=0.0)  # [D, GROUP * H]
     if FP8_DOT:
         q_t = q_t.to(tl.float8e4nv)
-    elif FP4_SHIFTED and q_t.dtype == tl.float8e4nv:
-        q_t = q_t  # fp8 tensor cores on the shifted fp4 tile (e4m3, exact products)
     else:
         q_t = q_t.to(tl.bfloat16)  # bf16 or exact fp8 upcast
     if PAGE_TERM:
@@ -206,7 +200,7 @@ def _index_scores_group_kernel(
                               group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                               num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
-                              PAGE_TERM, FP4_BLOCKS, FP4_SHIFTED)
+                              PAGE_TERM, FP4_BLOCKS)
     else:
         # tiles holding visible entries: a counted loop without a branch inside, so the key loads pipeline
         busy_tiles = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, BLOCK_N), 0), TILES_PER_PROGRAM)
@@ -215,7 +209,7 @@ def _index_scores_group_kernel(
                               group_visible,
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                               num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
-                              PAGE_TERM, FP4_BLOCKS, FP4_SHIFTED)
+                              PAGE_TERM, FP4_BLOCKS)
         for i in range(busy_tiles, TILES_PER_PROGRAM):
             offs_n = chunk_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None],
@@ -245,70 +239,18 @@ def _block_dot(values_ptr, pages, slot, entry_ok, q_b, BLOCK: tl.constexpr, CODE
 
 
 @triton.jit
-def _pow2_diff(d):
-    """fp32 2^d for int32 d <= 0 (0 below 2^-149, subnormal from 2^-127 down, as the exact power of two)."""
-    normal = pow2_tl(tl.maximum(d, -126) + 127)
-    tiny = pow2_tl(tl.maximum(d, -149) + 127 + 24 + 1)  # 2^(d + 25): scaled back by 2^-25 (exact, subnormal)
-    return tl.where(d >= -126, normal, tl.where(d >= -149, tiny * 2.0**-25, 0.0))
-
-
-@triton.jit
-def _shifted_logits(values_ptr, scales_ptr, pages, slot, entry_ok, q_t, CODE: tl.constexpr, D: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    """fp4 keys: (logits fp32 [BLOCK_N, GROUP * H], post fp32 [BLOCK_N]) with true logits = logits x post[n].
-
-    Per entry, top = its largest block exponent; when every entry of the tile has its block exponents within
-    SHIFT_RANGE of its top (a uniform branch per tile), one dot of the tile shifted by s_b - top (e4m3 when
-    q_t is e4m3, bf16 otherwise: exact values, exact products) against q_t, post = 2^(top - 127) x 2^-6.
-    Otherwise (rare: blocks more than 2^14 apart within an entry, e.g. an all-zero block of a quantized key
-    next to large ones) one dot per block on the tile with the other blocks zeroed, in increasing scale order
-    per entry, the running sum scaled by 2^(s_prev - s_this) before each (same units and post). Both sum
-    exact products in fp32 (the powers of two are exact unless a partial sum falls below 2^-126 of the top
-    block's units, where fp32 drops it next to the top block's terms in any order).
-    """
-    packed = load_key_packed(values_ptr, pages, slot, entry_ok, CODE, D)  # [BLOCK_N, D / 32, 16]
-    exps = load_key_exponents(scales_ptr, pages, slot, entry_ok, CODE, D)  # [BLOCK_N, D / 32]
-    top = tl.max(exps, axis=1)
-    bf16_tile: tl.constexpr = q_t.dtype != tl.float8e4nv
-    if tl.max(top - tl.min(exps, axis=1), axis=0) <= SHIFT_RANGE:
-        k = shifted_key_tile(packed, exps - top[:, None], CODE, bf16_tile, INTERPRET)  # [BLOCK_N, D]
-        logits = _dot(k, q_t, INTERPRET)
-        post = pow2_tl(top) * SHIFTED_FACTOR
-    else:
-        # blocks in increasing scale order per entry (rank r: the r-th smallest, ties by index), Horner in fp32:
-        # logits = D_3 + 2^(s_2 - s_3) (D_2 + 2^(s_1 - s_2) (D_1 + ...)) with D_r = the rank-r block's dot at
-        # shift 0, accumulated by the tensor cores into the running sum (one fp32 tile live)
-        blocks = tl.arange(0, D // 32)[None, :]
-        rank = tl.zeros_like(exps)
-        for j in tl.static_range(D // 32):
-            e_j = tl.sum(tl.where(blocks == j, exps, 0), axis=1)[:, None]
-            rank += ((e_j < exps) | ((e_j == exps) & (j < blocks))).to(tl.int32)
-        logits = tl.zeros([exps.shape[0], q_t.shape[1]], dtype=tl.float32)
-        below = tl.zeros_like(top) - 1000  # exponent of the previous rank (none yet: its term is zero)
-        for r in range(D // 32):  # not unrolled: one block tile live at a time
-            here = tl.sum(tl.where(rank == r, exps, 0), axis=1)
-            k = shifted_key_tile(packed, tl.where(rank == r, 0, -127), CODE, bf16_tile, INTERPRET)
-            logits = _dot_acc(k, q_t, logits * _pow2_diff(below - here)[:, None], INTERPRET)
-            below = here
-        post = pow2_tl(top) * SHIFTED_FACTOR
-    return logits, post
-
-
-@triton.jit
 def _score_group_tile(n_start, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible, group_visible,
                       values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                       num_pages, max_pages, CODE: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr,
                       H: tl.constexpr,
                       BLOCK_N: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr,
-                      FP4_BLOCKS: tl.constexpr, FP4_SHIFTED: tl.constexpr):
+                      FP4_BLOCKS: tl.constexpr):
     """Scores of one key tile (entries n_start ..+BLOCK_N) for a query group: store [BLOCK_N, GROUP] columns."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     entry_ok = offs_n < group_visible
     pages = _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages)
     slot = offs_n % 64
-    if FP4_SHIFTED:
-        logits, post = _shifted_logits(values_ptr, scales_ptr, pages, slot, entry_ok, q_t, CODE, D, INTERPRET)
-    elif FP4_BLOCKS:
+    if FP4_BLOCKS:
         # sum over the four blocks of scale_b x (keys_b . q_b): the scale is a power of two, so each product
         # is exact and only the fp32 accumulation order differs from one dot over the dequantized keys
         words = load_key_block_scales(scales_ptr, pages, slot, entry_ok, CODE, D)
@@ -339,8 +281,6 @@ def _score_group_tile(n_start, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible
     scores = scale_key_scores(scores, scales_ptr, pages, slot, entry_ok, CODE, D, 0)
     if FP4_BLOCKS:  # the block tiles hold the keys times 2^-6: relu(2^6 x) w = 2^6 relu(x) w, exactly
         scores = scores * KEY_BLOCK_FACTOR
-    if FP4_SHIFTED:  # post > 0 is a power of two: relu(c x) w = c relu(x) w
-        scores = scores * post[:, None]
     result = tl.where(offs_n[:, None] < visible[None, :], scores, float("-inf"))
     tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None], result,
              mask=g_ok[None, :] & (offs_n[:, None] < width))

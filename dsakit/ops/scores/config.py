@@ -9,7 +9,7 @@ import torch
 from .._tuning import gpu_key
 
 KERNELS = ("auto", "tile", "group")
-DECODE_FP4 = ("blocks", "shifted", "dequant")
+DECODE_FP4 = ("blocks", "dequant")
 
 
 @dataclass(frozen=True)
@@ -25,13 +25,10 @@ class ScoresConfig:
     format's ``KeyCodec.decode_stages``) of the group kernel; decode_maxnreg: a register cap
     per thread for the group kernel (None = the compiler's choice; a lower cap lets more programs share an
     SM, at the risk of spills).
-    decode_fp4: how the group kernel reads fp4 keys: "shifted" (one dot per key tile on an e4m3 tile whose
-    blocks are shifted to the entry's largest block scale, that scale applied per entry to the head-summed
-    scores; tiles with an entry whose block scales spread over more than 2^14 take a per-block branch),
-    "blocks" (one dot per 32-element scale block on the e2m1 codes placed in e4m3 bits, each block's scale
-    applied to its dot's result per entry) - both on fp8 tensor cores when q is fp8 e4m3, bf16 otherwise -
-    or "dequant" (the keys dequantized to a bf16 tile in registers, one bf16 dot). All are exact; the prefill
-    kernel always dequantizes.
+    decode_fp4: how the group kernel reads fp4 keys: "blocks" (one dot per 32-element scale block on the e2m1
+    codes placed in e4m3 bits, each block's scale applied to its dot's result per entry; fp8 tensor cores when
+    q is fp8 e4m3, bf16 otherwise) or "dequant" (the keys dequantized to a bf16 tile in registers, one bf16
+    dot). Both are exact; the prefill kernel always dequantizes.
     """
 
     kernel: str = "auto"
@@ -50,7 +47,7 @@ class ScoresConfig:
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be 'auto', 'tile' or 'group', got {self.kernel!r}")
         if self.decode_fp4 not in DECODE_FP4:
-            raise ValueError(f"decode_fp4 must be 'blocks', 'shifted' or 'dequant', got {self.decode_fp4!r}")
+            raise ValueError(f"decode_fp4 must be 'blocks' or 'dequant', got {self.decode_fp4!r}")
         bt = self.prefill_block_t
         if isinstance(bt, bool) or not isinstance(bt, int) or bt < 16 or bt & (bt - 1):
             raise ValueError(f"block_t (prefill_block_t) must be a power of two >= 16, got {bt!r}")

@@ -14,13 +14,10 @@ of all entries then scales of all entries):
           multiplies the head-summed score per column (relu(c x) = c relu(x))
     fp4   values uint8 [64, 64] (low nibble = even element),      -> bf16 operand: e2m1 magnitude x 2^(s - 127),
           scales ue8m0 [64, 4] (one per 32 elements)                 exact in bf16 (<= 2 significant bits);
-                                                                     decode (ScoresConfig.decode_fp4 "shifted"):
-                                                                     one e4m3 operand, each block shifted to the
-                                                                     entry's largest block scale (exact within
-                                                                     2^14), that scale per entry on the scores;
-                                                                     "blocks": per 32-element block an e4m3
-                                                                     operand (e2m1 bits placed in e4m3 bits =
-                                                                     value x 2^-6), the block scale on its dot
+                                                                     decode (ScoresConfig.decode_fp4 "blocks"):
+                                                                     per 32-element block an e4m3 operand (the
+                                                                     e2m1 bits placed in e4m3 bits = value x 2^-6),
+                                                                     the block scale per entry on that block's dot
 
 Tensor-core operands (documented numerical semantics, tested against the reference run on the same
 rounded inputs with a tight bound):
@@ -30,8 +27,7 @@ rounded inputs with a tight bound):
                                                                 with fewer than fp32 mantissa bits (measured
                                                                 relative L2 6e-5 on the H200); exact under the
                                                                 interpreter
-    fp8 e4m3       fp4 decode   e4m3 x e4m3 (one dot, shifted;  as fp8 keys (decode_fp4 "shifted", the
-                                or per 32-dim block)            default, or "blocks")
+    fp8 e4m3       fp4 decode   e4m3 x e4m3 per 32-dim block    as fp8 keys (the default decode_fp4 "blocks")
     fp8 e4m3       bf16 / fp4   bf16 x bf16 (q upcast, exact)   none
     bf16           any          bf16 x bf16 (keys exact)        none
     fp32 / fp16    any          bf16 x bf16                     q rounded once to bf16 (nearest even)
@@ -316,8 +312,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         raise ValueError(f"{fmt.name} needs key tiles of whole pages (block_n a multiple of 64), got {config}")
     if tiles.kernel == "group":
         fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
-        fp4_shifted = codec.code == KeyCode.FP4 and config.decode_fp4 == "shifted"
-        bn = config.decode_block_n or (codec.blocks_block_n if fp4_blocks or fp4_shifted else codec.decode_block_n)
+        bn = config.decode_block_n or (codec.blocks_block_n if fp4_blocks else codec.decode_block_n)
         if config.decode_block_n is None and bn > 64 and tiles.size * num_heads > 64:
             # a 128-entry tile's [128, GROUP * H] fp32 logits spill on sm_90 from 128 columns on (fp8 keys:
             # 255 registers, serialized wgmma at 4 x 64); 64 entries keep them in registers
@@ -330,14 +325,13 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         per_program = config.decode_tiles_per_program or max(1, min(codec.decode_tiles, triton.cdiv(width, bn * 4)))
         grid = (tiles.num_tiles, triton.cdiv(width, bn * per_program))
         warps = config.decode_warps
-        if (fp4_blocks or fp4_shifted) and tiles.size * num_heads >= 128:
-            # a block's partial logits next to the running sum are two [BLOCK_N, GROUP * H] fp32 tiles (the
-            # shifted path's rare per-block branch too): from 128 query heads per program on they spill at 4
-            # warps on sm_90 (255 registers); 8 warps halve them
+        if fp4_blocks and tiles.size * num_heads >= 128:
+            # a block's partial logits next to the running sum are two [BLOCK_N, GROUP * H] fp32 tiles: from 128
+            # query heads per program on they spill at 4 warps on sm_90 (255 registers); 8 warps halve them
             warps = max(warps, 8)
         registers = {} if config.decode_maxnreg is None or interpreting() else {"maxnreg": config.decode_maxnreg}
         _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
-                                         FP4_BLOCKS=fp4_blocks, FP4_SHIFTED=fp4_shifted, num_warps=warps,
+                                         FP4_BLOCKS=fp4_blocks, num_warps=warps,
                                          num_stages=config.decode_stages or codec.decode_stages, **registers,
                                          **common)
         return out
