@@ -242,6 +242,9 @@ def main() -> int:
                     got = select_topk_stream(logits, k, buffers=buffers)
                     row["select_check"] = same_selection(got, logits, k)
                     row["select_paths"] = buffers.path_counts(rows)
+                    exact_rows = (buffers.stats[:rows, 0, 6] == 0).nonzero().flatten().tolist()
+                    # why a row took the exact passes: per split [> thr, == thr, any < thr, thr, -, fullest lane]
+                    row["select_exact_rows"] = {r: buffers.stats[r, :, :6].tolist() for r in exact_rows[:4]}
                     row["select_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers), graph=dev == "cuda")
                     row["select_speedup_vs_torch_topk"] = row["torch_topk_ms"] / row["select_ms"]
                     row["select_unsorted_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers, sort=False),

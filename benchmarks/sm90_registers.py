@@ -106,12 +106,14 @@ def cases(formats: list[str], quick: bool):
                 if codec.page_term and config.decode_block_n is None and group * heads >= 128:
                     block_n = 64  # launch_index_scores' choice for page-term formats
                 consts = dict(HAS_POS=False, HAS_Q_SCALE=q_scale, H=heads, GROUP=group, BLOCK_N=block_n,
-                              TILES_PER_PROGRAM=config.decode_tiles_per_program or codec.decode_tiles,
+                              TILES_PER_PROGRAM=config.decode_tiles_per_program
+                              or (codec.decode_tiles if group * heads <= 64 else 8),
                               FP4_BLOCKS=fp4_blocks)
                 warps = config.decode_warps
                 if fp4_blocks and group * heads >= 128:
                     warps = max(warps, 8)  # launch_index_scores' choice for fp4 blocks
-                yield "group", fmt, q_dtype, consts, warps, config.decode_stages or codec.decode_stages
+                yield "group", fmt, q_dtype, consts, warps, config.decode_stages or (
+                    codec.decode_stages if group * heads <= 64 else 3)
             for block_t in block_ts:
                 block_n = config.prefill_block_n
                 warps = config.prefill_warps or (4 if block_t * block_n <= 64 * 128 else 8)

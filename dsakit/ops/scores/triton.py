@@ -322,7 +322,12 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
             # heads per program on: with the page term's second dot they spill heavily or fail to compile on
             # sm_90; a 64-entry tile halves them
             bn = 64
-        per_program = config.decode_tiles_per_program or max(1, min(codec.decode_tiles, triton.cdiv(width, bn * 4)))
+        # the format's measured tiles / stages hold for programs of <= 64 query-head columns; wider programs
+        # (next_n >= 2 at 64 heads) ran faster on 8 tiles and 3 stages (vs_deepgemm_h200_165cbdd: scores at
+        # next_n 2 took 0.35 ms with 16 / 5 against ~0.31 ms before)
+        narrow = tiles.size * num_heads <= 64
+        tiles_default, stages_default = (codec.decode_tiles, codec.decode_stages) if narrow else (8, 3)
+        per_program = config.decode_tiles_per_program or max(1, min(tiles_default, triton.cdiv(width, bn * 4)))
         grid = (tiles.num_tiles, triton.cdiv(width, bn * per_program))
         warps = config.decode_warps
         if fp4_blocks and tiles.size * num_heads >= 128:
@@ -332,7 +337,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         registers = {} if config.decode_maxnreg is None or interpreting() else {"maxnreg": config.decode_maxnreg}
         _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
                                          FP4_BLOCKS=fp4_blocks, num_warps=warps,
-                                         num_stages=config.decode_stages or codec.decode_stages, **registers,
+                                         num_stages=config.decode_stages or stages_default, **registers,
                                          **common)
         return out
     bn = config.prefill_block_n

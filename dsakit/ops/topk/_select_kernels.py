@@ -83,8 +83,8 @@ def _narrow(key, valid, lo, hi, in_range, needed, BINS: tl.constexpr):
 @triton.jit
 def _sample_threshold(row_scores, n, K, CAP: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr):
     """Threshold key of a row: KEY_NEG_INF when n <= CAP (every candidate fits the buffer), else the key of
-    sample rank r = m + 4 sqrt(m) + 1 (m = SAMPLE * K / n, the expected sample rank of the k-th entry), so
-    that the entries >= thr include the top k and number about k * r / m, with a margin of ~4 standard
+    sample rank r = m + 5 sqrt(m) + 1 (m = SAMPLE * K / n, the expected sample rank of the k-th entry), so
+    that the entries >= thr include the top k and number about k * r / m, with a margin of ~5 standard
     deviations on both sides (below k: the row goes to the exact path; above CAP: same)."""
     thr = n * 0 + KEY_NEG_INF
     if n > CAP:
@@ -94,7 +94,7 @@ def _sample_threshold(row_scores, n, K, CAP: tl.constexpr, SAMPLE: tl.constexpr,
         inside = pos < n
         key, valid = _order_key(tl.load(row_scores + pos, mask=inside, other=float("-inf")), inside)
         m = (SAMPLE * 1.0 / n.to(tl.float32)) * K
-        rank = (m + 4.0 * tl.sqrt(m) + 1.0).to(tl.int32) + 1
+        rank = (m + 5.0 * tl.sqrt(m) + 1.0).to(tl.int32) + 1
         n_valid = tl.sum(valid.to(tl.int32), axis=0)
         if rank <= n_valid:
             lo = tl.min(tl.where(valid, key, INT32_MAX), axis=0)

@@ -87,9 +87,11 @@ class StreamConfig:
             # candidates near 1.5 k (each lane ~Poisson(1.5 k / lanes) below its 32 entries)
             sample = max(sample, triton.next_power_of_2(-(-64 * width // k)))
         sample = min(8192, max(256, sample))
-        # >= 32 entries per lane: lane counts are ~Poisson, and the fullest lane must fit (64 per lane with
-        # fewer, longer lanes measured 3-9 % slower on the H200 with no fewer exact-path rows)
-        lanes = max(16, min(128, cap // (splits * 32)))
+        # entries per lane: lane counts are ~Poisson and the fullest of the row's splits * lanes lanes must fit,
+        # or the row takes the exact whole-row passes (~0.5 ms for a 128K row on one SM). 64 per lane: with
+        # 32 per lane and 4 splits one row of a 256-row decode launch overflowed on the H200
+        # (vs_deepgemm_h200_165cbdd: select 0.73 ms instead of ~0.2); 64 costs 3-6 % in the common case
+        lanes = max(16, min(128, cap // (splits * 64)))
         v = max(8, 1024 // lanes)
         # a lane's tie list must reach past its first tile: with TCAP >= 2 V a full list ends in the lane's
         # second tile, so the ties known complete cover >= splits + 1 tiles of the row (the relu case)
