@@ -150,6 +150,8 @@ def main() -> int:
                 got = select_topk_stream(logits, k, buffers=buffers)
                 row["select_check"] = same_selection(got, logits, k)
                 row["select_paths"] = buffers.path_counts(t)
+                exact_rows = (buffers.stats[:t, 0, 6] == 0).nonzero().flatten().tolist()
+                row["select_exact_rows"] = {r: buffers.stats[r, :, :6].tolist() for r in exact_rows[:4]}
                 row["select_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers))
                 row["select_unsorted_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers, sort=False))
                 row["select_speedup_vs_torch_topk"] = row["torch_topk_ms"] / row["select_ms"]

@@ -81,10 +81,11 @@ def _narrow(key, valid, lo, hi, in_range, needed, BINS: tl.constexpr):
 
 
 @triton.jit
-def _sample_threshold(row_scores, n, K, CAP: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr):
+def _sample_threshold(row_scores, n, K, CAP: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr,
+                      MARGIN: tl.constexpr):
     """Threshold key of a row: KEY_NEG_INF when n <= CAP (every candidate fits the buffer), else the key of
-    sample rank r = m + 5 sqrt(m) + 1 (m = SAMPLE * K / n, the expected sample rank of the k-th entry), so
-    that the entries >= thr include the top k and number about k * r / m, with a margin of ~5 standard
+    sample rank r = m + MARGIN sqrt(m) + 1 (m = SAMPLE * K / n, the expected sample rank of the k-th entry), so
+    that the entries >= thr include the top k and number about k * r / m, with a margin of ~MARGIN standard
     deviations on both sides (below k: the row goes to the exact path; above CAP: same)."""
     thr = n * 0 + KEY_NEG_INF
     if n > CAP:
@@ -94,7 +95,7 @@ def _sample_threshold(row_scores, n, K, CAP: tl.constexpr, SAMPLE: tl.constexpr,
         inside = pos < n
         key, valid = _order_key(tl.load(row_scores + pos, mask=inside, other=float("-inf")), inside)
         m = (SAMPLE * 1.0 / n.to(tl.float32)) * K
-        rank = (m + 5.0 * tl.sqrt(m) + 1.0).to(tl.int32) + 1
+        rank = (m + MARGIN * tl.sqrt(m) + 1.0).to(tl.int32) + 1
         n_valid = tl.sum(valid.to(tl.int32), axis=0)
         if rank <= n_valid:
             lo = tl.min(tl.where(valid, key, INT32_MAX), axis=0)
@@ -115,7 +116,7 @@ def _filter_kernel(
     stats_ptr,                      # int32 [R, SPLITS, STATS]
     K,
     SPLITS: tl.constexpr, CAP: tl.constexpr, LANES: tl.constexpr, LCAP: tl.constexpr,
-    TCAP: tl.constexpr, V: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr,
+    TCAP: tl.constexpr, V: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr, MARGIN: tl.constexpr,
 ):
     """One pass over a split of a row. Split s of SPLITS streams the tiles s, s + SPLITS, s + 2 SPLITS, ...
     of LANES * V entries; a tile is [V, LANES]: lane l owns entries l * V .. l * V + V - 1 of it and appends
@@ -133,7 +134,7 @@ def _filter_kernel(
     n = tl.load(counts_ptr + row_id)
     row = row_id.to(tl.int64)
     row_scores = scores_ptr + row * stride_scores
-    thr = _sample_threshold(row_scores, n, K, CAP, SAMPLE, BINS)
+    thr = _sample_threshold(row_scores, n, K, CAP, SAMPLE, BINS, MARGIN)
 
     BLOCK: tl.constexpr = LANES * V
     part = row * SPLITS + split

@@ -174,6 +174,10 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
         scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
         buffers.lane_eq, buffers.stats, k, SPLITS=cfg.splits, CAP=cfg.cap, LANES=cfg.lanes,
         LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, V=cfg.v, SAMPLE=cfg.sample, BINS=cfg.bins,
+        # sample margin in standard deviations: split rows (decode) 5 (with 4, and 32 entries per lane, one row
+        # of a 256-row launch took the exact passes on the H200); whole rows 4 (5 sent 8 of 8192 rows, not 1,
+        # to the exact passes: more candidates fill more lanes)
+        MARGIN=5.0 if cfg.splits > 1 else 4.0,
         num_warps=cfg.num_warps)
     if stages == "filter":
         return
