@@ -249,8 +249,8 @@ def main() -> int:
                     row["select_exact_rows"] = {r: buffers.stats[r, :, :6].tolist() for r in exact_rows[:4]}
                     row["select_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers), graph=dev == "cuda")
                     row["select_speedup_vs_torch_topk"] = row["torch_topk_ms"] / row["select_ms"]
-                    row["select_unsorted_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers, sort=False),
-                                                      graph=dev == "cuda")
+                    row["select_unsorted_ms"] = bench(
+                        lambda: select_topk_stream(logits, k, buffers=buffers, sort=False), graph=dev == "cuda")
                     if "torch_topk_unsorted_ms" in row:
                         row["select_unsorted_speedup_vs_torch_topk_unsorted"] = (row["torch_topk_unsorted_ms"]
                                                                                  / row["select_unsorted_ms"])

@@ -46,7 +46,8 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
     fp8_like = [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (128, 16, 4, 5, None), (128, 16, 4, 6, None),
                 (128, 32, 4, 5, None), (128, 8, 4, 5, None), (128, 16, 8, 5, None)]
     per_case = {("fp8", None): fp8_like,
-                ("bf16", None): [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (128, 16, 4, 5, None), (64, 16, 4, 3, None)],
+                ("bf16", None): [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (128, 16, 4, 5, None),
+                                 (64, 16, 4, 3, None)],
                 ("fp4", "blocks"): [(64, 16, 4, 5, None), (64, 16, 4, 6, None), (128, 16, 4, 5, None),
                                     (64, 16, 4, 5, 80), (64, 32, 4, 6, None)]}
     for (fmt_name, fp4_mode), configs in per_case.items():

@@ -31,8 +31,9 @@ class KeyCodec:
     measured fastest on the H200 for this encoding (fp4: for ``ScoresConfig.decode_fp4 = "dequant"``;
     blocks_block_n: the tile of the per-block decode path, ``"blocks"``). decode_tiles / decode_stages: key
     tiles per program and pipeline stages of the decode kernel measured fastest for it at <= 64 query-head
-    columns per program (``ScoresConfig`` fields left at None take these; wider programs use 8 and 3). fp8_dot: the stored values can feed fp8 tensor cores as
-    they are (the per-entry scale is then applied per score column). page_term: the format keeps a side value
+    columns per program (``ScoresConfig`` fields left at None take these; wider programs use 8 and 3).
+    fp8_dot: the stored values can feed fp8 tensor cores as they are (the per-entry scale is then applied per
+    score column). page_term: the format keeps a side value
     per page (a page-centred format's centre): the scores kernels add a per-page term q . c to every logit
     and the store kernel runs twice (first the pages' side values, from their entry 0, then the entries).
     """

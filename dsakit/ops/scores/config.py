@@ -23,9 +23,8 @@ class ScoresConfig:
     page-centred formats from 128 query heads per program on), key tiles per program (None = min(the format's
     ``KeyCodec.decode_tiles``, enough to cover W in four programs' worth)), warps and stages (None = the
     format's ``KeyCodec.decode_stages``; 8 tiles and 3 stages above 64 query-head columns per program) of the
-    group kernel; decode_maxnreg: a register cap
-    per thread for the group kernel (None = the compiler's choice; a lower cap lets more programs share an
-    SM, at the risk of spills).
+    group kernel; decode_maxnreg: a register cap per thread for the group kernel (None = the compiler's
+    choice; a lower cap lets more programs share an SM, at the risk of spills).
     decode_fp4: how the group kernel reads fp4 keys: "blocks" (one dot per 32-element scale block on the e2m1
     codes placed in e4m3 bits, each block's scale applied to its dot's result per entry; fp8 tensor cores when
     q is fp8 e4m3, bf16 otherwise) or "dequant" (the keys dequantized to a bf16 tile in registers, one bf16

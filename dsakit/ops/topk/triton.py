@@ -9,9 +9,8 @@ Two entry points:
   selection, never holding a [T, N] matrix: query rows are scored ``rows_per_chunk`` at a time into one fp32
   workspace [rows_per_chunk, W] (W = batch.max_entries) by the scores kernel and each chunk is selected
   before the next one overwrites the workspace. On CUDA with several chunks and ``TopkConfig.overlap``
-  (opt-in; measured no faster on the H200) two half-size workspaces alternate: chunk i is selected on a high-priority side stream while
-  chunk i + 1 is scored on the caller's stream (the scores kernel is tensor-core bound, the select memory /
-  latency bound), ordered by events only.
+  (opt-in; measured no faster on the H200) two half-size workspaces alternate: chunk i is selected on a
+  high-priority side stream while chunk i + 1 is scored on the caller's stream, ordered by events only.
 
 Both select with the streaming select of :mod:`dsakit.ops.topk._select_stream` for k <= 4096 (one pass over
 the scores in the common case; ``SelectConfig.algorithm``) and with the multi-pass radix select below
