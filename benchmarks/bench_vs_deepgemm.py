@@ -115,6 +115,23 @@ def main() -> int:
     def bench(fn, graph=False):
         return median_ms(fn, dev, args.rep, graph=graph)
 
+    def select_alone(row: dict, logits: torch.Tensor, graph: bool) -> None:
+        """dsakit's streaming select alone on the same fp32 logits as torch.topk (row holds torch_topk_ms, and
+        torch_topk_unsorted_ms where the peer ran): exactness, paths, why rows took the exact passes, times."""
+        rows, width = logits.shape
+        buffers = SelectBuffers.allocate(rows, width, k, dev)
+        row["select_check"] = same_selection(select_topk_stream(logits, k, buffers=buffers), logits, k)
+        row["select_paths"] = buffers.path_counts(rows)
+        row["select_exact_rows"] = buffers.exact_row_stats(rows)
+        row["select_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers), graph=graph)
+        row["select_unsorted_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers, sort=False),
+                                          graph=graph)
+        row["select_speedup_vs_torch_topk"] = row["torch_topk_ms"] / row["select_ms"]
+        row["select_unsorted_speedup_vs_torch_topk"] = row["torch_topk_ms"] / row["select_unsorted_ms"]
+        if "torch_topk_unsorted_ms" in row:
+            row["select_unsorted_speedup_vs_torch_topk_unsorted"] = (row["torch_topk_unsorted_ms"]
+                                                                     / row["select_unsorted_ms"])
+
     for run in range(args.runs):
         if "prefill" in sections:
             for n in prefill_n:
@@ -146,20 +163,8 @@ def main() -> int:
                     logits = index_scores_triton(q, w, batch, q_scale=qs)
                     row["torch_topk_ms"] = bench(lambda: torch.topk(logits, k, dim=1))
                 # select alone on the same fp32 logits
-                buffers = SelectBuffers.allocate(t, n, k, dev)
-                got = select_topk_stream(logits, k, buffers=buffers)
-                row["select_check"] = same_selection(got, logits, k)
-                row["select_paths"] = buffers.path_counts(t)
-                exact_rows = (buffers.stats[:t, 0, 6] == 0).nonzero().flatten().tolist()
-                row["select_exact_rows"] = {r: buffers.stats[r, :, :6].tolist() for r in exact_rows[:4]}
-                row["select_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers))
-                row["select_unsorted_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers, sort=False))
-                row["select_speedup_vs_torch_topk"] = row["torch_topk_ms"] / row["select_ms"]
-                row["select_unsorted_speedup_vs_torch_topk"] = row["torch_topk_ms"] / row["select_unsorted_ms"]
-                if "torch_topk_unsorted_ms" in row:
-                    row["select_unsorted_speedup_vs_torch_topk_unsorted"] = (row["torch_topk_unsorted_ms"]
-                                                                             / row["select_unsorted_ms"])
-                del logits, buffers, got
+                select_alone(row, logits, graph=False)
+                del logits
                 # end to end
                 formats = ["fp8"] + (["bf16", "fp4"] if n == other_formats_n else [])
                 for name in formats:
@@ -240,20 +245,7 @@ def main() -> int:
                     if logits is None:
                         logits = plan.workspace.clone()
                         row["torch_topk_ms"] = bench(lambda: torch.topk(logits, k, dim=1))
-                    buffers = SelectBuffers.allocate(rows, n, k, dev)
-                    got = select_topk_stream(logits, k, buffers=buffers)
-                    row["select_check"] = same_selection(got, logits, k)
-                    row["select_paths"] = buffers.path_counts(rows)
-                    exact_rows = (buffers.stats[:rows, 0, 6] == 0).nonzero().flatten().tolist()
-                    # why a row took the exact passes: per split [> thr, == thr, any < thr, thr, -, fullest lane]
-                    row["select_exact_rows"] = {r: buffers.stats[r, :, :6].tolist() for r in exact_rows[:4]}
-                    row["select_ms"] = bench(lambda: select_topk_stream(logits, k, buffers=buffers), graph=dev == "cuda")
-                    row["select_speedup_vs_torch_topk"] = row["torch_topk_ms"] / row["select_ms"]
-                    row["select_unsorted_ms"] = bench(
-                        lambda: select_topk_stream(logits, k, buffers=buffers, sort=False), graph=dev == "cuda")
-                    if "torch_topk_unsorted_ms" in row:
-                        row["select_unsorted_speedup_vs_torch_topk_unsorted"] = (row["torch_topk_unsorted_ms"]
-                                                                                 / row["select_unsorted_ms"])
+                    select_alone(row, logits, graph=dev == "cuda")
                     qp = prepare_q(q)
                     row["dsakit_fp8_scores_ms"] = bench(  # the scores kernel alone, as DeepGEMM's logits
                         lambda: launch_index_scores(qp, w, batch, plan.workspace[:, :n], plan.tiles, q_scale=qs,
@@ -290,7 +282,7 @@ def main() -> int:
                     report["decode"].append(row)
                     print({key: (round(v, 4) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
                     write_json(path, report)
-                    del plan, buffers, logits
+                    del plan, logits
                 del pool
 
     report["meta"]["total_s"] = time.time() - t_start

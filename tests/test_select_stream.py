@@ -138,3 +138,22 @@ def test_cached_launch_in_row_slices(triton_backend):
     for row, c in enumerate(counts.tolist()):
         masked[row, c:] = float("-inf")
     assert torch.equal(out.cpu(), reference_select(masked, 5))
+
+
+def test_exact_row_stats_name_the_rows_and_why(triton_backend):
+    """exact_row_stats lists the rows that took the exact passes, with each split's counters: the rows with
+    fewer than k entries >= the threshold show it, and rows from the other paths are not listed."""
+    from dsakit.ops.topk._select_stream import SelectBuffers, select_topk_stream
+
+    scores = _rows(256).to(_device())
+    buffers = SelectBuffers.allocate(8, 256, 12, scores.device, _config(2))
+    select_topk_stream(scores, 12, buffers=buffers)
+    paths = buffers.stats[:8, 0, 6].cpu()
+    stats = buffers.exact_row_stats(8, most=8)
+    assert sorted(stats) == [r for r in range(8) if paths[r] == 0] and stats
+    for row, splits in stats.items():
+        assert len(splits) == 2 and all(len(words) == 6 for words in splits)
+        n_ge = sum(words[0] + words[1] for words in splits)
+        overflow = max(words[5] for words in splits) > buffers.config.lane_cap
+        assert overflow or n_ge < 12, (row, splits)  # the two reasons a row leaves the buffered path
+    assert len(buffers.exact_row_stats(8, most=1)) == 1

@@ -156,6 +156,14 @@ class SelectBuffers:
         path = self.stats[:rows, 0, 6].cpu()
         return {"buffer": int((path == 1).sum()), "ties": int((path == 2).sum()), "exact": int((path == 0).sum())}
 
+    def exact_row_stats(self, rows: int, most: int = 4) -> dict:
+        """Why the first ``most`` of the first ``rows`` rows that took the exact passes did (host sync;
+        benchmarks): {row: per split [entries > thr, entries == thr, any candidate < thr, thr, unused, fullest
+        lane count]}; a fullest lane above ``config.lane_cap`` overflowed, fewer than k entries >= thr with a
+        candidate below it means the sampled threshold was too high."""
+        exact = (self.stats[:rows, 0, 6] == 0).nonzero().flatten().tolist()[:most]
+        return {row: self.stats[row, :, :6].tolist() for row in exact}
+
 
 def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int, sort: bool,
                          buffers: SelectBuffers, *, slots: torch.Tensor | None = None,
