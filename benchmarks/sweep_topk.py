@@ -172,6 +172,10 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "sweep_topk.json"
     report = {"meta": environment(args.device, args.commit), "decode": [], "select": [], "prefill": []}
+    # launch choices only: the speed claims against the peer come from bench_vs_deepgemm.py in the same process
+    report["meta"].update(deep_gemm_version=None, peer="none in this file: a launch-configuration sweep of "
+                          "dsakit kernels (torch.topk on the same scores); ratios against DeepGEMM + "
+                          "torch.topk come from bench_vs_deepgemm.py")
     start = time.time()
     sections = {"decode": decode_section, "select": select_section, "prefill": prefill_section}
     for name in args.sections.split(","):
