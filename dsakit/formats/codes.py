@@ -57,8 +57,10 @@ class KeyCodec:
 
 
 KEY_CODECS: dict[str, KeyCodec] = {
-    # decode tiles / stages measured on the H200 at B = 64 x N = 64K / 128K, H 64 (sweep_topk_h200_1ceb8eb):
-    # bf16 0.293 -> 0.284 ms at 64K, fp8 0.198 -> 0.168 ms (BLOCK_N 128), fp4 "blocks" 0.332 -> 0.279 ms
+    # decode tiles / stages chosen on the H200 at B = 64 x N = 64K / 128K, H 64 (launch sweep
+    # sweep_topk_h200_1ceb8eb): bf16 0.293 -> 0.284 ms at 64K, fp8 0.198 -> 0.168 ms (BLOCK_N 128), fp4
+    # "blocks" 0.332 -> 0.279 ms; fp8 confirmed beside DeepGEMM's logits (0.168 vs 0.149 ms,
+    # vs_deepgemm_h200_b8bb071_run{1,2})
     "bf16": KeyCodec(KeyCode.BF16, decode_block_n=64, decode_tiles=16, decode_stages=5),
     "fp8": KeyCodec(KeyCode.FP8, decode_block_n=128, fp8_dot=True, decode_tiles=16, decode_stages=5),
     "fp4": KeyCodec(KeyCode.FP4, decode_block_n=128, decode_tiles=16, decode_stages=5),
