@@ -41,10 +41,13 @@ HEADS = 64
 def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, formats: str = "") -> None:
     b = 2 if smoke else 64
     sizes = [300] if smoke else [65536, 131072]
-    # (BLOCK_N, key tiles per program, warps, stages, register cap) per case; the first sweep
+    # (BLOCK_N, key tiles per program, warps, stages, register cap[, decode_loads]) per case; the first sweep
     # (sweep_topk_h200_8cb899a) picked BLOCK_N 128 / 16 tiles / 5 stages for fp8; this list refines around it
-    fp8_like = [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (128, 16, 4, 5, None), (128, 16, 4, 6, None),
-                (128, 32, 4, 5, None), (128, 8, 4, 5, None), (128, 16, 8, 5, None)]
+    # (sweep_topk_h200_8cb899a) picked BLOCK_N 128 / 16 tiles / 5 stages for fp8 ("gather"); "tma" rows: one
+    # bulk copy per 64-entry page, tiles per program = pages
+    fp8_like = [(128, 16, 4, 5, None), (64, 32, 4, 5, None, "tma"), (64, 32, 4, 4, None, "tma"),
+                (64, 32, 4, 6, None, "tma"), (64, 32, 4, 8, None, "tma"), (64, 16, 4, 6, None, "tma"),
+                (64, 64, 4, 6, None, "tma"), (64, 32, 8, 6, None, "tma"), (64, 32, 4, 3, None, "tma")]
     per_case = {("fp8", None): fp8_like,
                 ("bf16", None): [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (128, 16, 4, 5, None),
                                  (64, 16, 4, 3, None)],
@@ -64,12 +67,14 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
             tiles = plan_decode_tiles(b, 1, HEADS, dev)
             out = torch.empty(b, n, device=dev)
             qp = prepare_q(q)
-            for bn, per_prog, warps, stages, maxnreg in configs:
+            for bn, per_prog, warps, stages, maxnreg, *loads in configs:
                 extra = {} if fp4_mode is None else {"decode_fp4": fp4_mode}
+                if loads:
+                    extra["decode_loads"] = loads[0]
                 cfg = ScoresConfig(kernel="group", decode_block_n=bn, decode_tiles_per_program=per_prog,
                                    decode_warps=warps, decode_stages=stages, decode_maxnreg=maxnreg, **extra)
                 row = {"section": "decode", "format": fmt_name, "fp4_mode": fp4_mode, "B": b, "N": n,
-                       "config": [bn, per_prog, warps, stages, maxnreg]}
+                       "config": [bn, per_prog, warps, stages, maxnreg, *loads]}
 
                 def run(cfg=cfg):
                     launch_index_scores(qp, w, batch, out, tiles, q_scale=qs, config=cfg)
@@ -91,6 +96,13 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
 def _stream_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]]:
     base = StreamConfig.default(rows, n, k)
     out = [("default", base)]
+    if hasattr(base, "order_chunks"):  # the sort split over C programs per row (chunk sorts + rank merge)
+        for chunks in ((2, 4) if rows >= 1024 else (2, 4, 8, 16, 32)):
+            if chunks != base.order_chunks:
+                out.append((f"order_chunks={chunks}", dataclasses.replace(base, order_chunks=chunks)))
+        if rows < 1024:
+            out.append(("order_chunks=8,warps=2", dataclasses.replace(base, order_chunks=8, order_warps=2)))
+            out.append(("order_chunks=16,warps=2", dataclasses.replace(base, order_chunks=16, order_warps=2)))
     if hasattr(base, "rank_order"):  # the parallel rank order (few rows) against the bitonic sort
         out.append((f"rank_order={not base.rank_order}", dataclasses.replace(base, rank_order=not base.rank_order)))
         # the first sweep's tiles ([128, 256] compares per step) spilled: small tiles, <= 32 compares a thread
@@ -102,7 +114,7 @@ def _stream_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]
 
 def select_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) -> None:
     k = 16 if smoke else 2048
-    shapes = [(4, 512)] if smoke else [(64, 131072), (64, 65536)]
+    shapes = [(4, 512)] if smoke else [(64, 131072), (64, 65536), (256, 131072), (8192, 65536)]
     for rows, n in shapes:
         for kind in ("relu_like",):
             scores = make_scores(kind, rows, n, dev, seed=0)

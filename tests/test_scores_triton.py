@@ -675,3 +675,44 @@ def test_decode_launch_defaults(monkeypatch, fmt_name, next_n, expected):
     assert (kw["BLOCK_N"], kw["TILES_PER_PROGRAM"], kw["num_stages"]) == (block_n, tiles, stages)
     assert grid == (b, -(-width // (block_n * tiles)))
     assert "maxnreg" not in kw  # no register cap unless asked
+
+
+@pytest.mark.parametrize("fmt_name", ["fp8", "fp8-ue8m0"])
+def test_decode_tma_page_loads(fmt_name, device):
+    """decode_loads="tma" (one bulk copy per page) gives the gather path's scores bitwise for fp8 keys with e4m3
+    queries, with positions, a partial last page, several queries per sequence and a q_scale; other formats
+    and query dtypes fall back to the gather path (same result); bad page ids of an unchecked batch stay in
+    the pool and nothing is written outside out."""
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("bulk tensor copies need sm_90+")
+    fmt, pool, table, counts, _ = make_cache(fmt_name, [150, 64, 3], device)
+    gen = torch.Generator().manual_seed(11)
+    query_seq = torch.tensor([0, 0, 1, 2, 2], dtype=torch.int32)
+    positions = torch.tensor([149, 90, 63, 0, 2], dtype=torch.int32)
+    t, h = 5, 16
+    q = torch.randn(t, h, 128, generator=gen).to(torch.float8_e4m3fn)
+    w = torch.rand(t, h, generator=gen) - 0.25
+    q_scale = torch.rand(t, h, generator=gen) + 0.5
+    ref = reference_scores(q.float(), w * q_scale, pool, fmt, table, counts, query_seq, positions)
+    args = (q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device), positions.to(device), 1)
+    outs = [run_kernel(*args, kernel="group", q_scale=q_scale.to(device), decode_loads=mode,
+                       decode_tiles_per_program=2) for mode in ("gather", "tma")]
+    assert_scores_match(outs[1], ref, tight_rtol(fmt_name, q.dtype, device))
+    if device == "cpu":
+        assert torch.equal(outs[0], outs[1])
+    else:  # the same e4m3 products, one 64-entry tile per dot instead of 128
+        assert_scores_match(outs[1], outs[0], TIGHT_RTOL_FP8_DOT_GPU)
+    q_bf16 = q.float().to(torch.bfloat16).to(device)  # not e4m3: the gather path, same scores
+    assert_scores_match(run_kernel(q_bf16, *args[1:], kernel="group", decode_loads="tma"),
+                        reference_scores(q.float(), w, pool, fmt, table, counts, query_seq, positions))
+
+    bad_table = table.clone()
+    bad_table[0, 1] = 10_000  # not a page of the pool
+    bad_table[1, 0] = -7
+    bad_counts = torch.tensor([150, 500, 3], dtype=torch.int32, device=device)
+    ws = torch.full((t + 2, 600), float("nan"), device=device)
+    out = scores_kernel(q.to(device), w.to(device), pool, fmt, bad_table, bad_counts, query_seq.to(device), None,
+                        1, out=ws[:, :512], validate=False, kernel="group", decode_loads="tma")
+    assert not torch.isnan(out).any() and torch.isnan(ws[t:]).all() and torch.isnan(ws[:, 512:]).all()
+    with pytest.raises(ValueError, match="decode_loads"):
+        ScoresConfig(decode_loads="bulk")

@@ -157,3 +157,35 @@ def test_exact_row_stats_name_the_rows_and_why(triton_backend):
         overflow = max(words[5] for words in splits) > buffers.config.lane_cap
         assert overflow or n_ge < 12, (row, splits)  # the two reasons a row leaves the buffered path
     assert len(buffers.exact_row_stats(8, most=1)) == 1
+
+
+@pytest.mark.parametrize("chunks", [2, 4, 64])
+def test_chunked_order_equals_single_program_sort(triton_backend, chunks):
+    """order_chunks > 1 (chunks sorted by separate programs, then each entry placed at its rank by binary
+    searches) gives the one-program sort's output bitwise: every rule row, k not a power of two (padded
+    chunks), rows with fewer candidates than k (-1 padding), ties, and the global slots of a paged batch."""
+    from dataclasses import replace
+
+    from dsakit.ops.topk._select_stream import SelectBuffers, launch_stream_select
+
+    scores = _rows(256).to(_device())
+    counts = torch.tensor([256, 200, 7, 0, 33, 256, 255, 64], dtype=torch.int32, device=scores.device)
+    k = 40  # k_pad 64: chunks of 32 / 16 entries; 64 chunks are cut to 4 (chunks of >= 16 entries)
+    table = torch.randperm(40, dtype=torch.int32).view(8, 5).to(scores.device)
+    seq = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7], dtype=torch.int32, device=scores.device)
+    results = []
+    for order_chunks in (1, chunks):
+        config = replace(_config(), order_chunks=order_chunks)
+        buffers = SelectBuffers.allocate(8, 256, k, scores.device, config)
+        out = torch.full((8, k), -5, dtype=torch.int32, device=scores.device)
+        slots = torch.full((8, k), -5, dtype=torch.int32, device=scores.device)
+        launch_stream_select(scores, counts, out, k, True, buffers, slots=slots, seq=seq, block_table=table)
+        results.append((out.cpu(), slots.cpu()))
+    masked = scores.cpu().clone()
+    for row, c in enumerate(counts.tolist()):
+        masked[row, c:] = float("-inf")
+    assert torch.equal(results[0][0], reference_select(masked, k))
+    assert torch.equal(results[1][0], results[0][0])
+    assert torch.equal(results[1][1], results[0][1])
+    with pytest.raises(ValueError, match="order_chunks"):
+        replace(_config(), order_chunks=3).validate()

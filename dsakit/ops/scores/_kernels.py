@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...formats.triton import FP8 as FP8_CODE
 from ...formats.triton import (KEY_BLOCK_FACTOR, key_block_scale, load_key_block, load_key_block_scales,
                                load_key_page_rows, load_key_page_tile, load_key_tile, load_logit_scales,
                                scale_key_logits, scale_key_scores)
@@ -281,6 +282,92 @@ def _score_group_tile(n_start, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible
     scores = scale_key_scores(scores, scales_ptr, pages, slot, entry_ok, CODE, D, 0)
     if FP4_BLOCKS:  # the block tiles hold the keys times 2^-6: relu(2^6 x) w = 2^6 relu(x) w, exactly
         scores = scores * KEY_BLOCK_FACTOR
+    result = tl.where(offs_n[:, None] < visible[None, :], scores, float("-inf"))
+    tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None], result,
+             mask=g_ok[None, :] & (offs_n[:, None] < width))
+
+
+@triton.jit
+def _index_scores_group_tma_kernel(
+    q_ptr, w_ptr, q_scale_ptr, key_desc, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
+    tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
+    width, ratio, num_pages, num_seqs, max_pages,
+    stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
+    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr,
+    PAGES_PER_PROGRAM: tl.constexpr, PAGE_ROWS: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """The group kernel for fp8 keys with e4m3 queries, one whole page per key tile, loaded by the tensor
+    memory accelerator: key_desc views the pool as rows of D e4m3 bytes (PAGE_ROWS rows per page, the page's
+    64 key rows first), block [64, D]. A page's keys are one contiguous box, so a paged batch needs no gather:
+    one bulk copy per page, issued stages ahead by the pipeliner, with no address registers per entry."""
+    group = tl.program_id(0)
+    seq = tl.minimum(tl.load(tile_seq_ptr + group), num_seqs - 1)
+    first = tl.load(tile_start_ptr + group)
+    length = tl.load(tile_len_ptr + group)
+    count = tl.load(counts_ptr + seq)
+
+    offs_g = tl.arange(0, GROUP)
+    g_ok = offs_g < length
+    g_rows = tl.load(rows_ptr + first + offs_g, mask=g_ok, other=0).to(tl.int64)  # [GROUP]
+    if HAS_POS:
+        pos = tl.load(pos_ptr + g_rows, mask=g_ok, other=0).to(tl.int64)  # int64: see the tile kernel
+        visible = tl.minimum(tl.maximum((pos + 1) // ratio, 0), count).to(count.dtype)
+    else:
+        visible = tl.zeros([GROUP], dtype=tl.int32) + count
+    visible = tl.where(g_ok, visible, 0)
+    group_visible = tl.max(visible, axis=0)
+
+    offs_c = tl.arange(0, GROUP * H)
+    c_query = offs_c // H
+    c_head = offs_c % H
+    c_ok = c_query < length
+    c_rows = tl.load(rows_ptr + first + c_query, mask=c_ok, other=0).to(tl.int64)
+    dims = tl.arange(0, D)
+    q_t = tl.load(q_ptr + c_rows[None, :] * stride_qt + c_head[None, :] * stride_qh + dims[:, None],
+                  mask=c_ok[None, :], other=0.0).to(tl.float8e4nv)  # [D, GROUP * H]
+    w = tl.load(w_ptr + c_rows * stride_wt + c_head * stride_wh, mask=c_ok, other=0.0).to(tl.float32)
+    if HAS_Q_SCALE:
+        w *= tl.load(q_scale_ptr + c_rows * stride_st + c_head * stride_sh, mask=c_ok, other=0.0)
+
+    chunk_start = tl.program_id(1) * (PAGES_PER_PROGRAM * 64)
+    if INTERPRET:
+        # the interpreter cannot take a computed loop bound (see the group kernel)
+        for i in range(PAGES_PER_PROGRAM):
+            _score_tma_page(chunk_start + i * 64, key_desc, q_t, w, seq, g_rows, g_ok, visible, group_visible,
+                            scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out, num_pages,
+                            max_pages, GROUP, H, PAGE_ROWS, D)
+    else:
+        busy = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, 64), 0), PAGES_PER_PROGRAM)
+        for i in range(0, busy):
+            _score_tma_page(chunk_start + i * 64, key_desc, q_t, w, seq, g_rows, g_ok, visible, group_visible,
+                            scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out, num_pages,
+                            max_pages, GROUP, H, PAGE_ROWS, D)
+        for i in range(busy, PAGES_PER_PROGRAM):
+            offs_n = chunk_start + i * 64 + tl.arange(0, 64)
+            tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None],
+                     tl.full([64, GROUP], float("-inf"), tl.float32),
+                     mask=g_ok[None, :] & (offs_n[:, None] < width))
+
+
+@triton.jit
+def _score_tma_page(n_start, key_desc, q_t, w, seq, g_rows, g_ok, visible, group_visible, scales_ptr,
+                    block_table_ptr, out_ptr, width, stride_bt, stride_out, num_pages, max_pages,
+                    GROUP: tl.constexpr, H: tl.constexpr, PAGE_ROWS: tl.constexpr, D: tl.constexpr):
+    """Scores of the page holding entries n_start .. n_start + 63 (n_start a multiple of 64, < group_visible)."""
+    column = tl.minimum(n_start // 64, max_pages - 1)
+    page = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + column)
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # memory safety, as _load_pages
+    k = key_desc.load([page * PAGE_ROWS, 0])  # [64, D] e4m3, unscaled
+    logits = tl.dot(k, q_t)  # [64, GROUP * H]
+    weighted = tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
+    if GROUP == 1:
+        scores = tl.sum(weighted, axis=1)[:, None]  # [64, 1]
+    else:
+        scores = tl.sum(tl.reshape(weighted, (64, GROUP, H)), axis=2)  # [64, GROUP]
+    offs_n = n_start + tl.arange(0, 64)
+    entry_ok = offs_n < group_visible
+    pages = tl.zeros([64], dtype=tl.int64) + page
+    scores = scale_key_scores(scores, scales_ptr, pages, offs_n % 64, entry_ok, FP8_CODE, D, 0)
     result = tl.where(offs_n[:, None] < visible[None, :], scores, float("-inf"))
     tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None], result,
              mask=g_ok[None, :] & (offs_n[:, None] < width))

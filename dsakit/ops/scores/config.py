@@ -10,6 +10,7 @@ from .._tuning import gpu_key
 
 KERNELS = ("auto", "tile", "group")
 DECODE_FP4 = ("blocks", "dequant")
+DECODE_LOADS = ("gather", "tma")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class ScoresConfig:
     codes placed in e4m3 bits, each block's scale applied to its dot's result per entry; fp8 tensor cores when
     q is fp8 e4m3, bf16 otherwise) or "dequant" (the keys dequantized to a bf16 tile in registers, one bf16
     dot). Both are exact; the prefill kernel always dequantizes.
+    decode_loads: how the group kernel reads fp8 keys with e4m3 queries: "gather" (per-entry addresses through
+    the block table, asynchronous copies) or "tma" (one bulk tensor-memory-accelerator copy per 64-entry page,
+    Hopper and later; key tiles are then one page, decode_block_n is ignored and decode_tiles_per_program
+    counts pages). Other formats and query dtypes always gather.
     """
 
     kernel: str = "auto"
@@ -42,12 +47,15 @@ class ScoresConfig:
     decode_stages: int | None = None
     decode_fp4: str = "blocks"
     decode_maxnreg: int | None = None
+    decode_loads: str = "gather"
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be 'auto', 'tile' or 'group', got {self.kernel!r}")
         if self.decode_fp4 not in DECODE_FP4:
             raise ValueError(f"decode_fp4 must be 'blocks' or 'dequant', got {self.decode_fp4!r}")
+        if self.decode_loads not in DECODE_LOADS:
+            raise ValueError(f"decode_loads must be 'gather' or 'tma', got {self.decode_loads!r}")
         bt = self.prefill_block_t
         if isinstance(bt, bool) or not isinstance(bt, int) or bt < 16 or bt & (bt - 1):
             raise ValueError(f"block_t (prefill_block_t) must be a power of two >= 16, got {bt!r}")

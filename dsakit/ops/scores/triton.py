@@ -64,11 +64,12 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...batch import PagedBatch, check_batch_queries, check_same_device, upload
 from ...formats import INDEX_HEAD_DIM, KeyFormat, key_codec
 from ...formats.codes import KeyCode
-from ._kernels import _index_scores_group_kernel, _index_scores_tile_kernel
+from ._kernels import _index_scores_group_kernel, _index_scores_group_tma_kernel, _index_scores_tile_kernel
 from .config import ScoresConfig
 
 _FP8_Q_DTYPES = (torch.float8_e4m3fn,)
@@ -278,6 +279,19 @@ def prepare_q(q: torch.Tensor) -> torch.Tensor:
     return q if q.stride(2) == 1 else q.contiguous()
 
 
+def _tma_pages(codec, fp8_dot: bool, pool: torch.Tensor) -> bool:
+    """Whether the group kernel can read this pool's keys page by page with bulk tensor copies: plain fp8
+    keys with e4m3 queries (the page's 64 x 128 key bytes are one box at byte 0), a GPU with the tensor memory
+    accelerator (sm_90+; the interpreter emulates it), and row coordinates that fit the copy's int32."""
+    if codec.code != KeyCode.FP8 or not fp8_dot or codec.page_term:
+        return False
+    if pool.shape[1] % INDEX_HEAD_DIM or pool.shape[0] * (pool.shape[1] // INDEX_HEAD_DIM) >= 2 ** 31:
+        return False
+    if interpreting():
+        return True
+    return pool.is_cuda and torch.cuda.get_device_capability(pool.device)[0] >= 9
+
+
 def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, out: torch.Tensor,
                         tiles: QueryTiles, *, start: int = 0, q_scale: torch.Tensor | None = None,
                         config: ScoresConfig) -> torch.Tensor:
@@ -310,6 +324,20 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
     if codec.page_term and (config.prefill_block_n % 64 or (config.decode_block_n or 64) % 64):
         # the per-page term is computed for whole pages of a key tile
         raise ValueError(f"{fmt.name} needs key tiles of whole pages (block_n a multiple of 64), got {config}")
+    if tiles.kernel == "group" and config.decode_loads == "tma" and _tma_pages(codec, fp8_dot, pool):
+        narrow = tiles.size * num_heads <= 64
+        pages_default = codec.decode_tiles * codec.decode_block_n // 64 if narrow else 8
+        per_program = config.decode_tiles_per_program or max(1, min(pages_default, triton.cdiv(width, 64 * 4)))
+        grid = (tiles.num_tiles, triton.cdiv(width, 64 * per_program))
+        key_rows = pool.view(torch.float8_e4m3fn).view(-1, d)  # [P * PAGE_ROWS, D]: a page's keys, then its scales
+        key_desc = TensorDescriptor(key_rows, list(key_rows.shape), list(key_rows.stride()), [64, d])
+        tma_args = args[:3] + (key_desc,) + args[4:]
+        _index_scores_group_tma_kernel[grid](
+            *tma_args, HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, H=num_heads, GROUP=tiles.size,
+            PAGES_PER_PROGRAM=per_program, PAGE_ROWS=fmt.page_bytes // d, D=d, INTERPRET=interpreting(),
+            num_warps=config.decode_warps,
+            num_stages=config.decode_stages or (codec.decode_stages if narrow else 3))
+        return out
     if tiles.kernel == "group":
         fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
         bn = config.decode_block_n or (codec.blocks_block_n if fp4_blocks else codec.decode_block_n)

@@ -364,3 +364,58 @@ def _order_kernel(
     tl.store(out_row + col, idx, mask=col < K)
     if WITH_SLOTS:
         _store_slots(slots_ptr, stride_slots, seq_ptr, table_ptr, stride_table, row, idx, filled, col, K)
+
+
+@triton.jit
+def _order_chunk_kernel(
+    sel_key_ptr, sel_idx_ptr, sel_count_ptr, sorted_ptr, stride_sorted, K,
+    CHUNK: tl.constexpr,
+):
+    """Grid (rows, K_PAD // CHUNK): sort chunk c of a row's selected entries (positions c CHUNK ..+ CHUNK of
+    sel_key / sel_idx) by (key desc, index asc) as packed int64 (key << 32 | 0x7FFFFFFF - index), unfilled
+    positions as INT64_MIN (last), into sorted_ptr [R, >= K_PAD] at the same positions."""
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    written = tl.load(sel_count_ptr + row)
+    filled = col < written
+    key = tl.load(sel_key_ptr + row * K + col, mask=filled, other=0)
+    idx = tl.load(sel_idx_ptr + row * K + col, mask=filled, other=0)
+    packed = key.to(tl.int64) * 4294967296 + (0x7FFFFFFF - idx).to(tl.int64)
+    packed = tl.sort(tl.where(filled, packed, -9223372036854775807 - 1), descending=True)
+    tl.store(sorted_ptr + row * stride_sorted + col, packed)
+
+
+@triton.jit
+def _order_merge_kernel(
+    out_ptr, stride_out, sorted_ptr, stride_sorted, sel_count_ptr,
+    slots_ptr, stride_slots, seq_ptr, table_ptr, stride_table,  # as _order_kernel (WITH_SLOTS)
+    K,
+    CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr, CHUNKS: tl.constexpr, WITH_SLOTS: tl.constexpr,
+):
+    """Grid (rows, CHUNKS): place chunk c's sorted entries at their rank in the whole row. Packed values are
+    distinct (the index is in them), so an entry's output position is the number of entries of the row
+    above it: the sum over the CHUNKS sorted chunks of how many of theirs are larger (a binary search each,
+    log2(CHUNK) + 1 probes). Positions >= the selected count get -1."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    local = tl.arange(0, CHUNK)
+    col = c * CHUNK + local
+    written = tl.load(sel_count_ptr + row)
+    filled = col < written  # sorted chunks keep their filled entries first
+    base = sorted_ptr + row * stride_sorted
+    mine = tl.load(base + col)
+    position = tl.zeros([CHUNK], dtype=tl.int32)
+    for other in tl.static_range(CHUNKS):
+        larger = tl.zeros([CHUNK], dtype=tl.int32)  # entries of chunk `other` > mine (a prefix of it)
+        for level in tl.static_range(LOG_CHUNK + 1):  # steps CHUNK, CHUNK / 2, .., 1
+            probe = larger + ((CHUNK >> level) - 1)
+            inside = probe < CHUNK
+            value = tl.load(base + other * CHUNK + probe, mask=inside, other=-9223372036854775807 - 1)
+            larger = tl.where(inside & (value > mine), larger + (CHUNK >> level), larger)
+        position += larger
+    idx = 0x7FFFFFFF - (mine & 0xFFFFFFFF).to(tl.int32)
+    target = tl.where(filled, position, col)
+    idx = tl.where(filled, idx, -1)
+    tl.store(out_ptr + row * stride_out + target, idx, mask=target < K)
+    if WITH_SLOTS:
+        _store_slots(slots_ptr, stride_slots, seq_ptr, table_ptr, stride_table, row, idx, filled, target, K)

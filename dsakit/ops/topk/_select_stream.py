@@ -32,7 +32,8 @@ import torch
 import triton
 
 from ._inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
-from ._select_kernels import STATS, _filter_kernel, _final_kernel, _order_kernel
+from ._select_kernels import (STATS, _filter_kernel, _final_kernel, _order_chunk_kernel, _order_kernel,
+                              _order_merge_kernel)
 
 STREAM_MAX_K = 4096
 MAX_BLOCK = 16384  # the filter packs two per-tile ranks into one int32 prefix sum (16 bits each)
@@ -51,7 +52,10 @@ class StreamConfig:
     splits and lanes); lanes: buffer lanes per program (each lane owns v consecutive entries of every
     tile of lanes * v entries and cap // (splits * lanes) buffer entries); tie_cap: entries of each lane's
     list of the first indices equal to the threshold; sample: entries of the threshold sample (>= 32);
-    num_warps / final_warps / order_warps: the three kernels; bins: histogram buckets of the narrowing."""
+    num_warps / final_warps / order_warps: the three kernels; bins: histogram buckets of the narrowing;
+    order_chunks: programs per row of the sort (1: one program sorts the row's k winners; C > 1: C programs
+    each sort next_pow2(k) / C of them, then C programs place each entry at its rank by binary searches in the
+    sorted chunks: two launches, but the latency of a few rows spread over C times more SMs)."""
 
     splits: int
     cap: int
@@ -63,6 +67,7 @@ class StreamConfig:
     final_warps: int
     order_warps: int
     bins: int
+    order_chunks: int = 1
 
     @property
     def lane_cap(self) -> int:
@@ -108,6 +113,9 @@ class StreamConfig:
                 or self.splits * self.lanes * self.tie_cap > 16384:
             raise ValueError(f"config out of range (sample >= 32, bins >= 32, cap <= 16384 and >= splits * lanes, "
                              f"lanes * v >= 16, splits * lanes * tie_cap <= 16384): {self}")
+        oc = self.order_chunks
+        if isinstance(oc, bool) or not isinstance(oc, int) or oc < 1 or oc & (oc - 1) or oc > 64:
+            raise ValueError(f"order_chunks must be a power of two in 1..64, got {oc!r}")
         for name in ("num_warps", "final_warps", "order_warps"):
             value = getattr(self, name)
             if isinstance(value, bool) or value not in (1, 2, 4, 8, 16, 32):
@@ -196,10 +204,22 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
         BINS=cfg.bins, num_warps=cfg.final_warps)
     if stages == "filter+final":
         return
+    k_pad = triton.next_power_of_2(k)
+    chunks = min(cfg.order_chunks, max(1, k_pad // 16))  # chunks of >= 16 entries
+    if sort and chunks > 1:
+        chunk = k_pad // chunks
+        # the candidate buffer (int64 [R, cap >= k_pad]) is free once the final kernel has read it
+        _order_chunk_kernel[(rows, chunks)](buffers.sel_key, buffers.sel_idx, buffers.sel_count, buffers.cand,
+                                            buffers.cand.stride(0), k, CHUNK=chunk, num_warps=cfg.order_warps)
+        _order_merge_kernel[(rows, chunks)](
+            out, out.stride(0), buffers.cand, buffers.cand.stride(0), buffers.sel_count,
+            *slot_args(out, counts, slots, seq, block_table), k, CHUNK=chunk, LOG_CHUNK=chunk.bit_length() - 1,
+            CHUNKS=chunks, WITH_SLOTS=slots is not None, num_warps=cfg.order_warps)
+        return
     _order_kernel[(rows,)](
         out, out.stride(0), buffers.sel_key, buffers.sel_idx, buffers.sel_count,
         *slot_args(out, counts, slots, seq, block_table),
-        k, K_PAD=triton.next_power_of_2(k), SORT=sort, WITH_SLOTS=slots is not None, num_warps=cfg.order_warps)
+        k, K_PAD=k_pad, SORT=sort, WITH_SLOTS=slots is not None, num_warps=cfg.order_warps)
 
 
 _CACHE: "OrderedDict[tuple, SelectBuffers]" = OrderedDict()
