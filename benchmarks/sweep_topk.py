@@ -38,9 +38,10 @@ from dsakit.ops.topk.config import TopkConfig
 HEADS = 64
 
 
-def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, formats: str = "") -> None:
+def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, formats: str = "",
+                   next_n: int = 1) -> None:
     b = 2 if smoke else 64
-    sizes = [300] if smoke else [65536, 131072]
+    sizes = [300] if smoke else ([65536, 131072] if next_n == 1 else [65536])
     # (BLOCK_N, key tiles per program, warps, stages, register cap[, decode_loads]) per case; the first sweep
     # (sweep_topk_h200_8cb899a) picked BLOCK_N 128 / 16 tiles / 5 stages for fp8; this list refines around it
     # (sweep_topk_h200_8cb899a) picked BLOCK_N 128 / 16 tiles / 5 stages for fp8 ("gather"); "tma" rows: one
@@ -48,6 +49,10 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
     fp8_like = [(128, 16, 4, 5, None), (64, 32, 4, 5, None, "tma"), (64, 32, 4, 4, None, "tma"),
                 (64, 32, 4, 6, None, "tma"), (64, 32, 4, 8, None, "tma"), (64, 16, 4, 6, None, "tma"),
                 (64, 64, 4, 6, None, "tma"), (64, 32, 8, 6, None, "tma"), (64, 32, 4, 3, None, "tma")]
+    if next_n > 1:  # wider programs (next_n x 64 query-head columns): the launch defaults (None) against tma
+        fp8_like = [(None, None, 4, None, None, "gather"), (None, None, 4, None, None, "tma"),
+                    (64, 8, 4, 3, None, "tma"), (64, 16, 4, 4, None, "tma"), (64, 32, 4, 5, None, "tma"),
+                    (64, 16, 8, 4, None, "tma")]
     per_case = {("fp8", None): fp8_like,
                 ("bf16", None): [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (128, 16, 4, 5, None),
                                  (64, 16, 4, 3, None)],
@@ -61,11 +66,11 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
         for n in sizes:
             pool, table, counts = timing_pool(fmt, [n] * b, dev, seed=9)
             ref = None
-            q, w, qs = make_queries("bf16" if fmt_name == "bf16" else "fp8", b, HEADS, dev, seed=10)
-            seq = torch.arange(b, dtype=torch.int32, device=dev)
+            q, w, qs = make_queries("bf16" if fmt_name == "bf16" else "fp8", b * next_n, HEADS, dev, seed=10)
+            seq = torch.arange(b, dtype=torch.int32, device=dev).repeat_interleave(next_n)
             batch = PagedBatch.build(pool, fmt, table, counts, seq)
-            tiles = plan_decode_tiles(b, 1, HEADS, dev)
-            out = torch.empty(b, n, device=dev)
+            tiles = plan_decode_tiles(b, next_n, HEADS, dev)
+            out = torch.empty(b * next_n, n, device=dev)
             qp = prepare_q(q)
             for bn, per_prog, warps, stages, maxnreg, *loads in configs:
                 extra = {} if fp4_mode is None else {"decode_fp4": fp4_mode}
@@ -73,7 +78,7 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
                     extra["decode_loads"] = loads[0]
                 cfg = ScoresConfig(kernel="group", decode_block_n=bn, decode_tiles_per_program=per_prog,
                                    decode_warps=warps, decode_stages=stages, decode_maxnreg=maxnreg, **extra)
-                row = {"section": "decode", "format": fmt_name, "fp4_mode": fp4_mode, "B": b, "N": n,
+                row = {"section": "decode", "format": fmt_name, "fp4_mode": fp4_mode, "B": b, "N": n, "next_n": next_n,
                        "config": [bn, per_prog, warps, stages, maxnreg, *loads]}
 
                 def run(cfg=cfg):
@@ -97,12 +102,16 @@ def _stream_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]
     base = StreamConfig.default(rows, n, k)
     out = [("default", base)]
     if hasattr(base, "order_chunks"):  # the sort split over C programs per row (chunk sorts + rank merge)
-        for chunks in ((2, 4) if rows >= 1024 else (2, 4, 8, 16, 32)):
+        for chunks in ((1, 2) if rows >= 1024 else (1, 8)):
             if chunks != base.order_chunks:
                 out.append((f"order_chunks={chunks}", dataclasses.replace(base, order_chunks=chunks)))
-        if rows < 1024:
-            out.append(("order_chunks=8,warps=2", dataclasses.replace(base, order_chunks=8, order_warps=2)))
-            out.append(("order_chunks=16,warps=2", dataclasses.replace(base, order_chunks=16, order_warps=2)))
+    if rows < 1024 and base.splits < 8:  # more programs per row for the filter (lanes shrink to keep the cap)
+        for splits in (8, 16):
+            lanes = max(16, base.cap // (splits * 64))
+            v = max(8, 1024 // lanes)
+            cfg = dataclasses.replace(base, splits=splits, lanes=lanes, v=v, tie_cap=max(32, 2 * v))
+            if splits * lanes * cfg.tie_cap <= 16384 and cfg.cap >= splits * lanes:
+                out.append((f"splits={splits}", cfg))
     if hasattr(base, "rank_order"):  # the parallel rank order (few rows) against the bitonic sort
         out.append((f"rank_order={not base.rank_order}", dataclasses.replace(base, rank_order=not base.rank_order)))
         # the first sweep's tiles ([128, 256] compares per step) spilled: small tiles, <= 32 compares a thread
@@ -112,9 +121,10 @@ def _stream_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]
     return out
 
 
-def select_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) -> None:
+def select_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, shapes: str = "") -> None:
     k = 16 if smoke else 2048
-    shapes = [(4, 512)] if smoke else [(64, 131072), (64, 65536), (256, 131072), (8192, 65536)]
+    shapes = [(4, 512)] if smoke else ([tuple(map(int, x.split("x"))) for x in shapes.split(",")] if shapes else
+                                       [(64, 131072), (64, 65536), (256, 131072), (8192, 65536)])
     for rows, n in shapes:
         for kind in ("relu_like",):
             scores = make_scores(kind, rows, n, dev, seed=0)
@@ -179,6 +189,8 @@ def main() -> int:
     ap.add_argument("--sections", default="decode,select,prefill")
     ap.add_argument("--rep", type=int, default=50)
     ap.add_argument("--decode-formats", default="", help="comma list: only these key formats in the decode section")
+    ap.add_argument("--next-n", default="1", help="comma list of queries per sequence for the decode section")
+    ap.add_argument("--select-shapes", default="", help="rows x N list, e.g. 64x131072,64x65536 (default: all)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -191,7 +203,11 @@ def main() -> int:
     start = time.time()
     sections = {"decode": decode_section, "select": select_section, "prefill": prefill_section}
     for name in args.sections.split(","):
-        extra = {"formats": args.decode_formats} if name == "decode" else {}
+        if name == "decode":
+            for next_n in map(int, args.next_n.split(",")):
+                decode_section(args.device, args.smoke, report, path, args.rep, args.decode_formats, next_n)
+            continue
+        extra = {"shapes": args.select_shapes} if name == "select" else {}
         sections[name](args.device, args.smoke, report, path, args.rep, **extra)
     report["meta"]["total_s"] = time.time() - start
     write_json(path, report)

@@ -30,10 +30,10 @@ class ScoresConfig:
     codes placed in e4m3 bits, each block's scale applied to its dot's result per entry; fp8 tensor cores when
     q is fp8 e4m3, bf16 otherwise) or "dequant" (the keys dequantized to a bf16 tile in registers, one bf16
     dot). Both are exact; the prefill kernel always dequantizes.
-    decode_loads: how the group kernel reads fp8 keys with e4m3 queries: "gather" (per-entry addresses through
-    the block table, asynchronous copies) or "tma" (one bulk tensor-memory-accelerator copy per 64-entry page,
-    Hopper and later; key tiles are then one page, decode_block_n is ignored and decode_tiles_per_program
-    counts pages). Other formats and query dtypes always gather.
+    decode_loads: how the group kernel reads fp8 keys with e4m3 queries: "tma" (default: one bulk
+    tensor-memory-accelerator copy per 64-entry page on sm_90+; key tiles are then one page, decode_block_n is
+    ignored and decode_tiles_per_program counts pages) or "gather" (per-entry addresses through the block table,
+    asynchronous copies). Other formats, query dtypes and GPUs before sm_90 always gather.
     """
 
     kernel: str = "auto"
@@ -47,7 +47,7 @@ class ScoresConfig:
     decode_stages: int | None = None
     decode_fp4: str = "blocks"
     decode_maxnreg: int | None = None
-    decode_loads: str = "gather"
+    decode_loads: str = "tma"
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
