@@ -325,12 +325,11 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         # the per-page term is computed for whole pages of a key tile
         raise ValueError(f"{fmt.name} needs key tiles of whole pages (block_n a multiple of 64), got {config}")
     if tiles.kernel == "group" and config.decode_loads == "tma" and _tma_pages(codec, fp8_dot, pool):
-        # 32 pages (the gather path's 16 x 128 entries) and 5 stages: 0.151 / 0.299 ms at 64 x 64K / 128K against
-        # 0.167 / 0.325 gathering (3.7 TB/s of keys; sweep_topk_h200_b4b4485); 16-64 pages and 3-6 stages are
-        # within 2 %, 8 warps 20 % slower
-        narrow = tiles.size * num_heads <= 64
-        pages_default = 32 if narrow else 8
-        per_program = config.decode_tiles_per_program or max(1, min(pages_default, triton.cdiv(width, 64 * 4)))
+        # 32 pages per program (the gather path's 16 x 128 entries) and 5 stages, at every next_n: 0.151 / 0.299 ms
+        # at 64 x 64K / 128K against 0.167 / 0.325 gathering (3.7 TB/s of keys; sweep_topk_h200_b4b4485; 16-64
+        # pages and 3-6 stages within 2 %, 8 warps 20 % slower); next_n 2 / 4 at 64K: 0.215 / 0.353 ms against
+        # 0.273 / 0.489 with 8 pages and 3 stages and 0.316 / 0.498 gathering (sweep_topk_h200_ac42a7e)
+        per_program = config.decode_tiles_per_program or max(1, min(32, triton.cdiv(width, 64 * 4)))
         grid = (tiles.num_tiles, triton.cdiv(width, 64 * per_program))
         key_rows = pool.view(torch.float8_e4m3fn).view(-1, d)  # [P * PAGE_ROWS, D]: a page's keys, then its scales
         key_desc = TensorDescriptor(key_rows, list(key_rows.shape), list(key_rows.stride()), [64, d])
@@ -339,7 +338,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
             *tma_args, HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, H=num_heads, GROUP=tiles.size,
             PAGES_PER_PROGRAM=per_program, PAGE_ROWS=fmt.page_bytes // d, D=d, INTERPRET=interpreting(),
             num_warps=config.decode_warps,
-            num_stages=config.decode_stages or (5 if narrow else 3))
+            num_stages=config.decode_stages or 5)
         return out
     if tiles.kernel == "group":
         fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
