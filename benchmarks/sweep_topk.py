@@ -159,12 +159,16 @@ def select_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, sh
             del scores, out
 
 
-def prefill_section(dev: str, smoke: bool, report: dict, path: Path, rep: int) -> None:
+def prefill_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, formats: str = "") -> None:
     t, n, k = (64, 300, 16) if smoke else (8192, 65536, 2048)
     variants = [("default", TopkConfig())]
-    if "overlap" in {f.name for f in dataclasses.fields(TopkConfig)}:
-        variants.append(("overlap=False", TopkConfig(overlap=False)))
-    for fmt_name in ("fp8", "bf16"):
+    # scores tile kernel (BLOCK_T, BLOCK_N, warps, stages): fewer stages / smaller tiles let two programs share
+    # an SM, so one program's relu-and-weight epilogue can overlap the other's tensor-core dots
+    for bt, bn, warps, stages in ((64, 128, 4, 2), (64, 64, 4, 2), (64, 64, 4, 4), (32, 128, 4, 2),
+                                  (64, 256, 8, 2)):
+        variants.append((f"scores={bt}x{bn},w{warps},s{stages}", TopkConfig(scores=ScoresConfig(
+            prefill_block_t=bt, prefill_block_n=bn, prefill_warps=warps, prefill_stages=stages))))
+    for fmt_name in [f for f in ("fp8", "bf16") if not formats or f in formats.split(",")]:
         fmt = KeyFormat.parse(fmt_name)
         pool, table, counts = timing_pool(fmt, [n], dev, seed=7)
         q, w, qs = make_queries(fmt_name, t, HEADS, dev, seed=8)
@@ -189,6 +193,7 @@ def main() -> int:
     ap.add_argument("--sections", default="decode,select,prefill")
     ap.add_argument("--rep", type=int, default=50)
     ap.add_argument("--decode-formats", default="", help="comma list: only these key formats in the decode section")
+    ap.add_argument("--prefill-formats", default="", help="comma list: only these key formats in the prefill section")
     ap.add_argument("--next-n", default="1", help="comma list of queries per sequence for the decode section")
     ap.add_argument("--select-shapes", default="", help="rows x N list, e.g. 64x131072,64x65536 (default: all)")
     args = ap.parse_args()
@@ -208,6 +213,8 @@ def main() -> int:
                 decode_section(args.device, args.smoke, report, path, args.rep, args.decode_formats, next_n)
             continue
         extra = {"shapes": args.select_shapes} if name == "select" else {}
+        if name == "prefill":
+            extra = {"formats": args.prefill_formats}
         sections[name](args.device, args.smoke, report, path, args.rep, **extra)
     report["meta"]["total_s"] = time.time() - start
     write_json(path, report)
