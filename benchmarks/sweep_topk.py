@@ -105,7 +105,19 @@ def _stream_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]
         for chunks in ((1, 2) if rows >= 1024 else (1, 8)):
             if chunks != base.order_chunks:
                 out.append((f"order_chunks={chunks}", dataclasses.replace(base, order_chunks=chunks)))
-    if rows < 1024 and base.splits < 8:  # more programs per row for the filter (lanes shrink to keep the cap)
+    if rows < 1024:  # longer tiles per filter step (fewer block-wide scans per entry)
+        for v in (64, 128):
+            cfg = dataclasses.replace(base, v=v, tie_cap=max(32, 2 * v))
+            if cfg.splits * cfg.lanes * cfg.tie_cap <= 16384 and cfg.block <= 16384:
+                out.append((f"v={v}", cfg))
+    if n <= base.cap:  # rows that fit the buffer skip the sample; a smaller cap makes them sample a threshold
+        for cap in (2048, 4096):
+            if cap < base.cap and cap >= 2 * k:
+                lanes = max(16, min(128, cap // 64))
+                v = max(8, 1024 // lanes)
+                out.append((f"cap={cap}", dataclasses.replace(base, cap=cap, lanes=lanes, v=v, tie_cap=max(32, 2 * v),
+                                                             sample=max(base.sample, 256))))
+    if rows < 1024 and base.splits < 8 and False:  # measured slower (sweep_topk_h200_ac42a7e); kept for reference
         for splits in (8, 16):
             lanes = max(16, base.cap // (splits * 64))
             v = max(8, 1024 // lanes)

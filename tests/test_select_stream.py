@@ -189,3 +189,25 @@ def test_chunked_order_equals_single_program_sort(triton_backend, chunks):
     assert torch.equal(results[1][1], results[0][1])
     with pytest.raises(ValueError, match="order_chunks"):
         replace(_config(), order_chunks=3).validate()
+
+
+def test_rows_that_fit_the_buffer_are_read_directly(triton_backend, monkeypatch):
+    """Rows no wider than the candidate buffer skip the filter (the final kernel reads the scores): same
+    result as the reference on every rule row, with counts, k above the candidates (-1 padding) and ties."""
+    from dsakit.ops.topk import _select_stream
+
+    filters = []
+    real_filter = _select_stream._launch_filter
+    monkeypatch.setattr(_select_stream, "_launch_filter", lambda *a: (filters.append(1), real_filter(*a)))
+    scores = _rows(64).to(_device())  # width 64 = TINY cap
+    counts = torch.tensor([64, 50, 7, 0, 33, 64, 63, 64], dtype=torch.int32, device=scores.device)
+    for k in (1, 5, 12, 40):
+        got, paths = _run(scores, k, row_counts=counts)
+        masked = scores.cpu().clone()
+        for row, c in enumerate(counts.tolist()):
+            masked[row, c:] = float("-inf")
+        assert torch.equal(got.cpu(), reference_select(masked, k)), k
+        assert paths == {"buffer": 8, "ties": 0, "exact": 0}
+    assert not filters
+    _run(_rows(65).to(_device()), 5)  # one entry wider than the buffer: the filter runs
+    assert filters

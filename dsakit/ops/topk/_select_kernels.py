@@ -16,6 +16,8 @@ Three kernels per call (see the launcher's docstring for the buffers):
   prefix sum per tile, no atomics: the buffers' content does not depend on scheduling). Counters per split:
   entries > thr, entries == thr (true counts, also beyond the buffers), whether a candidate < thr exists.
 * ``_final_kernel``, grid (rows,): G = entries > thr, E = entries == thr, need = min(k, candidates).
+  - DIRECT (a launch whose rows are no wider than CAP, one split): no filter ran; the row itself is the
+    register tile (index = position) and the need largest are taken by the narrowing below.
   - G >= need (common case): the split buffers are concatenated in split order (= index order) into one
     register tile of CAP keys; the exact need-th largest key is found by range narrowing with small
     histograms of (key - lo) >> shift; keys above it are taken, then the first ones equal to it (tile order
@@ -29,7 +31,9 @@ Three kernels per call (see the launcher's docstring for the buffers):
   The selected indices (unordered) and their keys go to the output row and a key scratch row.
 * ``_order_kernel``, grid (rows,): the <= k selected (key, index) pairs are ordered by key descending,
   index ascending with one tl.sort on packed int64 (key << 32 | 0x7FFFFFFF - index); -1 padding; optional
-  map to global slots.
+  map to global slots. With ``order_chunks`` C > 1 (few rows: decode) two launches instead:
+  ``_order_chunk_kernel`` (grid (rows, C)) sorts each 1/C of the selected entries, ``_order_merge_kernel``
+  places each entry at the number of entries above it in the row (binary searches in the C sorted chunks).
 
 Every path is deterministic: no atomics, the buffers are written in index order, the sample is fixed.
 """
@@ -239,6 +243,35 @@ def _row_exact(row_scores, n, K, out_row, key_row, BLOCK: tl.constexpr, BINS: tl
 
 
 @triton.jit
+def _take_top(key, have, lo, hi, count, need, cand_ptr, base, idx_row, key_row, BINS: tl.constexpr,
+              DIRECT: tl.constexpr):
+    """Write the need (<= count, > 0) largest of the count keys marked by ``have`` (all in [lo, hi]) with their
+    indices to idx_row / key_row (tile order); equal keys at the boundary go to the lowest indices. A slot's
+    index is the low half of cand_ptr[base + slot], or the slot itself (DIRECT). Returns need."""
+    slot = tl.arange(0, key.shape[0])
+    lo, hi, left = _narrow(key, have, lo, hi, count, need, BINS)
+    above = have & (key > hi)
+    inside = have & (key >= lo) & (key <= hi)
+    in_range = tl.sum(inside.to(tl.int32), axis=0)
+    take = above | inside
+    if DIRECT:
+        idx = slot
+    else:
+        idx = tl.load(cand_ptr + base + slot, mask=inside | above, other=0).to(tl.int32)
+    if in_range != left:
+        # one key value with more entries than still needed: the lowest indices win
+        rev = INT32_MAX - idx
+        lo2 = tl.min(tl.where(inside, rev, INT32_MAX), axis=0)
+        hi2 = tl.max(tl.where(inside, rev, INT32_MIN), axis=0)
+        lo2, hi2, _ = _narrow(rev, inside, lo2, hi2, in_range, left, BINS)
+        take = above | (inside & (rev >= lo2))
+    position = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(idx_row + position, idx, mask=take)
+    tl.store(key_row + position, key, mask=take)
+    return need
+
+
+@triton.jit
 def _final_kernel(
     scores_ptr, stride_scores, counts_ptr,
     cand_ptr, tie_ptr, lane_gt_ptr, lane_eq_ptr, stats_ptr,  # from _filter_kernel
@@ -246,13 +279,30 @@ def _final_kernel(
     sel_count_ptr,                  # int32 [R]: how many entries each row selected
     K,
     SPLITS: tl.constexpr, LANES: tl.constexpr, LCAP: tl.constexpr, TCAP: tl.constexpr,
-    BLOCK: tl.constexpr, BINS: tl.constexpr,
+    BLOCK: tl.constexpr, BINS: tl.constexpr, DIRECT: tl.constexpr = False,
 ):
     row_id = tl.program_id(0)
     row = row_id.to(tl.int64)
     key_row = sel_key_ptr + row * K
     idx_row = sel_idx_ptr + row * K
     stats = stats_ptr + row * SPLITS * STATS
+    CAP: tl.constexpr = SPLITS * LANES * LCAP
+    if DIRECT:
+        # every row has <= CAP entries and no filter ran: the row itself is the candidate tile (index = slot)
+        n = tl.load(counts_ptr + row_id)
+        slot = tl.arange(0, CAP)
+        key, have = _order_key(tl.load(scores_ptr + row * stride_scores + slot, mask=slot < n,
+                                       other=float("-inf")), slot < n)
+        n_gt = tl.sum(have.to(tl.int32), axis=0)
+        need = tl.minimum(n_gt, K)
+        written = n_gt * 0
+        if need > 0:
+            top = tl.max(tl.where(have, key, INT32_MIN), axis=0)
+            bottom = tl.min(tl.where(have, key, INT32_MAX), axis=0)
+            written = _take_top(key, have, bottom, top, n_gt, need, cand_ptr, 0, idx_row, key_row, BINS, True)
+        tl.store(sel_count_ptr + row, written)
+        tl.store(stats + 6, 1)
+        return
     n_gt = 0
     n_eq = 0
     below = 0
@@ -269,7 +319,6 @@ def _final_kernel(
     done = 1 - bad.to(tl.int32)
     path = done  # 1: candidate buffer, 2: tie lists, 0: exact whole-row passes
     written = n_gt * 0
-    CAP: tl.constexpr = SPLITS * LANES * LCAP
     TIES: tl.constexpr = SPLITS * LANES * TCAP
 
     if done != 0:
@@ -283,23 +332,8 @@ def _final_kernel(
             if need > 0:
                 # every buffered key is in [thr + 1, top]
                 top = tl.max(tl.where(have, key, INT32_MIN), axis=0)
-                lo, hi, left = _narrow(key, have, thr + 1, top, n_gt, need, BINS)
-                above = have & (key > hi)
-                inside = have & (key >= lo) & (key <= hi)
-                in_range = tl.sum(inside.to(tl.int32), axis=0)
-                take = above | inside
-                idx = tl.load(cand_ptr + base + slot, mask=inside | above, other=0).to(tl.int32)
-                if in_range != left:
-                    # one key value with more entries than still needed: the lowest indices win
-                    rev = INT32_MAX - idx
-                    lo2 = tl.min(tl.where(inside, rev, INT32_MAX), axis=0)
-                    hi2 = tl.max(tl.where(inside, rev, INT32_MIN), axis=0)
-                    lo2, hi2, _ = _narrow(rev, inside, lo2, hi2, in_range, left, BINS)
-                    take = above | (inside & (rev >= lo2))
-                position = tl.cumsum(take.to(tl.int32), axis=0) - 1
-                tl.store(idx_row + position, idx, mask=take)
-                tl.store(key_row + position, key, mask=take)
-                written = need
+                written = _take_top(key, have, thr + 1, top, n_gt, need, cand_ptr, base, idx_row, key_row, BINS,
+                                    False)
         else:
             # every key > thr, then the need - n_gt lowest indices == thr. Lane l's tie list holds its first
             # TCAP; a full list (more ties than TCAP) leaves its ties after its last stored index unknown, so

@@ -9,7 +9,9 @@ the row, one streaming pass that keeps the entries above it (and the first ones 
 candidate buffer, then an exact select of that buffer with in-register range narrowing and a sort of the k
 winners. Rows the sample misjudges (buffer overflow, or fewer than k entries >= the threshold) are
 re-selected exactly by whole-row passes in the same launch, so the result never depends on the sample.
-Long rows with few of them (decode) are split over ``splits`` programs per row (each keeps its own buffer
+A launch whose rows all fit the candidate buffer (width <= cap, e.g. 8K-entry rows at k 2048) skips the
+filter: the final kernel selects from the scores directly. Long rows with few of them (decode) are split
+over ``splits`` programs per row (each keeps its own buffer
 and tie list; the final kernel concatenates them in split order = index order).
 
 Buffers (``SelectBuffers``; allocated once per shape, reusable, so a decode plan stays sync-free):
@@ -189,6 +191,25 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
     if rows == 0:
         return
     cfg = buffers.config
+    # rows that fit the candidate buffer whole need no threshold: the final kernel reads them directly
+    direct = cfg.splits == 1 and width <= cfg.cap
+    if not direct:
+        _launch_filter(scores, counts, k, buffers)
+    if stages == "filter":
+        return
+    _final_kernel[(rows,)](
+        scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
+        buffers.lane_eq, buffers.stats, buffers.sel_key, buffers.sel_idx, buffers.sel_count,
+        k, SPLITS=cfg.splits, LANES=cfg.lanes, LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, BLOCK=cfg.block,
+        BINS=cfg.bins, DIRECT=direct, num_warps=cfg.final_warps)
+    if stages == "filter+final":
+        return
+    _launch_order(out, counts, k, sort, buffers, slots, seq, block_table)
+
+
+def _launch_filter(scores: torch.Tensor, counts: torch.Tensor, k: int, buffers: SelectBuffers) -> None:
+    rows = scores.shape[0]
+    cfg = buffers.config
     _filter_kernel[(rows, cfg.splits)](
         scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
         buffers.lane_eq, buffers.stats, k, SPLITS=cfg.splits, CAP=cfg.cap, LANES=cfg.lanes,
@@ -198,15 +219,12 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
         # to the exact passes: more candidates fill more lanes)
         MARGIN=5.0 if cfg.splits > 1 else 4.0,
         num_warps=cfg.num_warps)
-    if stages == "filter":
-        return
-    _final_kernel[(rows,)](
-        scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
-        buffers.lane_eq, buffers.stats, buffers.sel_key, buffers.sel_idx, buffers.sel_count,
-        k, SPLITS=cfg.splits, LANES=cfg.lanes, LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, BLOCK=cfg.block,
-        BINS=cfg.bins, num_warps=cfg.final_warps)
-    if stages == "filter+final":
-        return
+
+
+def _launch_order(out: torch.Tensor, counts: torch.Tensor, k: int, sort: bool, buffers: SelectBuffers,
+                  slots: torch.Tensor | None, seq: torch.Tensor | None, block_table: torch.Tensor | None) -> None:
+    rows = out.shape[0]
+    cfg = buffers.config
     k_pad = triton.next_power_of_2(k)
     chunks = min(cfg.order_chunks, max(1, k_pad // 16))  # chunks of >= 16 entries
     if sort and chunks > 1:
