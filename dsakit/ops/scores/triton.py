@@ -64,13 +64,17 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...batch import PagedBatch, check_batch_queries, check_same_device, upload
 from ...formats import INDEX_HEAD_DIM, KeyFormat, key_codec
 from ...formats.codes import KeyCode
 from ._kernels import _index_scores_group_kernel, _index_scores_group_tma_kernel, _index_scores_tile_kernel
 from .config import ScoresConfig
+
+try:  # host-side tensor descriptors (bulk copies) arrived in triton 3.3; older versions gather
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - the pinned triton has it
+    TensorDescriptor = None
 
 _FP8_Q_DTYPES = (torch.float8_e4m3fn,)
 Q_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + _FP8_Q_DTYPES
@@ -283,7 +287,7 @@ def _tma_pages(codec, fp8_dot: bool, pool: torch.Tensor) -> bool:
     """Whether the group kernel can read this pool's keys page by page with bulk tensor copies: plain fp8
     keys with e4m3 queries (the page's 64 x 128 key bytes are one box at byte 0), a GPU with the tensor memory
     accelerator (sm_90+; the interpreter emulates it), and row coordinates that fit the copy's int32."""
-    if codec.code != KeyCode.FP8 or not fp8_dot or codec.page_term:
+    if TensorDescriptor is None or codec.code != KeyCode.FP8 or not fp8_dot or codec.page_term:
         return False
     if pool.shape[1] % INDEX_HEAD_DIM or pool.shape[0] * (pool.shape[1] // INDEX_HEAD_DIM) >= 2 ** 31:
         return False
