@@ -133,22 +133,14 @@ def _index_scores_tile_kernel(
 
 
 @triton.jit
-def _index_scores_group_kernel(
-    q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
-    tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
-    width, ratio, num_pages, num_seqs, max_pages,
-    stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
-    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
-    FP8_DOT: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr = False,
-    FP4_BLOCKS: tl.constexpr = False,
-):
-    # grid: (query groups, cdiv(width, BLOCK_N * TILES_PER_PROGRAM))
-    # dot per key tile: keys [BLOCK_N, D] (M) x q^T [D, GROUP * H] (N, column c = g * H + h); the head sum is
-    # then a reduction along the dot's N axis, which stays inside a thread quad.
-    # FP4_BLOCKS (fp4 keys): one [BLOCK_N, 32] x [32, GROUP * H] dot per 32-element scale block on keys placed
-    # in e4m3 bits (no dequantization arithmetic), each scaled per entry by its block scale; fp8 tensor cores
-    # when q is fp8 e4m3 (exact products, as for fp8 keys), bf16 otherwise (exact).
+def _group_queries(q_ptr, w_ptr, q_scale_ptr, counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr,
+                   tile_len_ptr, ratio, num_seqs, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh,
+                   HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr,
+                   D: tl.constexpr):
+    """The query side of a group-kernel program (program_id(0) = query group): the group's sequence, rows
+    g_rows / g_ok [GROUP], entries visible to each query [GROUP] and to any of them (scalar); per dot column
+    c = g * H + h: its row, head and validity [GROUP * H], q^T [D, GROUP * H] as stored, and the fp32 head
+    weights w (x q_scale) [GROUP * H]."""
     group = tl.program_id(0)
     seq = tl.minimum(tl.load(tile_seq_ptr + group), num_seqs - 1)  # clamps only matter for an unchecked batch
     first = tl.load(tile_start_ptr + group)
@@ -174,6 +166,33 @@ def _index_scores_group_kernel(
     dims = tl.arange(0, D)
     q_t = tl.load(q_ptr + c_rows[None, :] * stride_qt + c_head[None, :] * stride_qh + dims[:, None],
                   mask=c_ok[None, :], other=0.0)  # [D, GROUP * H]
+    w = tl.load(w_ptr + c_rows * stride_wt + c_head * stride_wh, mask=c_ok, other=0.0).to(tl.float32)
+    if HAS_Q_SCALE:
+        w *= tl.load(q_scale_ptr + c_rows * stride_st + c_head * stride_sh, mask=c_ok, other=0.0)
+    return seq, g_rows, g_ok, visible, group_visible, c_rows, c_head, c_ok, q_t, w
+
+
+@triton.jit
+def _index_scores_group_kernel(
+    q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
+    tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
+    width, ratio, num_pages, num_seqs, max_pages,
+    stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
+    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
+    FP8_DOT: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr = False,
+    FP4_BLOCKS: tl.constexpr = False,
+):
+    # grid: (query groups, cdiv(width, BLOCK_N * TILES_PER_PROGRAM))
+    # dot per key tile: keys [BLOCK_N, D] (M) x q^T [D, GROUP * H] (N, column c = g * H + h); the head sum is
+    # then a reduction along the dot's N axis, which stays inside a thread quad.
+    # FP4_BLOCKS (fp4 keys): one [BLOCK_N, 32] x [32, GROUP * H] dot per 32-element scale block on keys placed
+    # in e4m3 bits (no dequantization arithmetic), each scaled per entry by its block scale; fp8 tensor cores
+    # when q is fp8 e4m3 (exact products, as for fp8 keys), bf16 otherwise (exact).
+    seq, g_rows, g_ok, visible, group_visible, c_rows, c_head, c_ok, q_t, w = _group_queries(
+        q_ptr, w_ptr, q_scale_ptr, counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr, tile_len_ptr,
+        ratio, num_seqs, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh,
+        HAS_POS, HAS_Q_SCALE, H, GROUP, D)
     if FP8_DOT:
         q_t = q_t.to(tl.float8e4nv)
     else:
@@ -189,9 +208,6 @@ def _index_scores_group_kernel(
                     _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 3))
     else:
         q_blocks = (q_t, q_t, q_t, q_t)  # unused
-    w = tl.load(w_ptr + c_rows * stride_wt + c_head * stride_wh, mask=c_ok, other=0.0).to(tl.float32)
-    if HAS_Q_SCALE:
-        w *= tl.load(q_scale_ptr + c_rows * stride_st + c_head * stride_sh, mask=c_ok, other=0.0)
 
     chunk_start = tl.program_id(1) * (TILES_PER_PROGRAM * BLOCK_N)
     if INTERPRET:
@@ -300,34 +316,11 @@ def _index_scores_group_tma_kernel(
     memory accelerator: key_desc views the pool as rows of D e4m3 bytes (PAGE_ROWS rows per page, the page's
     64 key rows first), block [64, D]. A page's keys are one contiguous box, so a paged batch needs no gather:
     one bulk copy per page, issued stages ahead by the pipeliner, with no address registers per entry."""
-    group = tl.program_id(0)
-    seq = tl.minimum(tl.load(tile_seq_ptr + group), num_seqs - 1)
-    first = tl.load(tile_start_ptr + group)
-    length = tl.load(tile_len_ptr + group)
-    count = tl.load(counts_ptr + seq)
-
-    offs_g = tl.arange(0, GROUP)
-    g_ok = offs_g < length
-    g_rows = tl.load(rows_ptr + first + offs_g, mask=g_ok, other=0).to(tl.int64)  # [GROUP]
-    if HAS_POS:
-        pos = tl.load(pos_ptr + g_rows, mask=g_ok, other=0).to(tl.int64)  # int64: see the tile kernel
-        visible = tl.minimum(tl.maximum((pos + 1) // ratio, 0), count).to(count.dtype)
-    else:
-        visible = tl.zeros([GROUP], dtype=tl.int32) + count
-    visible = tl.where(g_ok, visible, 0)
-    group_visible = tl.max(visible, axis=0)
-
-    offs_c = tl.arange(0, GROUP * H)
-    c_query = offs_c // H
-    c_head = offs_c % H
-    c_ok = c_query < length
-    c_rows = tl.load(rows_ptr + first + c_query, mask=c_ok, other=0).to(tl.int64)
-    dims = tl.arange(0, D)
-    q_t = tl.load(q_ptr + c_rows[None, :] * stride_qt + c_head[None, :] * stride_qh + dims[:, None],
-                  mask=c_ok[None, :], other=0.0).to(tl.float8e4nv)  # [D, GROUP * H]
-    w = tl.load(w_ptr + c_rows * stride_wt + c_head * stride_wh, mask=c_ok, other=0.0).to(tl.float32)
-    if HAS_Q_SCALE:
-        w *= tl.load(q_scale_ptr + c_rows * stride_st + c_head * stride_sh, mask=c_ok, other=0.0)
+    seq, g_rows, g_ok, visible, group_visible, c_rows, c_head, c_ok, q_t, w = _group_queries(
+        q_ptr, w_ptr, q_scale_ptr, counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr, tile_len_ptr,
+        ratio, num_seqs, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh,
+        HAS_POS, HAS_Q_SCALE, H, GROUP, D)
+    q_t = q_t.to(tl.float8e4nv)  # e4m3 already (the launcher's condition)
 
     chunk_start = tl.program_id(1) * (PAGES_PER_PROGRAM * 64)
     if INTERPRET:
