@@ -61,13 +61,18 @@ def _keep_bucket(hist, lo, hi, shift, in_range, needed, BINS: tl.constexpr):
 
 
 @triton.jit
+def _sorted_packed(key, idx, filled):
+    """(key, index) pairs as one int64 each, sorted descending: key in the high half, 0x7FFFFFFF - index (>= 0)
+    in the low half, so the order is (key desc, index asc) and all packed values differ; unfilled lanes are
+    INT64_MIN (last)."""
+    packed = key.to(tl.int64) * 4294967296 + (0x7FFFFFFF - idx).to(tl.int64)
+    return tl.sort(tl.where(filled, packed, -9223372036854775807 - 1), descending=True)
+
+
+@triton.jit
 def _sort_by_key(key, idx, filled):
     """Indices ordered by (key desc, index asc); unfilled lanes last (their values are garbage)."""
-    # (key, index asc) as one int64: key in the high half, 0x7FFFFFFF - index (>= 0) in the low half.
-    packed = key.to(tl.int64) * 4294967296 + (0x7FFFFFFF - idx).to(tl.int64)
-    packed = tl.where(filled, packed, -9223372036854775807 - 1)
-    packed = tl.sort(packed, descending=True)
-    return 0x7FFFFFFF - (packed & 0xFFFFFFFF).to(tl.int32)
+    return 0x7FFFFFFF - (_sorted_packed(key, idx, filled) & 0xFFFFFFFF).to(tl.int32)
 
 
 @triton.jit

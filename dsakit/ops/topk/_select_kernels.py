@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from ._kernels import _INT32_MIN as INT32_MIN
-from ._kernels import _bucket_shift, _keep_bucket, _order_key, _range_histogram, _sort_by_key, _store_slots
+from ._kernels import (_bucket_shift, _keep_bucket, _order_key, _range_histogram, _sort_by_key, _sorted_packed,
+                       _store_slots)
 
 INT32_MAX = tl.constexpr((1 << 31) - 1)
 # order key of -inf: bits 0xFF800000 (negative) with the magnitude bits flipped = 0x807FFFFF
@@ -414,9 +415,7 @@ def _order_chunk_kernel(
     filled = col < written
     key = tl.load(sel_key_ptr + row * K + col, mask=filled, other=0)
     idx = tl.load(sel_idx_ptr + row * K + col, mask=filled, other=0)
-    packed = key.to(tl.int64) * 4294967296 + (0x7FFFFFFF - idx).to(tl.int64)
-    packed = tl.sort(tl.where(filled, packed, -9223372036854775807 - 1), descending=True)
-    tl.store(sorted_ptr + row * stride_sorted + col, packed)
+    tl.store(sorted_ptr + row * stride_sorted + col, _sorted_packed(key, idx, filled))
 
 
 @triton.jit
