@@ -3,7 +3,7 @@
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_session.sh OUTDIR SECTION...
 #
-# Sections: tests host select selectq deepgemm* attention centred layer store sweep ncu distributed (see the case below);
+# Sections: tests host select selectq deepgemm* attention centred layer store sweep ncu ncu-gaps distributed (see the case below);
 # a deepgemm section builds the DeepGEMM anchor first (~100 s, once per machine) inside its own chain.
 # Sections named "x@N" run pinned to GPU N (CUDA_VISIBLE_DEVICES=N); sections joined with "+" in one argument
 # run one after the other, separate arguments run concurrently (one per GPU on a multi-GPU machine).
@@ -45,7 +45,15 @@ run_section() {
     sweep)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/sweep_topk.py --out "$dir" --commit "$commit" ;;
     ncu)         "${env_gpu[@]}" timeout 240 ncu --clock-control none -k regex:"_index_scores_group|_filter|_final|_order" \
                    -c 8 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-                   --section Occupancy --section LaunchStats python3 benchmarks/profile_decode.py ;;
+                   --section Occupancy --section LaunchStats python3 benchmarks/profile_topk.py ;;
+    ncu-gaps)    # the kernels behind the open gaps: bf16 prefill scores, fp4 decode scores
+                 for spec in "prefill bf16 _index_scores_tile" "decode fp4 _index_scores_group"; do
+                   read -r mode fmt kernel <<< "$spec"
+                   "${env_gpu[@]}" timeout 200 ncu --clock-control none -k regex:"$kernel" -c 2 --section SpeedOfLight \
+                     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+                     --section Occupancy --section LaunchStats --section SourceCounters \
+                     python3 benchmarks/profile_topk.py --mode "$mode" --format "$fmt" --n 65536
+                 done ;;
     distributed) timeout "$limit" python3 benchmarks/bench_distributed.py --out "$dir" --gpus 2 --commit "$commit" ;;
     *) echo "unknown section $name"; return 2 ;;
   esac > "$res/$name.log" 2>&1
