@@ -186,7 +186,8 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
     (unit column stride) with counts int32 [R] (entries per row, <= W). No host sync, no allocation:
     the caller has validated the inputs and sized ``buffers`` for >= R rows, width >= W, the same k.
     slots / seq / block_table: also write global slots (page * 64 + entry % 64), -1 kept.
-    ``stages`` (benchmarks): "filter" or "filter+final" launch only those kernels."""
+    ``stages`` (benchmarks): "filter" or "filter+final" launch only those kernels (no filter runs when the
+    rows fit the candidate buffer: width <= cap with one split)."""
     rows, width = scores.shape
     if rows == 0:
         return
