@@ -100,11 +100,11 @@ class StreamConfig:
         # (vs_deepgemm_h200_165cbdd: select 0.73 ms instead of ~0.2); 64 costs 3-6 % in the common case
         lanes = max(16, min(128, cap // (splits * 64)))
         v = max(8, 1024 // lanes)
-        # a lane's tie list must reach past its first tile: with TCAP >= 2 V a full list ends in the lane's
-        # second tile, so the ties known complete cover >= splits + 1 tiles of the row (the relu case)
         # the sort of a few rows (decode) is latency bound on one program per row: 4 chunk sorts + a rank merge
         # per row ran 0.078 -> 0.060 ms at 64 x 65536 and 0.104 -> 0.079 ms at 64 x 131072, K 2048
-        # (sweep_topk_h200_b4b4485); at 8192 rows every SM is busy and the chunks gain nothing
+        # (sweep_topk_h200_b4b4485); at 8192 rows every SM is busy and the chunks gain nothing.
+        # A lane's tie list must reach past its first tile: with TCAP >= 2 V a full list ends in the lane's
+        # second tile, so the ties known complete cover >= splits + 1 tiles of the row (the relu case)
         return StreamConfig(splits=splits, cap=cap, lanes=lanes, v=v, tie_cap=max(32, 2 * v),
                             sample=sample, num_warps=8, final_warps=8, order_warps=2 if rows >= 512 else 4,
                             bins=64, order_chunks=4 if rows < 1024 else 1)
