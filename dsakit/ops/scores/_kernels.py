@@ -227,11 +227,8 @@ def _index_scores_group_kernel(
                               values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
                               num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
                               PAGE_TERM, FP4_BLOCKS)
-        for i in range(busy_tiles, TILES_PER_PROGRAM):
-            offs_n = chunk_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None],
-                     tl.full([BLOCK_N, GROUP], float("-inf"), tl.float32),
-                     mask=g_ok[None, :] & (offs_n[:, None] < width))
+        _fill_idle_tiles(busy_tiles, TILES_PER_PROGRAM, chunk_start, g_rows, g_ok, out_ptr, stride_out, width,
+                         BLOCK_N, GROUP)
 
 
 @triton.jit
@@ -253,6 +250,35 @@ def _block_dot(values_ptr, pages, slot, entry_ok, q_b, BLOCK: tl.constexpr, CODE
     if q_b.dtype != tl.float8e4nv:
         k_b = k_b.to(tl.bfloat16)  # exact: e4m3 values are bf16 values
     return _dot(k_b, q_b, INTERPRET)
+
+
+@triton.jit
+def _head_sum(logits, w, GROUP: tl.constexpr, H: tl.constexpr):
+    """sum_h w[c] relu(logits[:, c]) per query: logits [BLOCK, GROUP * H] (column c = g * H + h) -> [BLOCK, GROUP].
+    NaN propagates like torch.relu, so a NaN key or query stays visible downstream."""
+    weighted = tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
+    if GROUP == 1:
+        return tl.sum(weighted, axis=1)[:, None]
+    return tl.sum(tl.reshape(weighted, (logits.shape[0], GROUP, H)), axis=2)
+
+
+@triton.jit
+def _store_group_scores(scores, offs_n, visible, g_rows, g_ok, out_ptr, stride_out, width):
+    """out[g_rows[g], offs_n[n]] = scores [BLOCK, GROUP], -inf where entry n is not visible to query g."""
+    result = tl.where(offs_n[:, None] < visible[None, :], scores, float("-inf"))
+    tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None], result,
+             mask=g_ok[None, :] & (offs_n[:, None] < width))
+
+
+@triton.jit
+def _fill_idle_tiles(first, last, chunk_start, g_rows, g_ok, out_ptr, stride_out, width, BLOCK: tl.constexpr,
+                     GROUP: tl.constexpr):
+    """-inf for the program's tiles first .. last - 1 (of BLOCK entries from chunk_start): no visible entry."""
+    for i in range(first, last):
+        offs_n = chunk_start + i * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None],
+                 tl.full([BLOCK, GROUP], float("-inf"), tl.float32),
+                 mask=g_ok[None, :] & (offs_n[:, None] < width))
 
 
 @triton.jit
@@ -290,17 +316,10 @@ def _score_group_tile(n_start, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible
         logits = scale_key_logits(logits, load_logit_scales(scales_ptr, pages, slot, entry_ok, CODE, D), CODE, 0)
         page_rows = load_key_page_rows(values_ptr, pages, entry_ok, CODE, D)  # [BLOCK_N, D] bf16
         logits = _dot_acc(page_rows, q_c, logits, INTERPRET)
-    weighted = tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
-    if GROUP == 1:
-        scores = tl.sum(weighted, axis=1)[:, None]  # [BLOCK_N, 1]
-    else:
-        scores = tl.sum(tl.reshape(weighted, (BLOCK_N, GROUP, H)), axis=2)  # [BLOCK_N, GROUP]
-    scores = scale_key_scores(scores, scales_ptr, pages, slot, entry_ok, CODE, D, 0)
+    scores = scale_key_scores(_head_sum(logits, w, GROUP, H), scales_ptr, pages, slot, entry_ok, CODE, D, 0)
     if FP4_BLOCKS:  # the block tiles hold the keys times 2^-6: relu(2^6 x) w = 2^6 relu(x) w, exactly
         scores = scores * KEY_BLOCK_FACTOR
-    result = tl.where(offs_n[:, None] < visible[None, :], scores, float("-inf"))
-    tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None], result,
-             mask=g_ok[None, :] & (offs_n[:, None] < width))
+    _store_group_scores(scores, offs_n, visible, g_rows, g_ok, out_ptr, stride_out, width)
 
 
 @triton.jit
@@ -335,11 +354,7 @@ def _index_scores_group_tma_kernel(
             _score_tma_page(chunk_start + i * 64, key_desc, q_t, w, seq, g_rows, g_ok, visible, group_visible,
                             scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out, num_pages,
                             max_pages, GROUP, H, PAGE_ROWS, D)
-        for i in range(busy, PAGES_PER_PROGRAM):
-            offs_n = chunk_start + i * 64 + tl.arange(0, 64)
-            tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None],
-                     tl.full([64, GROUP], float("-inf"), tl.float32),
-                     mask=g_ok[None, :] & (offs_n[:, None] < width))
+        _fill_idle_tiles(busy, PAGES_PER_PROGRAM, chunk_start, g_rows, g_ok, out_ptr, stride_out, width, 64, GROUP)
 
 
 @triton.jit
@@ -351,16 +366,8 @@ def _score_tma_page(n_start, key_desc, q_t, w, seq, g_rows, g_ok, visible, group
     page = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + column)
     page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # memory safety, as _load_pages
     k = key_desc.load([page * PAGE_ROWS, 0])  # [64, D] e4m3, unscaled
-    logits = tl.dot(k, q_t)  # [64, GROUP * H]
-    weighted = tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
-    if GROUP == 1:
-        scores = tl.sum(weighted, axis=1)[:, None]  # [64, 1]
-    else:
-        scores = tl.sum(tl.reshape(weighted, (64, GROUP, H)), axis=2)  # [64, GROUP]
+    scores = _head_sum(tl.dot(k, q_t), w, GROUP, H)  # [64, GROUP]
     offs_n = n_start + tl.arange(0, 64)
-    entry_ok = offs_n < group_visible
     pages = tl.zeros([64], dtype=tl.int64) + page
-    scores = scale_key_scores(scores, scales_ptr, pages, offs_n % 64, entry_ok, FP8_CODE, D, 0)
-    result = tl.where(offs_n[:, None] < visible[None, :], scores, float("-inf"))
-    tl.store(out_ptr + g_rows[None, :] * stride_out + offs_n[:, None], result,
-             mask=g_ok[None, :] & (offs_n[:, None] < width))
+    scores = scale_key_scores(scores, scales_ptr, pages, offs_n % 64, offs_n < group_visible, FP8_CODE, D, 0)
+    _store_group_scores(scores, offs_n, visible, g_rows, g_ok, out_ptr, stride_out, width)

@@ -337,7 +337,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         grid = (tiles.num_tiles, triton.cdiv(width, 64 * per_program))
         key_rows = pool.view(torch.float8_e4m3fn).view(-1, d)  # [P * PAGE_ROWS, D]: a page's keys, then its scales
         key_desc = TensorDescriptor(key_rows, list(key_rows.shape), list(key_rows.stride()), [64, d])
-        tma_args = args[:3] + (key_desc,) + args[4:]
+        tma_args = args[:3] + (key_desc,) + args[4:]  # the descriptor in place of values_view
         _index_scores_group_tma_kernel[grid](
             *tma_args, HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, H=num_heads, GROUP=tiles.size,
             PAGES_PER_PROGRAM=per_program, PAGE_ROWS=fmt.page_bytes // d, D=d, INTERPRET=interpreting(),

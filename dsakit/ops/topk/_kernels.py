@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 _INT32_MIN = tl.constexpr(-(1 << 31))
+_INT64_MIN = tl.constexpr(-(1 << 63))  # the packed (key, index) of an unfilled slot: below every filled one
 
 
 @triton.jit
@@ -66,7 +67,7 @@ def _sorted_packed(key, idx, filled):
     in the low half, so the order is (key desc, index asc) and all packed values differ; unfilled lanes are
     INT64_MIN (last)."""
     packed = key.to(tl.int64) * 4294967296 + (0x7FFFFFFF - idx).to(tl.int64)
-    return tl.sort(tl.where(filled, packed, -9223372036854775807 - 1), descending=True)
+    return tl.sort(tl.where(filled, packed, _INT64_MIN), descending=True)
 
 
 @triton.jit

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ._kernels import _INT32_MIN as INT32_MIN
+from ._kernels import _INT64_MIN as INT64_MIN
 from ._kernels import (_bucket_shift, _keep_bucket, _order_key, _range_histogram, _sort_by_key, _sorted_packed,
                        _store_slots)
 
@@ -443,7 +444,7 @@ def _order_merge_kernel(
         for level in tl.static_range(LOG_CHUNK + 1):  # steps CHUNK, CHUNK / 2, .., 1
             probe = larger + ((CHUNK >> level) - 1)
             inside = probe < CHUNK
-            value = tl.load(base + other * CHUNK + probe, mask=inside, other=-9223372036854775807 - 1)
+            value = tl.load(base + other * CHUNK + probe, mask=inside, other=INT64_MIN)
             larger = tl.where(inside & (value > mine), larger + (CHUNK >> level), larger)
         position += larger
     idx = 0x7FFFFFFF - (mine & 0xFFFFFFFF).to(tl.int32)

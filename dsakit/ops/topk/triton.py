@@ -232,6 +232,25 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     return stream
 
 
+def _score_chunk(q, weights, batch: PagedBatch, scores: torch.Tensor, tiles: QueryTiles, start: int,
+                 q_scale: torch.Tensor | None, config: TopkConfig) -> None:
+    """Scores of query rows start .. start + len(scores) into the workspace slice ``scores``."""
+    stop = start + scores.shape[0]
+    launch_index_scores(q[start:stop], weights[start:stop], batch, scores, tiles, start=start,
+                        q_scale=None if q_scale is None else q_scale[start:stop], config=config.scores)
+
+
+def _select_chunk(scores: torch.Tensor, batch: PagedBatch, visible: torch.Tensor, indices: torch.Tensor,
+                  slots: torch.Tensor | None, k: int, start: int, config: TopkConfig, cand_vals: torch.Tensor,
+                  cand_idx: torch.Tensor) -> None:
+    """Select the rows start .. start + len(scores) of a chunk's scores into indices (and slots)."""
+    stop = start + scores.shape[0]
+    launch_select(scores, visible[start:stop], indices[start:stop], k, config.sort, config=config.select,
+                  slots=None if slots is None else slots[start:stop], seq=batch.query_seq[start:stop],
+                  block_table=batch.block_table if slots is not None else None,
+                  cand_vals=cand_vals, cand_idx=cand_idx)
+
+
 def _overlapped_chunks(q, weights, batch: PagedBatch, k: int, plans: list[QueryTiles], chunk: int,
                        workspaces: torch.Tensor, visible: torch.Tensor, indices: torch.Tensor,
                        slots: torch.Tensor | None, q_scale: torch.Tensor | None, config: TopkConfig,
@@ -263,17 +282,13 @@ def _overlapped_chunks(q, weights, batch: PagedBatch, k: int, plans: list[QueryT
         scores = workspaces[buf, : stop - start]
         if free[buf] is not None:
             main.wait_event(free[buf])  # the select of chunk number - 2 has read this buffer
-        launch_index_scores(q[start:stop], weights[start:stop], batch, scores, tiles, start=start,
-                            q_scale=None if q_scale is None else q_scale[start:stop], config=config.scores)
+        _score_chunk(q, weights, batch, scores, tiles, start, q_scale, config)
         ready = torch.cuda.Event()
         ready.record(main)
         # also orders the side stream after all earlier work of main (visible counts, q, batch metadata)
         side.wait_event(ready)
         with torch.cuda.stream(side):
-            launch_select(scores, visible[start:stop], indices[start:stop], k, config.sort, config=config.select,
-                          slots=None if slots is None else slots[start:stop], seq=batch.query_seq[start:stop],
-                          block_table=batch.block_table if slots is not None else None,
-                          cand_vals=cand_vals, cand_idx=cand_idx)
+            _select_chunk(scores, batch, visible, indices, slots, k, start, config, cand_vals, cand_idx)
         free[buf] = torch.cuda.Event()
         free[buf].record(side)
     main.wait_stream(side)
@@ -336,12 +351,8 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
         start = number * chunk
         stop = min(t, start + chunk)
         scores = workspace[: stop - start]
-        launch_index_scores(q[start:stop], weights[start:stop], batch, scores, tiles, start=start,
-                            q_scale=None if q_scale is None else q_scale[start:stop], config=config.scores)
-        launch_select(scores, visible[start:stop], indices[start:stop], k, config.sort, config=config.select,
-                      slots=None if slots is None else slots[start:stop], seq=batch.query_seq[start:stop],
-                      block_table=batch.block_table if slots is not None else None,
-                      cand_vals=cand_vals, cand_idx=cand_idx)
+        _score_chunk(q, weights, batch, scores, tiles, start, q_scale, config)
+        _select_chunk(scores, batch, visible, indices, slots, k, start, config, cand_vals, cand_idx)
     return (indices, slots) if return_slots else indices
 
 
