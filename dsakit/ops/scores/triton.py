@@ -57,6 +57,7 @@ tuning: :class:`dsakit.ops.scores.config.ScoresConfig`.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -293,7 +294,14 @@ def _tma_pages(codec, fp8_dot: bool, pool: torch.Tensor) -> bool:
         return False
     if interpreting():
         return True
-    return pool.is_cuda and torch.cuda.get_device_capability(pool.device)[0] >= 9
+    return pool.is_cuda and _has_tma(pool.device.index if pool.device.index is not None else
+                                     torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device_index: int) -> bool:
+    """sm_90+ (asked once per device: the answer cannot change, and decode launches every step)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, out: torch.Tensor,
