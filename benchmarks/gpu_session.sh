@@ -3,7 +3,8 @@
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_session.sh OUTDIR SECTION...
 #
-# Sections: tests host select selectq deepgemm* attention centred layer store sweep ncu ncu-gaps distributed (see the case below);
+# Sections: tests scores-tests host select selectq deepgemm* attention centred layer store sweep decode-sweep ncu
+# ncu-gaps distributed (see the case below);
 # a deepgemm section builds the DeepGEMM anchor first (~100 s, once per machine) inside its own chain.
 # Sections named "x@N" run pinned to GPU N (CUDA_VISIBLE_DEVICES=N); sections joined with "+" in one argument
 # run one after the other, separate arguments run concurrently (one per GPU on a multi-GPU machine).
@@ -43,6 +44,9 @@ run_section() {
     layer)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_layer.py --out "$dir" --commit "$commit" ;;
     store)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_store.py --out "$dir" --commit "$commit" --skip memory ;;
     sweep)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/sweep_topk.py --out "$dir" --commit "$commit" ;;
+    decode-sweep) "${env_gpu[@]}" timeout "$limit" python3 benchmarks/sweep_topk.py --out "$dir" --commit "$commit" \
+                   --sections decode --decode-formats fp8,fp4 --next-n 1,2,4 --rep 30 ;;
+    scores-tests) "${env_gpu[@]}" timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_scores_triton.py ;;
     ncu)         "${env_gpu[@]}" timeout 240 ncu --clock-control none -k regex:"_index_scores_group|_filter|_final|_order" \
                    -c 8 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
                    --section Occupancy --section LaunchStats python3 benchmarks/profile_topk.py ;;

@@ -42,22 +42,24 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
                    next_n: int = 1) -> None:
     b = 2 if smoke else 64
     sizes = [300] if smoke else ([65536, 131072] if next_n == 1 else [65536])
-    # (BLOCK_N, key tiles per program, warps, stages, register cap[, decode_loads]) per case; the first sweep
-    # (sweep_topk_h200_8cb899a) picked BLOCK_N 128 / 16 tiles / 5 stages for fp8; this list refines around it
-    # (sweep_topk_h200_8cb899a) picked BLOCK_N 128 / 16 tiles / 5 stages for fp8 ("gather"); "tma" rows: one
-    # bulk copy per 64-entry page, tiles per program = pages
-    fp8_like = [(128, 16, 4, 5, None), (64, 32, 4, 5, None, "tma"), (64, 32, 4, 4, None, "tma"),
-                (64, 32, 4, 6, None, "tma"), (64, 32, 4, 8, None, "tma"), (64, 16, 4, 6, None, "tma"),
-                (64, 64, 4, 6, None, "tma"), (64, 32, 8, 6, None, "tma"), (64, 32, 4, 3, None, "tma")]
-    if next_n > 1:  # wider programs (next_n x 64 query-head columns): the launch defaults (None) against tma
-        # (sweep_topk_h200_ac42a7e: 32 pages / 5 stages beat 8 / 3 by 20-28 %; now the default)
-        fp8_like = [(None, None, 4, None, None, "gather"), (None, None, 4, None, None, "tma"),
-                    (64, 16, 4, 4, None, "tma"), (64, 64, 4, 5, None, "tma"), (64, 32, 4, 6, None, "tma")]
+    # (BLOCK_N, key tiles per program, warps, stages, register cap[, decode_loads]) per case. fp8: the gather
+    # path's best against the page copies ("tma": one bulk copy per 64-entry page, tiles per program = pages),
+    # the default since sweep_topk_h200_b4b4485 / ac42a7e, which hold the wider exploration of both
+    fp8_like = [(128, 16, 4, 5, None, "gather"), (64, 32, 4, 5, None, "tma")]
+    if next_n > 1:  # wider programs (next_n x 64 query-head columns): the launch defaults (None) of both paths
+        fp8_like = [(None, None, 4, None, None, "gather"), (None, None, 4, None, None, "tma")]
     per_case = {("fp8", None): fp8_like,
                 ("bf16", None): [(64, 8, 4, 3, None), (64, 16, 4, 5, None), (128, 16, 4, 5, None),
                                  (64, 16, 4, 3, None)],
-                ("fp4", "blocks"): [(64, 16, 4, 5, None), (64, 16, 4, 6, None), (128, 16, 4, 5, None),
-                                    (64, 16, 4, 5, 80), (64, 32, 4, 6, None)]}
+                # fp4: the gather path's measured best (64, 16, 4, 5; sweep_topk_h200_20f5e89) against the page
+                # copies (four [64, 16]-byte boxes per page), pages per program / warps / stages
+                ("fp4", "blocks"): [(64, 16, 4, 5, None, "gather"), (None, 32, 4, 5, None, "tma"),
+                                    (None, 16, 4, 5, None, "tma"), (None, 32, 4, 8, None, "tma"),
+                                    (None, 64, 4, 6, None, "tma"), (None, 32, 8, 5, None, "tma"),
+                                    (None, 32, 4, 3, None, "tma")]}
+    if next_n > 1:
+        per_case[("fp4", "blocks")] = [(None, None, 4, None, None, "gather"), (None, None, 4, None, None, "tma"),
+                                       (None, 16, 8, 4, None, "tma"), (None, 32, 8, 3, None, "tma")]
     for (fmt_name, fp4_mode), configs in per_case.items():
         if formats and fmt_name not in formats.split(","):
             continue

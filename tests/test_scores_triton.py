@@ -669,7 +669,9 @@ def test_decode_launch_defaults(monkeypatch, fmt_name, next_n, expected):
     w = torch.rand(b, next_n, 64)
     query_seq = torch.arange(b, dtype=torch.int32).repeat_interleave(next_n)
     batch = batch_of(pool, fmt, table, counts, query_seq)
-    scores_triton.index_scores_decode(q, w, batch, out=torch.empty(b * next_n, width))
+    # the gather kernel's policy (fp4 keys take the page copies by default: test_decode_tma_launch_defaults)
+    scores_triton.index_scores_decode(q, w, batch, out=torch.empty(b * next_n, width),
+                                      config=ScoresConfig(decode_loads="gather"))
     (grid, kw), = launches
     block_n, tiles, stages = expected
     assert (kw["BLOCK_N"], kw["TILES_PER_PROGRAM"], kw["num_stages"]) == (block_n, tiles, stages)
@@ -711,13 +713,27 @@ def test_decode_tma_launch_defaults(monkeypatch, next_n, device):
     assert grid == (b, width // (64 * 32))
     assert gather_fp8[0] == "gather" and gather_bf16[0] == "gather"
 
+    # fp4 keys: the page copies for any query dtype (rows of 64 packed bytes, 68 per page), 8 warps from 128
+    # query-head columns per program on; decode_fp4="dequant" gathers
+    launches.clear()
+    fmt, pool, table, counts, _ = make_cache("fp4", [width] * b, device)
+    batch = batch_of(pool, fmt, table, counts, query_seq)
+    for q_dtype, fp4_mode in ((torch.float8_e4m3fn, "blocks"), (torch.bfloat16, "blocks"),
+                              (torch.float8_e4m3fn, "dequant")):
+        scores_triton.index_scores_decode(q.to(q_dtype), w, batch, out=torch.empty(b * next_n, width, device=device),
+                                          config=ScoresConfig(decode_fp4=fp4_mode))
+    (fp8_q, _, kw), (bf16_q, _, _), (dequant, _, _) = launches
+    assert (fp8_q, bf16_q, dequant) == ("tma", "tma", "gather")
+    assert (kw["PAGE_ROWS"], kw["num_warps"]) == (68, 8 if next_n * 64 >= 128 else 4)
 
-@pytest.mark.parametrize("fmt_name", ["fp8", "fp8-ue8m0"])
+
+@pytest.mark.parametrize("fmt_name", ["fp8", "fp8-ue8m0", "fp4", "fp4-rne"])
 def test_decode_tma_page_loads(fmt_name, device):
-    """decode_loads="tma" (one bulk copy per page) gives the gather path's scores bitwise for fp8 keys with e4m3
-    queries, with positions, a partial last page, several queries per sequence and a q_scale; other formats
-    and query dtypes fall back to the gather path (same result); bad page ids of an unchecked batch stay in
-    the pool and nothing is written outside out."""
+    """decode_loads="tma" (bulk copies per page) gives the gather path's scores bitwise for fp8 keys with e4m3
+    queries and fp4 keys, with positions, a partial last page, several queries per sequence and a q_scale;
+    fp8 keys with other query dtypes fall back to the gather path (same result), fp4 keys take the copies
+    with bf16 queries too; bad page ids of an unchecked batch stay in the pool and nothing is written outside
+    out."""
     if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("bulk tensor copies need sm_90+")
     fmt, pool, table, counts, _ = make_cache(fmt_name, [150, 64, 3], device)
@@ -737,9 +753,10 @@ def test_decode_tma_page_loads(fmt_name, device):
         assert torch.equal(outs[0], outs[1])
     else:  # the same e4m3 products, one 64-entry tile per dot instead of 128
         assert_scores_match(outs[1], outs[0], TIGHT_RTOL_FP8_DOT_GPU)
-    q_bf16 = q.float().to(torch.bfloat16).to(device)  # not e4m3: the gather path, same scores
-    assert_scores_match(run_kernel(q_bf16, *args[1:], kernel="group", decode_loads="tma"),
-                        reference_scores(q.float(), w, pool, fmt, table, counts, query_seq, positions))
+    q_bf16 = q.float().to(torch.bfloat16).to(device)  # not e4m3: fp8 keys gather, fp4 keys copy; same scores
+    bf16_outs = [run_kernel(q_bf16, *args[1:], kernel="group", decode_loads=mode) for mode in ("gather", "tma")]
+    assert_scores_match(bf16_outs[1], reference_scores(q.float(), w, pool, fmt, table, counts, query_seq, positions))
+    assert torch.equal(bf16_outs[0], bf16_outs[1])  # bf16 products of the same tiles: exact on every device
 
     bad_table = table.clone()
     bad_table[0, 1] = 10_000  # not a page of the pool

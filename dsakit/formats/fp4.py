@@ -138,6 +138,12 @@ if triton is not None:
         page_base = pages[:, None] * (64 * (D // 2 + D // 32) + PAGE_EXTRA)
         raw = tl.load(values_ptr + page_base + slot[:, None] * (D // 2) + BLOCK * 16 + half[None, :],
                       mask=valid[:, None], other=0)  # uint8 [BLOCK_N, 16]: elements 2i (low), 2i + 1 (high)
+        return fp4_bytes_e4m3(raw, INTERPRET)
+
+    @triton.jit
+    def fp4_bytes_e4m3(raw, INTERPRET: tl.constexpr):
+        """Packed e2m1 bytes uint8 [N, B] (element 2i in the low nibble of byte i) -> e4m3 [N, 2 B], each the
+        e2m1 value times 2^-6 (the bit placement of :func:`load_fp4_block_e4m3`)."""
         if INTERPRET:
             low = ((raw & 0x08) << 4) | ((raw & 0x07) << 2)
             high = (raw & 0x80) | ((raw & 0x70) >> 2)
@@ -158,7 +164,7 @@ if triton is not None:
                 or.b32 $1, $1, t;
                 }""",
                 "=r,=r,r", [raw], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-        codes = tl.reshape(tl.join(low, high), (raw.shape[0], 32))
+        codes = tl.reshape(tl.join(low, high), (raw.shape[0], 2 * raw.shape[1]))
         return codes.to(tl.float8e4nv, bitcast=True)
 
     @triton.jit

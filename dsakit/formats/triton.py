@@ -31,8 +31,8 @@ from .bf16 import load_bf16_tile, store_bf16_halves, store_bf16_rows
 from .centred import (CENTRE_EXTRA, load_centre_entries, load_centre_halves, load_centre_rows, load_centre_tile,
                       store_centre_halves, store_centre_rows)
 from .codes import KeyCode
-from .fp4 import (fp4_block_scale, load_fp4_block_e4m3, load_fp4_block_scales, load_fp4_tile, store_fp4_halves,
-                  store_fp4_rows)
+from .fp4 import (fp4_block_scale, fp4_bytes_e4m3, load_fp4_block_e4m3, load_fp4_block_scales, load_fp4_tile,
+                  store_fp4_halves, store_fp4_rows)
 from .fp8 import load_fp8_scales, load_fp8_tile, store_fp8_halves, store_fp8_rows
 
 BF16 = tl.constexpr(int(KeyCode.BF16))
@@ -79,6 +79,14 @@ def load_key_block(values_ptr, pages, slot, valid, BLOCK: tl.constexpr, CODE: tl
     GPU's inline assembly."""
     tl.static_assert(CODE == FP4, "per-block key tiles exist for the fp4 code only")
     return load_fp4_block_e4m3(values_ptr, pages, slot, valid, BLOCK, D, INTERPRET)
+
+
+@triton.jit
+def key_block_from_bytes(raw, CODE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The tile of :func:`load_key_block` from a block's packed bytes already on chip, uint8 [BLOCK_N, 16]
+    (e.g. a bulk tensor copy of a page's block columns) -> e4m3 [BLOCK_N, 32]."""
+    tl.static_assert(CODE == FP4, "per-block key tiles exist for the fp4 code only")
+    return fp4_bytes_e4m3(raw, INTERPRET)
 
 
 @triton.jit

@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from ...formats.triton import FP8 as FP8_CODE
-from ...formats.triton import (KEY_BLOCK_FACTOR, key_block_scale, load_key_block, load_key_block_scales,
+from ...formats.triton import (KEY_BLOCK_FACTOR, key_block_from_bytes, key_block_scale, load_key_block,
+                               load_key_block_scales,
                                load_key_page_rows, load_key_page_tile, load_key_tile, load_logit_scales,
                                scale_key_logits, scale_key_scores)
 
@@ -330,44 +331,83 @@ def _index_scores_group_tma_kernel(
     stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
     HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr,
     PAGES_PER_PROGRAM: tl.constexpr, PAGE_ROWS: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
+    CODE: tl.constexpr = FP8_CODE,
 ):
-    """The group kernel for fp8 keys with e4m3 queries, one whole page per key tile, loaded by the tensor
-    memory accelerator: key_desc views the pool as rows of D e4m3 bytes (PAGE_ROWS rows per page, the page's
-    64 key rows first), block [64, D]. A page's keys are one contiguous box, so a paged batch needs no gather:
-    one bulk copy per page, issued stages ahead by the pipeliner, with no address registers per entry."""
+    """The group kernel with one whole page per key tile, loaded by the tensor memory accelerator, for fp8
+    keys with e4m3 queries and fp4 keys (any query dtype). A page's key bytes are one contiguous box, so a
+    paged batch needs no gather: bulk copies issued stages ahead by the pipeliner, no address registers per
+    entry.
+
+    fp8: key_desc views the pool as rows of D e4m3 bytes (PAGE_ROWS rows per page, the page's 64 key rows
+    first), block [64, D], one copy per page. fp4: key_desc views the pool as rows of D / 2 bytes (the page's
+    64 packed value rows first), block [64, 16]: one copy per 32-element scale block, each placed in e4m3 bits
+    on chip and multiplied by q's block on the tensor cores (the "blocks" decode of the group kernel)."""
     seq, g_rows, g_ok, visible, group_visible, c_rows, c_head, c_ok, q_t, w = _group_queries(
         q_ptr, w_ptr, q_scale_ptr, counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr, tile_len_ptr,
         ratio, num_seqs, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh,
         HAS_POS, HAS_Q_SCALE, H, GROUP, D)
-    q_t = q_t.to(tl.float8e4nv)  # e4m3 already (the launcher's condition)
+    if CODE == FP8_CODE:
+        q_t = q_t.to(tl.float8e4nv)  # e4m3 already (the launcher's condition)
+        q_blocks = (q_t, q_t, q_t, q_t)  # unused
+    else:  # q's four 32-dim blocks [32, GROUP * H], in q's dtype if fp8 e4m3, else bf16
+        q_blocks = (_load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 0),
+                    _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 1),
+                    _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 2),
+                    _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 3))
 
     chunk_start = tl.program_id(1) * (PAGES_PER_PROGRAM * 64)
     if INTERPRET:
         # the interpreter cannot take a computed loop bound (see the group kernel)
         for i in range(PAGES_PER_PROGRAM):
-            _score_tma_page(chunk_start + i * 64, key_desc, q_t, w, seq, g_rows, g_ok, visible, group_visible,
-                            scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out, num_pages,
-                            max_pages, GROUP, H, PAGE_ROWS, D)
+            _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visible,
+                            group_visible, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
+                            num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET)
     else:
         busy = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, 64), 0), PAGES_PER_PROGRAM)
         for i in range(0, busy):
-            _score_tma_page(chunk_start + i * 64, key_desc, q_t, w, seq, g_rows, g_ok, visible, group_visible,
-                            scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out, num_pages,
-                            max_pages, GROUP, H, PAGE_ROWS, D)
+            _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visible,
+                            group_visible, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
+                            num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET)
         _fill_idle_tiles(busy, PAGES_PER_PROGRAM, chunk_start, g_rows, g_ok, out_ptr, stride_out, width, 64, GROUP)
 
 
 @triton.jit
-def _score_tma_page(n_start, key_desc, q_t, w, seq, g_rows, g_ok, visible, group_visible, scales_ptr,
+def _score_tma_page(n_start, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visible, group_visible, scales_ptr,
                     block_table_ptr, out_ptr, width, stride_bt, stride_out, num_pages, max_pages,
-                    GROUP: tl.constexpr, H: tl.constexpr, PAGE_ROWS: tl.constexpr, D: tl.constexpr):
+                    GROUP: tl.constexpr, H: tl.constexpr, PAGE_ROWS: tl.constexpr, D: tl.constexpr,
+                    CODE: tl.constexpr, INTERPRET: tl.constexpr):
     """Scores of the page holding entries n_start .. n_start + 63 (n_start a multiple of 64, < group_visible)."""
     column = tl.minimum(n_start // 64, max_pages - 1)
     page = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + column)
     page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # memory safety, as _load_pages
-    k = key_desc.load([page * PAGE_ROWS, 0])  # [64, D] e4m3, unscaled
-    scores = _head_sum(tl.dot(k, q_t), w, GROUP, H)  # [64, GROUP]
     offs_n = n_start + tl.arange(0, 64)
     pages = tl.zeros([64], dtype=tl.int64) + page
-    scores = scale_key_scores(scores, scales_ptr, pages, offs_n % 64, offs_n < group_visible, FP8_CODE, D, 0)
+    entry_ok = offs_n < group_visible
+    if CODE == FP8_CODE:
+        k = key_desc.load([page * PAGE_ROWS, 0])  # [64, D] e4m3, unscaled
+        scores = _head_sum(tl.dot(k, q_t), w, GROUP, H)  # [64, GROUP]
+        scores = scale_key_scores(scores, scales_ptr, pages, offs_n % 64, entry_ok, CODE, D, 0)
+    else:
+        # as _score_group_tile's FP4_BLOCKS: sum over the blocks of scale_b x (keys_b . q_b), the keys times 2^-6
+        words = load_key_block_scales(scales_ptr, pages, offs_n % 64, entry_ok, CODE, D)
+        row = page * PAGE_ROWS
+        logits = _tma_block_dot(key_desc, row, q_blocks[0], 0, CODE, INTERPRET) \
+            * key_block_scale(words, 0, CODE)[:, None]
+        logits += _tma_block_dot(key_desc, row, q_blocks[1], 1, CODE, INTERPRET) \
+            * key_block_scale(words, 1, CODE)[:, None]
+        logits += _tma_block_dot(key_desc, row, q_blocks[2], 2, CODE, INTERPRET) \
+            * key_block_scale(words, 2, CODE)[:, None]
+        logits += _tma_block_dot(key_desc, row, q_blocks[3], 3, CODE, INTERPRET) \
+            * key_block_scale(words, 3, CODE)[:, None]
+        scores = _head_sum(logits, w, GROUP, H) * KEY_BLOCK_FACTOR
     _store_group_scores(scores, offs_n, visible, g_rows, g_ok, out_ptr, stride_out, width)
+
+
+@triton.jit
+def _tma_block_dot(key_desc, row, q_b, BLOCK: tl.constexpr, CODE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Unscaled logits of one 32-element key block of a page (packed bytes at columns 16 BLOCK ..+16 of rows
+    row .. row + 63 of key_desc) x q_b [32, GROUP * H] -> fp32 [64, GROUP * H] (see _block_dot)."""
+    k_b = key_block_from_bytes(key_desc.load([row, BLOCK * 16]), CODE, INTERPRET)
+    if q_b.dtype != tl.float8e4nv:
+        k_b = k_b.to(tl.bfloat16)  # exact: e4m3 values are bf16 values
+    return _dot(k_b, q_b, INTERPRET)

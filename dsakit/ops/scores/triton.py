@@ -284,18 +284,30 @@ def prepare_q(q: torch.Tensor) -> torch.Tensor:
     return q if q.stride(2) == 1 else q.contiguous()
 
 
-def _tma_pages(codec, fp8_dot: bool, pool: torch.Tensor) -> bool:
+def _tma_pages(codec, fp8_dot: bool, pool: torch.Tensor, config: ScoresConfig) -> bool:
     """Whether the group kernel can read this pool's keys page by page with bulk tensor copies: plain fp8
-    keys with e4m3 queries (the page's 64 x 128 key bytes are one box at byte 0), a GPU with the tensor memory
+    keys with e4m3 queries (the page's 64 x 128 key bytes are one box at byte 0) or plain fp4 keys read by
+    blocks (the page's 64 x 64 packed bytes, four boxes of 16 columns), a GPU with the tensor memory
     accelerator (sm_90+; the interpreter emulates it), and row coordinates that fit the copy's int32."""
-    if TensorDescriptor is None or codec.code != KeyCode.FP8 or not fp8_dot or codec.page_term:
+    if TensorDescriptor is None or codec.page_term:
         return False
-    if pool.shape[1] % INDEX_HEAD_DIM or pool.shape[0] * (pool.shape[1] // INDEX_HEAD_DIM) >= 2 ** 31:
+    if codec.code == KeyCode.FP8:
+        if not fp8_dot:
+            return False
+    elif codec.code != KeyCode.FP4 or config.decode_fp4 != "blocks":
+        return False
+    row_bytes = _tma_row_bytes(codec)
+    if pool.shape[1] % row_bytes or pool.shape[0] * (pool.shape[1] // row_bytes) >= 2 ** 31:
         return False
     if interpreting():
         return True
     return pool.is_cuda and _has_tma(pool.device.index if pool.device.index is not None else
                                      torch.cuda.current_device())
+
+
+def _tma_row_bytes(codec) -> int:
+    """Bytes of one entry's key values: the row width of the TMA view of the pool (fp8 128, fp4 64)."""
+    return INDEX_HEAD_DIM // 2 if codec.code == KeyCode.FP4 else INDEX_HEAD_DIM
 
 
 @functools.lru_cache(maxsize=None)
@@ -336,21 +348,30 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
     if codec.page_term and (config.prefill_block_n % 64 or (config.decode_block_n or 64) % 64):
         # the per-page term is computed for whole pages of a key tile
         raise ValueError(f"{fmt.name} needs key tiles of whole pages (block_n a multiple of 64), got {config}")
-    if tiles.kernel == "group" and config.decode_loads == "tma" and _tma_pages(codec, fp8_dot, pool):
-        # 32 pages per program (the gather path's 16 x 128 entries) and 5 stages, at every next_n: 0.151 / 0.299 ms
-        # at 64 x 64K / 128K against 0.167 / 0.325 gathering (3.7 TB/s of keys; sweep_topk_h200_b4b4485; 16-64
-        # pages and 3-6 stages within 2 %, 8 warps 20 % slower); next_n 2 / 4 at 64K: 0.215 / 0.353 ms against
-        # 0.273 / 0.489 with 8 pages and 3 stages and 0.316 / 0.498 gathering (sweep_topk_h200_ac42a7e)
+    if tiles.kernel == "group" and config.decode_loads == "tma" and _tma_pages(codec, fp8_dot, pool, config):
+        # fp8: 32 pages per program (the gather path's 16 x 128 entries) and 5 stages, at every next_n: 0.151 /
+        # 0.299 ms at 64 x 64K / 128K against 0.167 / 0.325 gathering (3.7 TB/s of keys; sweep_topk_h200_b4b4485;
+        # 16-64 pages and 3-6 stages within 2 %, 8 warps 20 % slower); next_n 2 / 4 at 64K: 0.215 / 0.353 ms
+        # against 0.273 / 0.489 with 8 pages and 3 stages and 0.316 / 0.498 gathering (sweep_topk_h200_ac42a7e)
         per_program = config.decode_tiles_per_program or max(1, min(32, triton.cdiv(width, 64 * 4)))
         grid = (tiles.num_tiles, triton.cdiv(width, 64 * per_program))
-        key_rows = pool.view(torch.float8_e4m3fn).view(-1, d)  # [P * PAGE_ROWS, D]: a page's keys, then its scales
-        key_desc = TensorDescriptor(key_rows, list(key_rows.shape), list(key_rows.stride()), [64, d])
+        row_bytes = _tma_row_bytes(codec)
+        if codec.code == KeyCode.FP4:
+            # [P * PAGE_ROWS, 64] bytes: a page's 64 packed value rows, then its scales; one box per scale block
+            key_rows = pool.view(torch.uint8).view(-1, row_bytes)
+            box = [64, 16]
+        else:
+            key_rows = pool.view(torch.float8_e4m3fn).view(-1, row_bytes)  # a page's keys, then its scales
+            box = [64, row_bytes]
+        key_desc = TensorDescriptor(key_rows, list(key_rows.shape), list(key_rows.stride()), box)
         tma_args = args[:3] + (key_desc,) + args[4:]  # the descriptor in place of values_view
+        warps = config.decode_warps
+        if codec.code == KeyCode.FP4 and tiles.size * num_heads >= 128:
+            warps = max(warps, 8)  # the block logits next to their sum spill at 4 warps (see the gather path)
         _index_scores_group_tma_kernel[grid](
             *tma_args, HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, H=num_heads, GROUP=tiles.size,
-            PAGES_PER_PROGRAM=per_program, PAGE_ROWS=fmt.page_bytes // d, D=d, INTERPRET=interpreting(),
-            num_warps=config.decode_warps,
-            num_stages=config.decode_stages or 5)
+            PAGES_PER_PROGRAM=per_program, PAGE_ROWS=fmt.page_bytes // row_bytes, D=d, INTERPRET=interpreting(),
+            CODE=int(codec.code), num_warps=warps, num_stages=config.decode_stages or 5)
         return out
     if tiles.kernel == "group":
         fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
