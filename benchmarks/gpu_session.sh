@@ -3,7 +3,7 @@
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_session.sh OUTDIR SECTION...
 #
-# Sections: tests scores-tests host select selectq deepgemm* attention centred layer store sweep decode-sweep ncu
+# Sections: tests scores-tests host select selectq deepgemm* attention centred layer store sweep decode-sweep prefill-sweep ncu
 # ncu-gaps distributed (see the case below);
 # a deepgemm section builds the DeepGEMM anchor first (~100 s, once per machine) inside its own chain.
 # Sections named "x@N" run pinned to GPU N (CUDA_VISIBLE_DEVICES=N); sections joined with "+" in one argument
@@ -46,6 +46,8 @@ run_section() {
     sweep)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/sweep_topk.py --out "$dir" --commit "$commit" ;;
     decode-sweep) "${env_gpu[@]}" timeout "$limit" python3 benchmarks/sweep_topk.py --out "$dir" --commit "$commit" \
                    --sections decode --decode-formats fp8,fp4 --next-n 1,2,4 --rep 30 ;;
+    prefill-sweep) "${env_gpu[@]}" timeout "$limit" python3 benchmarks/sweep_topk.py --out "$dir" --commit "$commit" \
+                   --sections prefill --rep 20 ;;
     scores-tests) "${env_gpu[@]}" timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_scores_triton.py ;;
     ncu)         "${env_gpu[@]}" timeout 240 ncu --clock-control none -k regex:"_index_scores_group|_filter|_final|_order" \
                    -c 8 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \

@@ -45,7 +45,7 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
     # (BLOCK_N, key tiles per program, warps, stages, register cap[, decode_loads]) per case. fp8: the gather
     # path's best against the page copies ("tma": one bulk copy per 64-entry page, tiles per program = pages),
     # the default since sweep_topk_h200_b4b4485 / ac42a7e, which hold the wider exploration of both
-    fp8_like = [(128, 16, 4, 5, None, "gather"), (64, 32, 4, 5, None, "tma")]
+    fp8_like = [(128, 16, 4, 5, None, "gather"), (64, 32, 4, 5, None, "tma"), (64, 32, 4, 5, 128, "tma")]
     if next_n > 1:  # wider programs (next_n x 64 query-head columns): the launch defaults (None) of both paths
         fp8_like = [(None, None, 4, None, None, "gather"), (None, None, 4, None, None, "tma")]
     per_case = {("fp8", None): fp8_like,
@@ -53,13 +53,16 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
                                  (64, 16, 4, 3, None)],
                 # fp4: the gather path's measured best (64, 16, 4, 5; sweep_topk_h200_20f5e89) against the page
                 # copies (four [64, 16]-byte boxes per page), pages per program / warps / stages
+                # (sweep_topk_h200_4a0a4ae: 32 pages / 5 stages 0.267 / 0.514 ms at 64 x 64K / 128K against 0.281 /
+                # 0.550 gathering; 16-64 pages within 1 %, 8 warps or 3 stages 35-60 % slower). A 128-register
+                # cap fits four programs per SM (168 registers: three; ptxas spills 48 bytes at 128)
                 ("fp4", "blocks"): [(64, 16, 4, 5, None, "gather"), (None, 32, 4, 5, None, "tma"),
-                                    (None, 16, 4, 5, None, "tma"), (None, 32, 4, 8, None, "tma"),
-                                    (None, 64, 4, 6, None, "tma"), (None, 32, 8, 5, None, "tma"),
-                                    (None, 32, 4, 3, None, "tma")]}
+                                    (None, 32, 4, 5, 128, "tma"), (None, 32, 4, 5, 104, "tma"),
+                                    (None, 32, 4, 4, 128, "tma")]}
     if next_n > 1:
         per_case[("fp4", "blocks")] = [(None, None, 4, None, None, "gather"), (None, None, 4, None, None, "tma"),
-                                       (None, 16, 8, 4, None, "tma"), (None, 32, 8, 3, None, "tma")]
+                                       (None, 32, 8, 3, None, "tma"), (None, 32, 8, 5, None, "tma"),
+                                       (None, 16, 4, 5, None, "tma")]
     for (fmt_name, fp4_mode), configs in per_case.items():
         if formats and fmt_name not in formats.split(","):
             continue
@@ -176,12 +179,15 @@ def select_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, sh
 def prefill_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, formats: str = "") -> None:
     t, n, k = (64, 300, 16) if smoke else (8192, 65536, 2048)
     variants = [("default", TopkConfig())]
-    # scores tile kernel (BLOCK_T, BLOCK_N, warps, stages): fewer stages / smaller tiles let two programs share
-    # an SM, so one program's relu-and-weight epilogue can overlap the other's tensor-core dots
-    for bt, bn, warps, stages in ((64, 128, 4, 2), (64, 64, 4, 2), (64, 64, 4, 4), (32, 128, 4, 2),
-                                  (64, 256, 8, 2)):
-        variants.append((f"scores={bt}x{bn},w{warps},s{stages}", TopkConfig(scores=ScoresConfig(
-            prefill_block_t=bt, prefill_block_n=bn, prefill_warps=warps, prefill_stages=stages))))
+    # scores tile kernel (BLOCK_T, BLOCK_N, warps, stages, register cap): the 64 x 128 tile at 4 warps holds 250
+    # registers and 80 KiB (3 stages), so two programs share an SM and the tensor pipe idles while both run
+    # their relu-and-weight epilogues (ncu at 4a0a4ae: tensor pipe 62 %, 2 warps per scheduler); 2 stages and
+    # a 168-register cap fit three (ptxas: the 168-register build spills only before and after the head loop)
+    for bt, bn, warps, stages, maxnreg in ((64, 128, 4, 2, 168), (64, 128, 4, 2, 160), (64, 128, 8, 3, None),
+                                           (128, 128, 8, 2, None), (64, 128, 4, 2, None)):
+        variants.append((f"scores={bt}x{bn},w{warps},s{stages},r{maxnreg}", TopkConfig(scores=ScoresConfig(
+            prefill_block_t=bt, prefill_block_n=bn, prefill_warps=warps, prefill_stages=stages,
+            prefill_maxnreg=maxnreg))))
     for fmt_name in [f for f in ("fp8", "bf16") if not formats or f in formats.split(",")]:
         fmt = KeyFormat.parse(fmt_name)
         pool, table, counts = timing_pool(fmt, [n], dev, seed=7)

@@ -141,9 +141,10 @@ if triton is not None:
         return fp4_bytes_e4m3(raw, INTERPRET)
 
     @triton.jit
-    def fp4_bytes_e4m3(raw, INTERPRET: tl.constexpr):
+    def fp4_bytes_e4m3(raw, INTERPRET: tl.constexpr, SPLIT: tl.constexpr = False):
         """Packed e2m1 bytes uint8 [N, B] (element 2i in the low nibble of byte i) -> e4m3 [N, 2 B], each the
-        e2m1 value times 2^-6 (the bit placement of :func:`load_fp4_block_e4m3`)."""
+        e2m1 value times 2^-6 (the bit placement of :func:`load_fp4_block_e4m3`). Columns in element order, or
+        with SPLIT in nibble order: the B low nibbles (elements 0, 2, ..), then the B high ones (1, 3, ..)."""
         if INTERPRET:
             low = ((raw & 0x08) << 4) | ((raw & 0x07) << 2)
             high = (raw & 0x80) | ((raw & 0x70) >> 2)
@@ -164,7 +165,10 @@ if triton is not None:
                 or.b32 $1, $1, t;
                 }""",
                 "=r,=r,r", [raw], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-        codes = tl.reshape(tl.join(low, high), (raw.shape[0], 2 * raw.shape[1]))
+        if SPLIT:  # the low nibbles (even elements), then the high ones
+            codes = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (raw.shape[0], 2 * raw.shape[1]))
+        else:
+            codes = tl.reshape(tl.join(low, high), (raw.shape[0], 2 * raw.shape[1]))
         return codes.to(tl.float8e4nv, bitcast=True)
 
     @triton.jit

@@ -24,8 +24,8 @@ class ScoresConfig:
     page-centred formats from 128 query heads per program on), key tiles per program (None = min(the format's
     ``KeyCodec.decode_tiles``, enough to cover W in four programs' worth)), warps and stages (None = the
     format's ``KeyCodec.decode_stages``; 8 tiles and 3 stages above 64 query-head columns per program) of the
-    group kernel; decode_maxnreg: a register cap per thread for the group kernel (None = the compiler's
-    choice; a lower cap lets more programs share an SM, at the risk of spills).
+    group kernel; decode_maxnreg / prefill_maxnreg: a register cap per thread for the group / tile kernel
+    (None = the compiler's choice; a lower cap lets more programs share an SM, at the risk of spills).
     decode_fp4: how the group kernel reads fp4 keys: "blocks" (one dot per 32-element scale block on the e2m1
     codes placed in e4m3 bits, each block's scale applied to its dot's result per entry; fp8 tensor cores when
     q is fp8 e4m3, bf16 otherwise) or "dequant" (the keys dequantized to a bf16 tile in registers, one bf16
@@ -48,6 +48,7 @@ class ScoresConfig:
     decode_fp4: str = "blocks"
     decode_maxnreg: int | None = None
     decode_loads: str = "tma"
+    prefill_maxnreg: int | None = None
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -69,10 +70,11 @@ class ScoresConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
 
-        reg = self.decode_maxnreg
-        if reg is not None and (isinstance(reg, bool) or not isinstance(reg, int) or not 24 <= reg <= 255
-                                or reg % 8):
-            raise ValueError(f"decode_maxnreg must be None or a multiple of 8 in 24..255, got {reg!r}")
+        for name in ("decode_maxnreg", "prefill_maxnreg"):
+            reg = getattr(self, name)
+            if reg is not None and (isinstance(reg, bool) or not isinstance(reg, int) or not 24 <= reg <= 255
+                                    or reg % 8):
+                raise ValueError(f"{name} must be None or a multiple of 8 in 24..255, got {reg!r}")
 
     @staticmethod
     def for_device(device: "torch.device | str | None" = None) -> "ScoresConfig":

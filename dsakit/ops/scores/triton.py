@@ -310,6 +310,12 @@ def _tma_row_bytes(codec) -> int:
     return INDEX_HEAD_DIM // 2 if codec.code == KeyCode.FP4 else INDEX_HEAD_DIM
 
 
+def _register_cap(config: ScoresConfig, prefill: bool = False) -> dict:
+    """The launch's maxnreg option from decode_maxnreg / prefill_maxnreg (none under the interpreter)."""
+    cap = config.prefill_maxnreg if prefill else config.decode_maxnreg
+    return {} if cap is None or interpreting() else {"maxnreg": cap}
+
+
 @functools.lru_cache(maxsize=None)
 def _has_tma(device_index: int) -> bool:
     """sm_90+ (asked once per device: the answer cannot change, and decode launches every step)."""
@@ -371,7 +377,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         _index_scores_group_tma_kernel[grid](
             *tma_args, HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, H=num_heads, GROUP=tiles.size,
             PAGES_PER_PROGRAM=per_program, PAGE_ROWS=fmt.page_bytes // row_bytes, D=d, INTERPRET=interpreting(),
-            CODE=int(codec.code), num_warps=warps, num_stages=config.decode_stages or 5)
+            CODE=int(codec.code), num_warps=warps, num_stages=config.decode_stages or 5, **_register_cap(config))
         return out
     if tiles.kernel == "group":
         fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
@@ -397,11 +403,10 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
             # a block's partial logits next to the running sum are two [BLOCK_N, GROUP * H] fp32 tiles: from 128
             # query heads per program on they spill at 4 warps on sm_90 (255 registers); 8 warps halve them
             warps = max(warps, 8)
-        registers = {} if config.decode_maxnreg is None or interpreting() else {"maxnreg": config.decode_maxnreg}
         _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
                                          FP4_BLOCKS=fp4_blocks, num_warps=warps,
-                                         num_stages=config.decode_stages or stages_default, **registers,
-                                         **common)
+                                         num_stages=config.decode_stages or stages_default,
+                                         **_register_cap(config), **common)
         return out
     bn = config.prefill_block_n
     grid = (tiles.num_tiles * triton.cdiv(width, bn),)
@@ -410,7 +415,8 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         # the page term (a [BLOCK_T, 16] dot per head and its broadcast) spills a 4-warp 64 x 128 tile on sm_90
         warps = 8
     _index_scores_tile_kernel[grid](*args, BLOCK_T=tiles.size, BLOCK_N=bn, num_warps=warps,
-                                    num_stages=config.prefill_stages, **common)
+                                    num_stages=config.prefill_stages, **_register_cap(config, prefill=True),
+                                    **common)
     return out
 
 
