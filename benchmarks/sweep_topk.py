@@ -56,9 +56,9 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
                 # (sweep_topk_h200_4a0a4ae: 32 pages / 5 stages 0.267 / 0.514 ms at 64 x 64K / 128K against 0.281 /
                 # 0.550 gathering; 16-64 pages within 1 %, 8 warps or 3 stages 35-60 % slower). A 128-register
                 # cap fits four programs per SM (168 registers: three; ptxas spills 48 bytes at 128)
-                ("fp4", "blocks"): [(64, 16, 4, 5, None, "gather"), (None, 32, 4, 5, None, "tma"),
-                                    (None, 32, 4, 5, 128, "tma"), (None, 32, 4, 5, 104, "tma"),
-                                    (None, 32, 4, 4, 128, "tma")]}
+                ("fp4", "blocks"): [(64, 16, 4, 5, None, "gather"), (None, None, 4, None, None, "tma"),
+                                    (None, 32, 4, 5, 168, "tma"), (None, 32, 4, 6, 128, "tma"),
+                                    (None, 64, 4, 5, 128, "tma")]}
     if next_n > 1:
         per_case[("fp4", "blocks")] = [(None, None, 4, None, None, "gather"), (None, None, 4, None, None, "tma"),
                                        (None, 32, 8, 3, None, "tma"), (None, 32, 8, 5, None, "tma"),
@@ -179,15 +179,16 @@ def select_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, sh
 def prefill_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, formats: str = "") -> None:
     t, n, k = (64, 300, 16) if smoke else (8192, 65536, 2048)
     variants = [("default", TopkConfig())]
-    # scores tile kernel (BLOCK_T, BLOCK_N, warps, stages, register cap): the 64 x 128 tile at 4 warps holds 250
-    # registers and 80 KiB (3 stages), so two programs share an SM and the tensor pipe idles while both run
-    # their relu-and-weight epilogues (ncu at 4a0a4ae: tensor pipe 62 %, 2 warps per scheduler); 2 stages and
-    # a 168-register cap fit three (ptxas: the 168-register build spills only before and after the head loop)
-    for bt, bn, warps, stages, maxnreg in ((64, 128, 4, 2, 168), (64, 128, 4, 2, 160), (64, 128, 8, 3, None),
-                                           (128, 128, 8, 2, None), (64, 128, 4, 2, None)):
-        variants.append((f"scores={bt}x{bn},w{warps},s{stages},r{maxnreg}", TopkConfig(scores=ScoresConfig(
-            prefill_block_t=bt, prefill_block_n=bn, prefill_warps=warps, prefill_stages=stages,
-            prefill_maxnreg=maxnreg))))
+    # scores tile kernel (BLOCK_T, BLOCK_N, warps, stages): the 64 x 128 tile at 4 warps holds 250 registers and
+    # 80 KiB (3 stages), two programs per SM (ncu at 4a0a4ae: tensor pipe 62 %, 2 warps per scheduler).
+    # sweep_topk_h200_f6afd91: 168 / 160-register caps, 8 warps and 128 x 128 tiles all slower. keys_m: the key
+    # tile as the dot's A operand in registers for all heads, q_h^T the B operand (a third less shared-memory
+    # traffic per multiply-add than two shared operands at 64 x 128)
+    for bt, bn, warps, stages, keys_m in ((64, 128, 8, 3, True), (64, 128, 8, 2, True), (64, 128, 8, 4, True),
+                                          (64, 128, 4, 2, False)):
+        variants.append((f"scores={bt}x{bn},w{warps},s{stages}{',keys_m' if keys_m else ''}",
+                         TopkConfig(scores=ScoresConfig(prefill_block_t=bt, prefill_block_n=bn, prefill_warps=warps,
+                                                        prefill_stages=stages, prefill_keys_m=keys_m))))
     for fmt_name in [f for f in ("fp8", "bf16") if not formats or f in formats.split(",")]:
         fmt = KeyFormat.parse(fmt_name)
         pool, table, counts = timing_pool(fmt, [n], dev, seed=7)

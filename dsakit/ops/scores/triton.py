@@ -371,13 +371,24 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
             box = [64, row_bytes]
         key_desc = TensorDescriptor(key_rows, list(key_rows.shape), list(key_rows.stride()), box)
         tma_args = args[:3] + (key_desc,) + args[4:]  # the descriptor in place of values_view
-        warps = config.decode_warps
-        if codec.code == KeyCode.FP4 and tiles.size * num_heads >= 128:
-            warps = max(warps, 8)  # the block logits next to their sum spill at 4 warps (see the gather path)
+        warps, stages, registers = config.decode_warps, config.decode_stages or 5, _register_cap(config)
+        columns = tiles.size * num_heads
+        if codec.code == KeyCode.FP4:
+            # fp4 is bound by instruction issue, not bytes (ncu at 4a0a4ae: ALU the busiest pipe, 1.1 TB/s): at
+            # <= 64 query-head columns a 128-register cap fits four programs per SM instead of three (0.227 /
+            # 0.443 ms at 64 x 64K / 128K against 0.263 / 0.486; 104 registers spill: 0.378); from 128 columns
+            # 8 warps (4 spill the block logits next to their sum), from 256 columns 3 stages (next_n 4: 1.00 ms
+            # against 1.51 with 5; sweep_topk_h200_f6afd91)
+            if columns >= 128:
+                warps = max(warps, 8)
+            if columns >= 256 and config.decode_stages is None:
+                stages = 3
+            if columns <= 64 and warps == 4 and config.decode_maxnreg is None and not interpreting():
+                registers = {"maxnreg": 128}
         _index_scores_group_tma_kernel[grid](
             *tma_args, HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, H=num_heads, GROUP=tiles.size,
             PAGES_PER_PROGRAM=per_program, PAGE_ROWS=fmt.page_bytes // row_bytes, D=d, INTERPRET=interpreting(),
-            CODE=int(codec.code), num_warps=warps, num_stages=config.decode_stages or 5, **_register_cap(config))
+            CODE=int(codec.code), num_warps=warps, num_stages=stages, **registers)
         return out
     if tiles.kernel == "group":
         fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
@@ -416,7 +427,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         warps = 8
     _index_scores_tile_kernel[grid](*args, BLOCK_T=tiles.size, BLOCK_N=bn, num_warps=warps,
                                     num_stages=config.prefill_stages, **_register_cap(config, prefill=True),
-                                    **common)
+                                    KEYS_M=config.prefill_keys_m and not codec.page_term, **common)
     return out
 
 
