@@ -180,15 +180,12 @@ def prefill_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, f
     t, n, k = (64, 300, 16) if smoke else (8192, 65536, 2048)
     variants = [("default", TopkConfig())]
     # scores tile kernel (BLOCK_T, BLOCK_N, warps, stages): the 64 x 128 tile at 4 warps holds 250 registers and
-    # 80 KiB (3 stages), two programs per SM (ncu at 4a0a4ae: tensor pipe 62 %, 2 warps per scheduler).
-    # sweep_topk_h200_f6afd91: 168 / 160-register caps, 8 warps and 128 x 128 tiles all slower. keys_m: the key
-    # tile as the dot's A operand in registers for all heads, q_h^T the B operand (a third less shared-memory
-    # traffic per multiply-add than two shared operands at 64 x 128)
-    for bt, bn, warps, stages, keys_m in ((64, 128, 8, 3, True), (64, 128, 8, 2, True), (64, 128, 8, 4, True),
-                                          (64, 128, 4, 2, False)):
-        variants.append((f"scores={bt}x{bn},w{warps},s{stages}{',keys_m' if keys_m else ''}",
-                         TopkConfig(scores=ScoresConfig(prefill_block_t=bt, prefill_block_n=bn, prefill_warps=warps,
-                                                        prefill_stages=stages, prefill_keys_m=keys_m))))
+    # 80 KiB (3 stages), two programs per SM (ncu at 4a0a4ae: tensor pipe 62 %, 2 warps per scheduler). Measured
+    # and dropped: 168 / 160-register caps for three programs per SM, 8 warps, 128 x 128 (f6afd91); the key tile
+    # as the register A operand for every head with q_h^T from shared memory (c5a81f2: 1.6-2.7x slower)
+    for bt, bn, warps, stages in ((64, 128, 4, 2),):
+        variants.append((f"scores={bt}x{bn},w{warps},s{stages}", TopkConfig(scores=ScoresConfig(
+            prefill_block_t=bt, prefill_block_n=bn, prefill_warps=warps, prefill_stages=stages))))
     for fmt_name in [f for f in ("fp8", "bf16") if not formats or f in formats.split(",")]:
         fmt = KeyFormat.parse(fmt_name)
         pool, table, counts = timing_pool(fmt, [n], dev, seed=7)

@@ -127,18 +127,14 @@ def operand_queries(q: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kernel", ["tile", "tile-keys-m", "group"])
+@pytest.mark.parametrize("kernel", ["tile", "group"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn],
                          ids=["q-bf16", "q-fp32", "q-fp8"])
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_matches_reference(fmt_name, q_dtype, kernel, device):
-    """tile-keys-m: the tile kernel with the keys as the dot's M side (ScoresConfig.prefill_keys_m)."""
     lengths = [130, 0, 67, 1]  # non-powers of two, an empty sequence, a one-entry sequence
     fmt, pool, table, counts, _ = make_cache(fmt_name, lengths, device)
     h = 16
-    extra = {}
-    if kernel == "tile-keys-m":
-        kernel, extra = "tile", {"prefill_keys_m": True}
     if kernel == "tile":  # ragged, unsorted: several queries per sequence, causal with ratio 4
         query_seq = torch.tensor([0] * 9 + [2] * 5 + [1] * 2 + [3] + [0] * 3, dtype=torch.int32)
         query_seq = query_seq[torch.randperm(query_seq.numel())]
@@ -153,14 +149,14 @@ def test_matches_reference(fmt_name, q_dtype, kernel, device):
     w = torch.rand(t, h) - 0.25
     q_scale = torch.rand(t, h) + 0.5 if q_dtype == torch.float8_e4m3fn else None
     out = run_kernel(q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device), positions.to(device),
-                     ratio, q_scale=None if q_scale is None else q_scale.to(device), kernel=kernel, **extra)
+                     ratio, q_scale=None if q_scale is None else q_scale.to(device), kernel=kernel)
     w_eff = w if q_scale is None else w * q_scale
     ref = reference_scores(operand_queries(q), w_eff, pool.cpu(), fmt, table.cpu(), counts.cpu(), query_seq,
                            positions, ratio)
     assert_scores_match(out, ref, tight_rtol(fmt_name, q_dtype, device))
     again = run_kernel(q.to(device), w.to(device), pool, fmt, table, counts, query_seq.to(device),
                        positions.to(device), ratio, q_scale=None if q_scale is None else q_scale.to(device),
-                       kernel=kernel, **extra)
+                       kernel=kernel)
     assert torch.equal(out.cpu(), again.cpu()), "two runs on the same input differ (must be bitwise deterministic)"
 
 

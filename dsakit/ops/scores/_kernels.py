@@ -66,7 +66,7 @@ def _index_scores_tile_kernel(
     stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
     HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
     FP8_DOT: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-    INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr = False, KEYS_M: tl.constexpr = False,
+    INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr = False,
 ):
     # 1-D grid over (query tile, entry tile) with the entry tile fastest: programs running at the same time
     # share one query tile, so its q [BLOCK_T, H, D] stays in L2 while the (smaller) key tiles stream
@@ -101,7 +101,7 @@ def _index_scores_tile_kernel(
         pages = _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages)
         slot = offs_n % 64
         k = load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, CODE, FP8_DOT, D)  # [BLOCK_N, D]
-        k_t = tl.trans(k)  # [D, BLOCK_N], K-major for the tensor cores (unused with KEYS_M)
+        k_t = tl.trans(k)  # [D, BLOCK_N], K-major for the tensor cores
         if PAGE_TERM:
             # formats with a per-page side value c (page-centred): logit = s * (q . k) + q . c, the second term
             # one [BLOCK_T, D] x [D, 16] dot per head over the tile's page values, broadcast to their entries
@@ -110,50 +110,27 @@ def _index_scores_tile_kernel(
 
         dims = tl.arange(0, D)
         q_ptrs = q_ptr + rows[:, None] * stride_qt + dims[None, :]
-        if KEYS_M:
-            # keys as the dot's M side, kept in registers for all H heads; only q_h^T [D, BLOCK_T] is read from
-            # shared memory per head (a third of the [D, BLOCK_N] key operand's bytes at 64 x 128)
-            # (the select makes the tile a computed value, which the compiler keeps in registers as the dot's A
-            # operand; a loaded one it would stage through shared memory)
-            k_regs = tl.where(entry_ok[:, None], k, 0.0).to(k.dtype)
-            acc_t = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-            for h in range(H):
-                q_h, w_h = _head_operands(q_ptrs, w_ptr, q_scale_ptr, rows, row_ok, h, stride_qh, stride_wt,
-                                          stride_wh, stride_st, stride_sh, HAS_Q_SCALE, FP8_DOT)
-                logits_t = _dot(k_regs, tl.trans(q_h), INTERPRET)  # [BLOCK_N, BLOCK_T] fp32
-                acc_t += tl.maximum(logits_t, 0.0, propagate_nan=tl.PropagateNan.ALL) * w_h[None, :]
-            acc = tl.trans(acc_t)
-        else:
-            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            for h in range(H):
-                q_h, w_h = _head_operands(q_ptrs, w_ptr, q_scale_ptr, rows, row_ok, h, stride_qh, stride_wt,
-                                          stride_wh, stride_st, stride_sh, HAS_Q_SCALE, FP8_DOT)
-                logits = _dot(q_h, k_t, INTERPRET)  # [BLOCK_T, BLOCK_N] fp32
-                if PAGE_TERM:
-                    logits = scale_key_logits(logits, logit_scale, CODE, 1)
-                    logits += _page_columns(_dot(q_h.to(tl.bfloat16), c_t, INTERPRET), BLOCK_N)
-                # NaN propagates like torch.relu so that a NaN key or query is visible downstream
-                acc += tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w_h[:, None]
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for h in range(H):
+            q_h = tl.load(q_ptrs + h * stride_qh, mask=row_ok[:, None], other=0.0)  # [BLOCK_T, D]
+            if FP8_DOT:
+                q_h = q_h.to(tl.float8e4nv)
+            else:
+                q_h = q_h.to(tl.bfloat16)  # bf16 or exact fp8 upcast
+            w_h = tl.load(w_ptr + rows * stride_wt + h * stride_wh, mask=row_ok, other=0.0).to(tl.float32)
+            if HAS_Q_SCALE:
+                w_h *= tl.load(q_scale_ptr + rows * stride_st + h * stride_sh, mask=row_ok, other=0.0)
+            logits = _dot(q_h, k_t, INTERPRET)  # [BLOCK_T, BLOCK_N] fp32
+            if PAGE_TERM:
+                logits = scale_key_logits(logits, logit_scale, CODE, 1)
+                logits += _page_columns(_dot(q_h.to(tl.bfloat16), c_t, INTERPRET), BLOCK_N)
+            # NaN propagates like torch.relu so that a NaN key or query is visible downstream
+            acc += tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w_h[:, None]
         acc = scale_key_scores(acc, scales_ptr, pages, slot, entry_ok, CODE, D, 1)
         result = tl.where(offs_n[None, :] < visible[:, None], acc, float("-inf"))
         tl.store(out_ptrs, result, mask=store_mask)
     else:
         tl.store(out_ptrs, tl.full([BLOCK_T, BLOCK_N], float("-inf"), tl.float32), mask=store_mask)
-
-
-@triton.jit
-def _head_operands(q_ptrs, w_ptr, q_scale_ptr, rows, row_ok, h, stride_qh, stride_wt, stride_wh, stride_st,
-                   stride_sh, HAS_Q_SCALE: tl.constexpr, FP8_DOT: tl.constexpr):
-    """Head h of a query tile: q [BLOCK_T, D] in the dot dtype and its weight (times q_scale) fp32 [BLOCK_T]."""
-    q_h = tl.load(q_ptrs + h * stride_qh, mask=row_ok[:, None], other=0.0)
-    if FP8_DOT:
-        q_h = q_h.to(tl.float8e4nv)
-    else:
-        q_h = q_h.to(tl.bfloat16)  # bf16 or exact fp8 upcast
-    w_h = tl.load(w_ptr + rows * stride_wt + h * stride_wh, mask=row_ok, other=0.0).to(tl.float32)
-    if HAS_Q_SCALE:
-        w_h *= tl.load(q_scale_ptr + rows * stride_st + h * stride_sh, mask=row_ok, other=0.0)
-    return q_h, w_h
 
 
 @triton.jit

@@ -27,9 +27,6 @@ class ScoresConfig:
     group kernel; decode_maxnreg / prefill_maxnreg: a register cap per thread for the group / tile kernel
     (None = the launch default: the compiler's choice, except 128 for fp4 keys read by page copies at <= 64
     query-head columns per program; a lower cap lets more programs share an SM, at the risk of spills).
-    prefill_keys_m: the tile kernel's dot orientation: False multiplies q_h [BLOCK_T, D] by the key tile [D, BLOCK_N]
-    (both from shared memory); True multiplies the key tile [BLOCK_N, D], held in registers across the H heads,
-    by q_h^T [D, BLOCK_T], so only q is read from shared memory per head (page-centred formats: always False).
     decode_fp4: how the group kernel reads fp4 keys: "blocks" (one dot per 32-element scale block on the e2m1
     codes placed in e4m3 bits, each block's scale applied to its dot's result per entry; fp8 tensor cores when
     q is fp8 e4m3, bf16 otherwise) or "dequant" (the keys dequantized to a bf16 tile in registers, one bf16
@@ -53,7 +50,6 @@ class ScoresConfig:
     decode_maxnreg: int | None = None
     decode_loads: str = "tma"
     prefill_maxnreg: int | None = None
-    prefill_keys_m: bool = False
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -70,8 +66,6 @@ class ScoresConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 16
                                       or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
-        if not isinstance(self.prefill_keys_m, bool):
-            raise ValueError(f"prefill_keys_m must be a bool, got {self.prefill_keys_m!r}")
         for name in ("prefill_warps", "decode_warps", "decode_tiles_per_program", "prefill_stages", "decode_stages"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

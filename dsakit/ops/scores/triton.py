@@ -427,7 +427,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         warps = 8
     _index_scores_tile_kernel[grid](*args, BLOCK_T=tiles.size, BLOCK_N=bn, num_warps=warps,
                                     num_stages=config.prefill_stages, **_register_cap(config, prefill=True),
-                                    KEYS_M=config.prefill_keys_m and not codec.page_term, **common)
+                                    **common)
     return out
 
 
