@@ -103,9 +103,22 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
             del pool, out, ref
 
 
+# the order_chunks / v / cap / splits variants below were measured in sweep_topk_h200_{b4b4485,ac42a7e,8468ee4}
+EXPLORED = True
+
+
 def _stream_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]]:
     base = StreamConfig.default(rows, n, k)
     out = [("default", base)]
+    # histogram buckets of the range narrowing (the filter's sample threshold and the final kernel): each step
+    # costs a few block-wide operations, and wider steps (8-9 bits instead of 6) need fewer of them
+    for bins in (128, 256, 512):
+        out.append((f"bins={bins}", dataclasses.replace(base, bins=bins)))
+    # a smaller threshold sample: less prologue per filter program, a looser threshold (more candidates)
+    out.append((f"sample={base.sample // 2},bins=256", dataclasses.replace(base, sample=max(256, base.sample // 2),
+                                                                          bins=256)))
+    if EXPLORED:
+        return out
     if hasattr(base, "order_chunks"):  # the sort split over C programs per row (chunk sorts + rank merge)
         for chunks in ((1, 2) if rows >= 1024 else (1, 8)):
             if chunks != base.order_chunks:
