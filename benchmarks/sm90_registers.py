@@ -120,7 +120,7 @@ def cases(formats: list[str], quick: bool):
                 if codec.page_term and config.prefill_warps is None and block_t * block_n >= 64 * 128:
                     warps = 8  # launch_index_scores' choice for page-term formats
                 consts = dict(HAS_POS=True, HAS_Q_SCALE=q_scale, H=64, BLOCK_T=block_t, BLOCK_N=block_n)
-                yield "tile", fmt, q_dtype, consts, warps, config.prefill_stages
+                yield "tile", fmt, q_dtype, consts, warps, config.prefill_stages or codec.prefill_stages
 
 
 def main() -> int:

@@ -684,6 +684,32 @@ def test_decode_launch_defaults(monkeypatch, fmt_name, next_n, expected):
     assert "maxnreg" not in kw  # no register cap unless asked
 
 
+@pytest.mark.parametrize("fmt_name,config,stages", [
+    ("bf16", {}, 2),            # the codec's prefill stages
+    ("fp8", {}, 3),
+    ("fp4", {}, 3),
+    ("bf16", {"prefill_stages": 4}, 4),  # an explicit choice wins
+])
+def test_prefill_launch_stages(monkeypatch, fmt_name, config, stages):
+    """The tile kernel's pipeline stages: ScoresConfig.prefill_stages, or the key format's measured default."""
+    from dsakit.ops.scores import triton as scores_triton
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw)
+
+    monkeypatch.setattr(scores_triton, "_index_scores_tile_kernel", Recorder())
+    fmt, pool, table, counts, _ = make_cache(fmt_name, [300], "cpu")
+    query_seq = torch.zeros(40, dtype=torch.int32)
+    batch = batch_of(pool, fmt, table, counts, query_seq)
+    q = torch.randn(40, 16, 128).to(torch.bfloat16)
+    scores_triton.index_scores_triton(q, torch.rand(40, 16), batch, config=ScoresConfig(kernel="tile", **config))
+    (kw,) = launches
+    assert kw["num_stages"] == stages
+
+
 @pytest.mark.parametrize("next_n", [1, 2, 4])
 def test_decode_tma_launch_defaults(monkeypatch, next_n, device):
     """fp8 keys with e4m3 queries take the page-copy kernel by default (32 pages per program, 5 stages at every

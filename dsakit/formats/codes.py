@@ -32,6 +32,7 @@ class KeyCodec:
     blocks_block_n: the tile of the per-block decode path, ``"blocks"``). decode_tiles / decode_stages: key
     tiles per program and pipeline stages of the decode kernel measured fastest for it at <= 64 query-head
     columns per program (``ScoresConfig`` fields left at None take these; wider programs use 8 and 3).
+    prefill_stages: pipeline stages of the prefill (tile) kernel's per-head q loads for this encoding.
     fp8_dot: the stored values can feed fp8 tensor cores as they are (the per-entry scale is then applied per
     score column). page_term: the format keeps a side value
     per page (a page-centred format's centre): the scores kernels add a per-page term q . c to every logit
@@ -43,6 +44,7 @@ class KeyCodec:
     blocks_block_n: int = 64
     decode_tiles: int = 8
     decode_stages: int = 3
+    prefill_stages: int = 3
     fp8_dot: bool = False
     page_term: bool = False
 
@@ -61,7 +63,10 @@ KEY_CODECS: dict[str, KeyCodec] = {
     # sweep_topk_h200_1ceb8eb): bf16 0.293 -> 0.284 ms at 64K, fp8 0.198 -> 0.168 ms (BLOCK_N 128), fp4
     # "blocks" 0.332 -> 0.279 ms; fp8 confirmed beside DeepGEMM's logits (0.168 vs 0.149 ms,
     # vs_deepgemm_h200_b8bb071_run{1,2})
-    "bf16": KeyCodec(KeyCode.BF16, decode_block_n=64, decode_tiles=16, decode_stages=5),
+    # prefill stages: bf16 keys ran 0.4-2.3 % faster on 2 than 3 in each of three sweeps (sweep_topk_h200_5b7286f,
+    # _f6afd91_prefill, _c5a81f2_prefill: 18.35 / 18.78 / 18.33 ms against 18.43 / 19.22 / 18.70 at 8192 x 64K);
+    # fp8 keys 15.5 ms against 13.3 (3 stages kept)
+    "bf16": KeyCodec(KeyCode.BF16, decode_block_n=64, decode_tiles=16, decode_stages=5, prefill_stages=2),
     "fp8": KeyCodec(KeyCode.FP8, decode_block_n=128, fp8_dot=True, decode_tiles=16, decode_stages=5),
     "fp4": KeyCodec(KeyCode.FP4, decode_block_n=128, decode_tiles=16, decode_stages=5),
     # page-centred formats, by format name (their kind is the residual's encoding)

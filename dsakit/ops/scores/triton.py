@@ -426,7 +426,8 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         # the page term (a [BLOCK_T, 16] dot per head and its broadcast) spills a 4-warp 64 x 128 tile on sm_90
         warps = 8
     _index_scores_tile_kernel[grid](*args, BLOCK_T=tiles.size, BLOCK_N=bn, num_warps=warps,
-                                    num_stages=config.prefill_stages, **_register_cap(config, prefill=True),
+                                    num_stages=config.prefill_stages or codec.prefill_stages,
+                                    **_register_cap(config, prefill=True),
                                     **common)
     return out
 
