@@ -83,7 +83,7 @@ def check_k(k, limit: int | None = None) -> int:
 
 
 def check_pool(pool: torch.Tensor, fmt, what: str = "pool") -> None:
-    """uint8 [P, fmt.page_bytes], contiguous, else ValueError (no sync)."""
+    """uint8 [P, fmt.page_bytes], contiguous, starting on a 16-byte boundary, else ValueError (no sync)."""
     if not isinstance(pool, torch.Tensor):
         raise ValueError(f"{what} must be a torch.Tensor, got {type(pool).__name__}")
     if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != fmt.page_bytes:
@@ -91,6 +91,11 @@ def check_pool(pool: torch.Tensor, fmt, what: str = "pool") -> None:
                          f"got {pool.dtype} {list(pool.shape)}")
     if not pool.is_contiguous():
         raise ValueError(f"{what} must be contiguous (cache writes never go through a silent copy)")
+    if pool.data_ptr() % 16:
+        # the kernels read 2-, 4- and 16-byte words and bulk-copy 16-byte aligned boxes; every page size is a
+        # multiple of 16, so a pool allocated by torch, or viewed from one at a page boundary, always passes
+        raise ValueError(f"{what} must start on a 16-byte boundary (a view at a page boundary of an allocation "
+                         f"is fine), got an address {pool.data_ptr() % 16} bytes past one")
 
 
 def check_queries(q: torch.Tensor, weights: torch.Tensor, d: int = INDEX_HEAD_DIM) -> None:

@@ -229,6 +229,31 @@ def test_a_block_table_row_listing_a_page_twice_is_refused_naming_row_and_page()
     assert index_topk(torch.randn(1, 4, 128), torch.ones(1, 4), batch, 4, backend="reference").shape == (1, 4)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
+def test_a_pool_off_a_16_byte_boundary_is_refused_by_the_batch_and_the_store(fmt):
+    """The kernels read multi-byte words and bulk-copy aligned boxes: a pool viewed at a byte offset (not a page
+    boundary) is refused with a clear error, before anything is written; a page-boundary view is accepted."""
+    from dsakit import PagedBatch
+    from dsakit.ops.store import store_index_keys
+
+    cache, seq = _small_batch(fmt)
+    page_bytes = cache.fmt.page_bytes
+    raw = torch.zeros(cache.pool.numel() + page_bytes + 4, dtype=torch.uint8)
+    shifted = raw[4:4 + cache.pool.numel()].view(cache.pool.shape)
+    shifted.copy_(cache.pool)
+    args = (cache.fmt, cache.block_table([seq]), cache.entry_counts([seq]), torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        PagedBatch.build(shifted, *args)
+    before = raw.clone()
+    rope = torch.zeros(128, 64)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        store_index_keys(torch.randn(1, 128), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                         shifted, cache.fmt, rope, torch.ones(128))
+    assert torch.equal(raw, before)
+    at_page = raw[page_bytes:page_bytes + cache.pool.numel()].view(cache.pool.shape)  # a page-boundary view
+    PagedBatch.build(at_page, *args)
+
+
 @pytest.mark.parametrize("field", ["block_table", "entry_counts", "query_seq", "query_positions"])
 def test_lists_for_batch_tensors_are_value_errors(field):
     from dsakit import PagedBatch

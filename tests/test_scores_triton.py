@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from dsakit import PagedBatch
 from dsakit.cache import PagedCache
-from dsakit.formats import KeyFormat
+from dsakit.formats import KeyFormat, key_codec
 from dsakit.ops.scores import ScoresConfig, index_scores
 from dsakit.ops.scores.reference import index_scores as _reference_scores
 from dsakit.ops.scores.reference import index_scores_dense
@@ -756,6 +756,17 @@ def test_decode_tma_launch_defaults(monkeypatch, next_n, device):
     (fp8_q, _, kw), (bf16_q, _, _), (dequant, _, _) = launches
     assert (fp8_q, bf16_q, dequant) == ("tma", "tma", "gather")
     assert (kw["PAGE_ROWS"], kw["num_warps"]) == (68, 8 if next_n * 64 >= 128 else 4)
+    assert kw["num_stages"] == (3 if next_n * 64 >= 256 else 5)
+    # the 128-register cap (four programs per SM) at <= 64 columns; the interpreter takes no register options
+    assert kw.get("maxnreg") == (128 if next_n == 1 and device != "cpu" else None)
+
+    # a pool that does not start on a 16-byte boundary (a view at a byte offset) is refused by the batch, and the
+    # page copies would not take it either
+    shifted = torch.zeros(pool.numel() + 8, dtype=torch.uint8, device=device)[8:].view(pool.shape)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        batch_of(shifted, fmt, table, counts, query_seq)
+    assert not scores_triton._tma_pages(key_codec(fmt), False, shifted, ScoresConfig())
+    assert scores_triton._tma_pages(key_codec(fmt), False, pool, ScoresConfig())
 
 
 @pytest.mark.parametrize("fmt_name", ["fp8", "fp8-ue8m0", "fp4", "fp4-rne"])

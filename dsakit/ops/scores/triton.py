@@ -288,8 +288,9 @@ def _tma_pages(codec, fp8_dot: bool, pool: torch.Tensor, config: ScoresConfig) -
     """Whether the group kernel can read this pool's keys page by page with bulk tensor copies: plain fp8
     keys with e4m3 queries (the page's 64 x 128 key bytes are one box at byte 0) or plain fp4 keys read by
     blocks (the page's 64 x 64 packed bytes, four boxes of 16 columns), a GPU with the tensor memory
-    accelerator (sm_90+; the interpreter emulates it), and row coordinates that fit the copy's int32."""
-    if TensorDescriptor is None or codec.page_term:
+    accelerator (sm_90+; the interpreter emulates it), row coordinates that fit the copy's int32 and a pool
+    that starts on a 16-byte boundary (the copy's alignment rule; a pool viewed at an odd byte offset gathers)."""
+    if TensorDescriptor is None or codec.page_term or pool.data_ptr() % 16:
         return False
     if codec.code == KeyCode.FP8:
         if not fp8_dot:
