@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -94,15 +95,19 @@ def test_norms_of_rows_at_the_float_maximum_are_finite(norm):
 
 
 def _store_both(store, rows, fmt, *args, **kwargs):
-    """Store rows at slots 0..N-1 with both backends (Triton only where it can run); -> {backend: pool}."""
+    """Store rows at slots 0..N-1 with both backends (Triton only where it can run: the CPU under
+    TRITON_INTERPRET=1, else the GPU, its inputs moved there); -> {backend: CPU pool}."""
     from conftest import triton_runnable
 
     n = rows.shape[0]
     pools = {}
     for backend in ("reference", "triton") if triton_runnable()[0] else ("reference",):
-        pool = torch.zeros(1, fmt.page_bytes, dtype=torch.uint8)
-        store(rows, torch.arange(n), torch.arange(n), pool, fmt, *args, backend=backend, **kwargs)
-        pools[backend] = pool
+        device = "cpu" if backend == "reference" or os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+        moved = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+        pool = torch.zeros(1, fmt.page_bytes, dtype=torch.uint8, device=device)
+        store(rows.to(device), torch.arange(n, device=device), torch.arange(n, device=device), pool, fmt, *moved,
+              backend=backend, **kwargs)
+        pools[backend] = pool.cpu()
     return pools
 
 
@@ -155,9 +160,12 @@ def _small_batch(fmt="bf16"):
 
 
 def _backends():
+    """The backends the argument checks below run on: they build CPU tensors, which the Triton backend takes
+    under TRITON_INTERPRET=1 only (on a GPU machine without it, it would refuse them for their device first)."""
     from conftest import triton_runnable
 
-    return ("reference", "triton") if triton_runnable()[0] else ("reference",)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return ("reference", "triton") if triton_runnable()[0] and interpret else ("reference",)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.float64])
