@@ -91,9 +91,15 @@ def check_pool(pool: torch.Tensor, fmt, what: str = "pool") -> None:
                          f"got {pool.dtype} {list(pool.shape)}")
     if not pool.is_contiguous():
         raise ValueError(f"{what} must be contiguous (cache writes never go through a silent copy)")
+    if not torch.compiler.is_compiling():  # the address is not traceable: the store's custom ops check it
+        check_pool_alignment(pool, what)
+
+
+def check_pool_alignment(pool: torch.Tensor, what: str = "pool") -> None:
+    """The pool starts on a 16-byte boundary, else ValueError. The kernels read 2-, 4- and 16-byte words and
+    bulk-copy 16-byte aligned boxes; every page size is a multiple of 16, so a pool allocated by torch, or
+    viewed from one at a page boundary, always passes."""
     if pool.data_ptr() % 16:
-        # the kernels read 2-, 4- and 16-byte words and bulk-copy 16-byte aligned boxes; every page size is a
-        # multiple of 16, so a pool allocated by torch, or viewed from one at a page boundary, always passes
         raise ValueError(f"{what} must start on a 16-byte boundary (a view at a page boundary of an allocation "
                          f"is fine), got an address {pool.data_ptr() % 16} bytes past one")
 

@@ -596,6 +596,12 @@ def test_torch_compile_fullgraph_matches_eager():
     compiled(dev["keys"], dev["positions"], dev["slots"], pool)
     assert torch.equal(pool.cpu(), eager_pool.cpu())
     assert bool(pool.any())
+    # a pool off a 16-byte boundary is refused inside the traced call too (by the custom op, on the real pool)
+    raw = torch.zeros(pool.numel() + 16, dtype=torch.uint8, device=DEVICE)
+    shifted = raw[8:8 + pool.numel()].view(pool.shape)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        compiled(dev["keys"], dev["positions"], dev["slots"], shifted)
+    assert not bool(raw.any())
 
 
 # --------------------------------------------------------------------------------------------------

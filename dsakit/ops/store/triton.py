@@ -53,6 +53,7 @@ from typing import Optional
 import torch
 import triton
 
+from ...batch import check_pool_alignment
 from ...formats import ENTRIES_PER_PAGE, AttentionKVFormat, KeyFormat, key_codec
 from ._kernels import (_store_attention_kv_generic_kernel, _store_attention_kv_kernel,
                        _store_index_keys_generic_kernel, _store_index_keys_kernel)
@@ -175,6 +176,7 @@ def store_index_keys_op(keys: torch.Tensor, positions: torch.Tensor, slots: torc
                         rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor, norm_bias: Optional[torch.Tensor],
                         fmt: str, norm: str, rope_layout: str, hadamard: bool, eps: float) -> None:
     """Custom op around :func:`launch_store_index_keys`; ``fmt`` / ``rope_layout`` by name."""
+    check_pool_alignment(pool)  # runs on the real pool also under torch.compile (check_pool cannot there)
     pairing, placement = rope_layout.rsplit("-", 1)
     launch_store_index_keys(keys, positions, slots, pool, rope_cos_sin, norm_weight, norm_bias,
                             KeyFormat.parse(fmt), norm, pairing, placement, hadamard, eps)
@@ -191,6 +193,7 @@ def store_attention_kv_op(kv: torch.Tensor, positions: torch.Tensor, slots: torc
                           rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor, fmt: str, rope_layout: str,
                           eps: float) -> None:
     """Custom op around :func:`launch_store_attention_kv`; ``fmt`` / ``rope_layout`` by name."""
+    check_pool_alignment(pool, "kv_cache")
     pairing, placement = rope_layout.rsplit("-", 1)
     launch_store_attention_kv(kv, positions, slots, pool, rope_cos_sin, norm_weight,
                               AttentionKVFormat.parse(fmt), pairing, placement, eps)
