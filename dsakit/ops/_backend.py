@@ -15,8 +15,13 @@ import torch
 BACKENDS = ("auto", "reference", "triton")
 
 
+# looked up once at import: torch.compile cannot trace importlib (a fullgraph trace of the store failed on
+# torch 2.11 at this call), and the answer cannot change while the process runs
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_AVAILABLE
 
 
 def triton_interpreted() -> bool:
