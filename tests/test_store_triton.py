@@ -526,6 +526,9 @@ def _valid_index_args(n: int = 4):
 def test_store_index_keys_rejects_bad_input_and_leaves_pool(change, match):
     args = _valid_index_args()
     args.update(change)
+    # on the device the Triton backend runs on (the CPU under the interpreter; a GPU machine refuses CPU
+    # tensors for their device before any argument check), strides kept (the strided-pool case)
+    args = {k: _on_device(v) for k, v in args.items()}
     pool = args["pool"]
     before = pool.clone()
     with pytest.raises(ValueError, match=match):
@@ -533,25 +536,32 @@ def test_store_index_keys_rejects_bad_input_and_leaves_pool(change, match):
     assert torch.equal(pool, before)
 
 
+def _on_device(value):
+    """A CPU tensor of a test case moved to DEVICE with its strides (other values unchanged)."""
+    if not isinstance(value, torch.Tensor) or value.device.type == DEVICE:
+        return value
+    out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=DEVICE)
+    return out.copy_(value)
+
+
 def test_store_attention_kv_rejects_bad_input():
     fmt = AttentionKVFormat.FP8_ROPE_BF16
-    pool = torch.zeros(1, fmt.page_bytes, dtype=torch.uint8)
-    kv = torch.randn(3, 512)
+    pool = torch.zeros(1, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
+    kv = torch.randn(3, 512, device=DEVICE)
+    table, rows, ones = TABLE.to(DEVICE), torch.arange(3, device=DEVICE), torch.ones(512, device=DEVICE)
     with pytest.raises(ValueError, match="kv"):
-        store_attention_kv(torch.randn(3, 448), torch.arange(3), torch.arange(3), pool, fmt, TABLE, torch.ones(512),
-                           backend="triton")
+        store_attention_kv(torch.randn(3, 448, device=DEVICE), rows, rows, pool, fmt, table, ones, backend="triton")
     with pytest.raises(ValueError, match="out of range"):
-        store_attention_kv(kv, torch.arange(3), torch.tensor([0, 1, 64]), pool, fmt, TABLE, torch.ones(512),
+        store_attention_kv(kv, rows, torch.tensor([0, 1, 64], device=DEVICE), pool, fmt, table, ones,
                            backend="triton")
     with pytest.raises(ValueError, match="norm_weight"):
-        store_attention_kv(kv, torch.arange(3), torch.arange(3), pool, fmt, TABLE, torch.ones(128), backend="triton")
+        store_attention_kv(kv, rows, rows, pool, fmt, table, ones[:128], backend="triton")
     with pytest.raises(ValueError, match="backend"):
-        store_attention_kv(kv, torch.arange(3), torch.arange(3), pool, fmt, TABLE, torch.ones(512), backend="cuda")
+        store_attention_kv(kv, rows, rows, pool, fmt, table, ones, backend="cuda")
     # regression: a negative eps was accepted and turned rows with a small mean square into NaN
     for backend in ("triton", "reference"):
         with pytest.raises(ValueError, match="eps must be a finite number >= 0, got -1"):
-            store_attention_kv(kv, torch.arange(3), torch.arange(3), pool, fmt, TABLE, torch.ones(512), eps=-1e-6,
-                               backend=backend)
+            store_attention_kv(kv, rows, rows, pool, fmt, table, ones, eps=-1e-6, backend=backend)
     assert not bool(pool.any())
 
 
