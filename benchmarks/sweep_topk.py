@@ -103,11 +103,9 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
             del pool, out, ref
 
 
-# the order_chunks / v / cap / splits variants below were measured in sweep_topk_h200_{b4b4485,ac42a7e,8468ee4}
-EXPLORED = True
-
-
-def _stream_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]]:
+def _stream_variants(rows: int, n: int, k: int, earlier: bool = False) -> list[tuple[str, StreamConfig]]:
+    """Select variants against the default. earlier: also the order_chunks / v / cap / splits / rank-order
+    variants of the earlier sweeps (sweep_topk_h200_{b4b4485,ac42a7e,8468ee4})."""
     base = StreamConfig.default(rows, n, k)
     out = [("default", base)]
     # histogram buckets of the range narrowing (the filter's sample threshold and the final kernel): each step
@@ -117,7 +115,7 @@ def _stream_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]
     # a smaller threshold sample: less prologue per filter program, a looser threshold (more candidates)
     out.append((f"sample={base.sample // 2},bins=256", dataclasses.replace(base, sample=max(256, base.sample // 2),
                                                                           bins=256)))
-    if EXPLORED:
+    if not earlier:
         return out
     if hasattr(base, "order_chunks"):  # the sort split over C programs per row (chunk sorts + rank merge)
         for chunks in ((1, 2) if rows >= 1024 else (1, 8)):
@@ -151,7 +149,8 @@ def _stream_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]
     return out
 
 
-def select_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, shapes: str = "") -> None:
+def select_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, shapes: str = "",
+                   earlier: bool = False) -> None:
     k = 16 if smoke else 2048
     shapes = [(4, 512)] if smoke else ([tuple(map(int, x.split("x"))) for x in shapes.split(",")] if shapes else
                                        [(64, 131072), (64, 65536), (256, 131072), (8192, 65536)])
@@ -165,7 +164,7 @@ def select_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, sh
                    "torch_topk_unsorted_ms": median_ms(lambda: torch.topk(scores, k, dim=1, sorted=False), dev, rep)}
             report["select"].append({**base_row, **ref})
             print(report["select"][-1], flush=True)
-            for name, cfg in _stream_variants(rows, n, k):
+            for name, cfg in _stream_variants(rows, n, k, earlier):
                 row = {**base_row, "variant": name, "config": dataclasses.asdict(cfg)}
                 try:
                     buffers = SelectBuffers.allocate(rows, n, k, dev, cfg)
@@ -227,6 +226,8 @@ def main() -> int:
     ap.add_argument("--prefill-formats", default="", help="comma list: only these key formats in the prefill section")
     ap.add_argument("--next-n", default="1", help="comma list of queries per sequence for the decode section")
     ap.add_argument("--select-shapes", default="", help="rows x N list, e.g. 64x131072,64x65536 (default: all)")
+    ap.add_argument("--select-earlier", action="store_true",
+                    help="select section: also the variants of the earlier sweeps (order chunks, v, cap, splits)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -243,7 +244,7 @@ def main() -> int:
             for next_n in map(int, args.next_n.split(",")):
                 decode_section(args.device, args.smoke, report, path, args.rep, args.decode_formats, next_n)
             continue
-        extra = {"shapes": args.select_shapes} if name == "select" else {}
+        extra = {"shapes": args.select_shapes, "earlier": args.select_earlier} if name == "select" else {}
         if name == "prefill":
             extra = {"formats": args.prefill_formats}
         sections[name](args.device, args.smoke, report, path, args.rep, **extra)
