@@ -82,12 +82,12 @@ def load_key_block(values_ptr, pages, slot, valid, BLOCK: tl.constexpr, CODE: tl
 
 
 @triton.jit
-def key_block_from_bytes(raw, CODE: tl.constexpr, INTERPRET: tl.constexpr, SPLIT: tl.constexpr = False):
+def key_block_nibble_order(raw, CODE: tl.constexpr, INTERPRET: tl.constexpr):
     """The tile of :func:`load_key_block` from a block's packed bytes already on chip, uint8 [BLOCK_N, 16]
-    (e.g. a bulk tensor copy of a page's block columns) -> e4m3 [BLOCK_N, 32]; SPLIT: its columns in nibble
-    order (the block's 16 even elements, then its 16 odd ones) instead of element order."""
+    (e.g. a bulk tensor copy of a page's block columns) -> e4m3 [BLOCK_N, 32] with its columns in nibble order:
+    the block's 16 even elements, then its 16 odd ones (multiply by q's block in the same order)."""
     tl.static_assert(CODE == FP4, "per-block key tiles exist for the fp4 code only")
-    return fp4_bytes_e4m3(raw, INTERPRET, SPLIT)
+    return fp4_bytes_e4m3(raw, INTERPRET, True)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ...formats.triton import FP8 as FP8_CODE
-from ...formats.triton import (KEY_BLOCK_FACTOR, key_block_from_bytes, key_block_scale, load_key_block,
+from ...formats.triton import (KEY_BLOCK_FACTOR, key_block_nibble_order, key_block_scale, load_key_block,
                                load_key_block_scales,
                                load_key_page_rows, load_key_page_tile, load_key_tile, load_logit_scales,
                                scale_key_logits, scale_key_scores)
@@ -420,7 +420,7 @@ def _tma_block_dot(key_desc, row, q_b, BLOCK: tl.constexpr, CODE: tl.constexpr, 
     (or high) nibbles of four consecutive stored bytes, one 32-bit shared-memory word placed in e4m3 bits by a
     few logic operations, where the element order needs byte permutes on each side (sm_90 SASS at 4a0a4ae:
     ~25 fewer instructions per block and thread)."""
-    k_b = key_block_from_bytes(key_desc.load([row, BLOCK * 16]), CODE, INTERPRET, True)
+    k_b = key_block_nibble_order(key_desc.load([row, BLOCK * 16]), CODE, INTERPRET)
     if q_b.dtype != tl.float8e4nv:
         k_b = k_b.to(tl.bfloat16)  # exact: e4m3 values are bf16 values
     return _dot(k_b, q_b, INTERPRET)

@@ -288,9 +288,9 @@ def _tma_pages(codec, fp8_dot: bool, pool: torch.Tensor, config: ScoresConfig) -
     """Whether the group kernel can read this pool's keys page by page with bulk tensor copies: plain fp8
     keys with e4m3 queries (the page's 64 x 128 key bytes are one box at byte 0) or plain fp4 keys read by
     blocks (the page's 64 x 64 packed bytes, four boxes of 16 columns), a GPU with the tensor memory
-    accelerator (sm_90+; the interpreter emulates it), row coordinates that fit the copy's int32 and a pool
-    that starts on a 16-byte boundary (the copy's alignment rule; a pool viewed at an odd byte offset gathers)."""
-    if TensorDescriptor is None or codec.page_term or pool.data_ptr() % 16:
+    accelerator (sm_90+; the interpreter emulates it) and row coordinates that fit the copy's int32. The copy's
+    16-byte alignment rule is the batch's guarantee (``check_pool``)."""
+    if TensorDescriptor is None or codec.page_term:
         return False
     if codec.code == KeyCode.FP8:
         if not fp8_dot:
@@ -311,9 +311,8 @@ def _tma_row_bytes(codec) -> int:
     return INDEX_HEAD_DIM // 2 if codec.code == KeyCode.FP4 else INDEX_HEAD_DIM
 
 
-def _register_cap(config: ScoresConfig, prefill: bool = False) -> dict:
-    """The launch's maxnreg option from decode_maxnreg / prefill_maxnreg (none under the interpreter)."""
-    cap = config.prefill_maxnreg if prefill else config.decode_maxnreg
+def _register_cap(cap: int | None) -> dict:
+    """The launch's maxnreg option for a register cap (None: the compiler's choice; none under the interpreter)."""
     return {} if cap is None or interpreting() else {"maxnreg": cap}
 
 
@@ -372,7 +371,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
             box = [64, row_bytes]
         key_desc = TensorDescriptor(key_rows, list(key_rows.shape), list(key_rows.stride()), box)
         tma_args = args[:3] + (key_desc,) + args[4:]  # the descriptor in place of values_view
-        warps, stages, registers = config.decode_warps, config.decode_stages or 5, _register_cap(config)
+        warps, stages, max_registers = config.decode_warps, config.decode_stages or 5, config.decode_maxnreg
         columns = tiles.size * num_heads
         if codec.code == KeyCode.FP4:
             # fp4 is bound by instruction issue, not bytes (ncu at 4a0a4ae: ALU the busiest pipe, 1.1 TB/s): at
@@ -384,12 +383,12 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
                 warps = max(warps, 8)
             if columns >= 256 and config.decode_stages is None:
                 stages = 3
-            if columns <= 64 and warps == 4 and config.decode_maxnreg is None and not interpreting():
-                registers = {"maxnreg": 128}
+            if columns <= 64 and warps == 4 and max_registers is None:
+                max_registers = 128
         _index_scores_group_tma_kernel[grid](
             *tma_args, HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, H=num_heads, GROUP=tiles.size,
             PAGES_PER_PROGRAM=per_program, PAGE_ROWS=fmt.page_bytes // row_bytes, D=d, INTERPRET=interpreting(),
-            CODE=int(codec.code), num_warps=warps, num_stages=stages, **registers)
+            CODE=int(codec.code), num_warps=warps, num_stages=stages, **_register_cap(max_registers))
         return out
     if tiles.kernel == "group":
         fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
@@ -418,7 +417,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
                                          FP4_BLOCKS=fp4_blocks, num_warps=warps,
                                          num_stages=config.decode_stages or stages_default,
-                                         **_register_cap(config), **common)
+                                         **_register_cap(config.decode_maxnreg), **common)
         return out
     bn = config.prefill_block_n
     grid = (tiles.num_tiles * triton.cdiv(width, bn),)
@@ -428,8 +427,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         warps = 8
     _index_scores_tile_kernel[grid](*args, BLOCK_T=tiles.size, BLOCK_N=bn, num_warps=warps,
                                     num_stages=config.prefill_stages or codec.prefill_stages,
-                                    **_register_cap(config, prefill=True),
-                                    **common)
+                                    **_register_cap(config.prefill_maxnreg), **common)
     return out
 
 
