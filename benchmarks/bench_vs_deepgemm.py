@@ -1,7 +1,7 @@
 """dsakit's indexer top-k beside DeepGEMM logits + torch.topk, timed in one process on one GPU.
 
 Builds nothing: ``deep_gemm`` is imported if it is importable (on the GPU machine: ``source
-.anchors/build_deepgemm.sh .anchors/deepgemm-54e2261.tgz`` first); without it the DeepGEMM columns are
+benchmarks/anchors/build_deepgemm.sh .anchors/deepgemm-54e2261.tgz`` first); without it the DeepGEMM columns are
 left out and everything else runs. H 64, D 128, K 2048, every query sees every entry (as DeepGEMM's
 anchor cases). Sections:
 
@@ -25,7 +25,7 @@ one call above what was allocated before it (dsakit: a call after its cached wor
 they count). Results: DIR/vs_deepgemm_<commit>.json (written after every
 case), a table printed at the end.
 
-Usage (GPU machine): source .anchors/build_deepgemm.sh .anchors/deepgemm-54e2261.tgz
+Usage (GPU machine): source benchmarks/anchors/build_deepgemm.sh .anchors/deepgemm-54e2261.tgz
                      PYTHONPATH=. python3 benchmarks/bench_vs_deepgemm.py --out DIR [--commit SHA] [--runs 2]
        (``--device cpu --smoke`` under TRITON_INTERPRET=1: toy sizes, no DeepGEMM, no timing claims)
 """

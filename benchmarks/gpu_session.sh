@@ -20,9 +20,10 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$res/gpu.
 
 deepgemm_ready() {
   # DeepGEMM is an anchor to time against, never a dependency; build once per machine (~100 s).
+  # The tarball comes from benchmarks/anchors/pack_deepgemm.sh, carried in the ignored .anchors/ folder.
   if [ -f .anchors/deepgemm-54e2261.tgz ]; then
     # shellcheck disable=SC1091
-    source .anchors/build_deepgemm.sh .anchors/deepgemm-54e2261.tgz >> "$res/deepgemm_build.log" 2>&1 || return 1
+    source benchmarks/anchors/build_deepgemm.sh .anchors/deepgemm-54e2261.tgz >> "$res/deepgemm_build.log" 2>&1 || return 1
   fi
 }
 
