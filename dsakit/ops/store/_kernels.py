@@ -55,9 +55,15 @@ def _norm_inv_scale(amax):
 
 @triton.jit
 def _inverse_norm(mean_sq, eps_scaled):
-    """1 / sqrt_rn(mean_sq + eps), clamped to the fp32 maximum (zero rows without eps: 0, not NaN)."""
+    """1 / sqrt_rn(mean_sq + eps), clamped to the fp32 maximum (zero rows without eps: 0, not NaN).
+
+    A NaN mean square (a row holding NaN) stays NaN, as torch's clamp keeps it: the clamp must propagate
+    NaN explicitly, because the default ``tl.minimum`` compiles to the GPU's ``min.f32``, which returns the
+    other operand (the interpreter's numpy minimum propagates, so only the GPU stored such rows as huge
+    finite values: benchmarks/results/store_nonfinite_h200_2abae80.log).
+    """
     r = tl.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps_scaled))
-    return tl.minimum(r, 3.4028234663852886e38)
+    return tl.minimum(r, 3.4028234663852886e38, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
