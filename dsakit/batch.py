@@ -37,19 +37,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_int, check_positive_int, check_same_device, describe
 from .formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
+from .pool import check_pool, check_pool_alignment  # noqa: F401  (importable from here as before)
 
 _INT_DTYPES = (torch.int32, torch.int64)
 #: dtypes every backend reads for q (fp8 = e4m3fn, DeepGEMM's fp8 q) and for the head weights; an integer or
 #: bool weight would be truncated silently, a float64 q is something no kernel reads.
 QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"{x.dtype} {list(x.shape)} on {x.device}"
-    return type(x).__name__
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -60,48 +56,16 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def check_positive_int(name: str, value, minimum: int = 1) -> int:
-    """``value`` as an int >= minimum (bools refused), else ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
 def check_ratio(ratio) -> int:
-    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
-        raise ValueError(f"ratio must be a positive int, got {ratio!r}")
-    return ratio
+    return check_int("ratio", ratio, 1, message="ratio must be a positive int")
 
 
 def check_k(k, limit: int | None = None) -> int:
     """k a positive int (<= limit when given), else ValueError."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
+    check_int("k", k, 1, message="k must be a positive int")
     if limit is not None and k > limit:
         raise ValueError(f"k must be <= {limit} here, got {k}")
     return k
-
-
-def check_pool(pool: torch.Tensor, fmt, what: str = "pool") -> None:
-    """uint8 [P, fmt.page_bytes], contiguous, starting on a 16-byte boundary, else ValueError (no sync)."""
-    if not isinstance(pool, torch.Tensor):
-        raise ValueError(f"{what} must be a torch.Tensor, got {type(pool).__name__}")
-    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != fmt.page_bytes:
-        raise ValueError(f"{what} must be uint8 [P, {fmt.page_bytes}] for format {fmt.name}, "
-                         f"got {pool.dtype} {list(pool.shape)}")
-    if not pool.is_contiguous():
-        raise ValueError(f"{what} must be contiguous (cache writes never go through a silent copy)")
-    if not torch.compiler.is_compiling():  # the address is not traceable: the store's custom ops check it
-        check_pool_alignment(pool, what)
-
-
-def check_pool_alignment(pool: torch.Tensor, what: str = "pool") -> None:
-    """The pool starts on a 16-byte boundary, else ValueError. The kernels read 2-, 4- and 16-byte words and
-    bulk-copy 16-byte aligned boxes; every page size is a multiple of 16, so a pool allocated by torch, or
-    viewed from one at a page boundary, always passes."""
-    if pool.data_ptr() % 16:
-        raise ValueError(f"{what} must start on a 16-byte boundary (a view at a page boundary of an allocation "
-                         f"is fine), got an address {pool.data_ptr() % 16} bytes past one")
 
 
 def check_queries(q: torch.Tensor, weights: torch.Tensor, d: int = INDEX_HEAD_DIM) -> None:
@@ -128,14 +92,6 @@ def check_batch_queries(q: torch.Tensor, weights: torch.Tensor, batch: "PagedBat
         raise ValueError(f"q has {q.shape[0]} rows but the batch has {batch.num_queries} queries")
 
 
-def check_same_device(device: torch.device, **tensors) -> None:
-    """Every tensor given (None skipped) on ``device``, else ValueError naming the first that is not."""
-    for name, tensor in tensors.items():
-        if tensor is not None and tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device} but the batch is on {device}; put every input on "
-                             f"one device")
-
-
 def visible_counts(entry_counts: torch.Tensor, query_positions: torch.Tensor | None, ratio: int) -> torch.Tensor:
     """int64 [T]: how many leading entries each query sees (entry_counts already gathered per query)."""
     counts = entry_counts.long()
@@ -147,7 +103,7 @@ def visible_counts(entry_counts: torch.Tensor, query_positions: torch.Tensor | N
 def _as_int_tensor(name: str, value, dims: int, dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dim() != dims or value.dtype not in _INT_DTYPES:
         shape = "[B, W]" if dims == 2 else "[N]"
-        raise ValueError(f"{name} must be an int32/int64 {shape} tensor, got {_describe(value)}")
+        raise ValueError(f"{name} must be an int32/int64 {shape} tensor, got {describe(value)}")
     return value.to(dtype).contiguous()
 
 
@@ -155,7 +111,7 @@ def _as_positions(query_positions, t: int) -> torch.Tensor:
     """query_positions as int64 [T] (same device), else ValueError naming it."""
     if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (t,) \
             or query_positions.dtype not in _INT_DTYPES:
-        raise ValueError(f"query_positions must be int [T] = [{t}] or None, got {_describe(query_positions)}")
+        raise ValueError(f"query_positions must be int [T] = [{t}] or None, got {describe(query_positions)}")
     return query_positions.to(torch.int64)
 
 
@@ -227,7 +183,7 @@ class PagedBatch:
         b, width = table.shape
         counts = _as_int_tensor("entry_counts", entry_counts, 1, torch.int32)
         if counts.shape != (b,):
-            raise ValueError(f"entry_counts must be int [B] = [{b}], got {_describe(entry_counts)}")
+            raise ValueError(f"entry_counts must be int [B] = [{b}], got {describe(entry_counts)}")
         seq = _as_int_tensor("query_seq", query_seq, 1, torch.int32)
         t = seq.shape[0]
         positions = None

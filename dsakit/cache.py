@@ -5,8 +5,9 @@ entry = slot % 64. A sequence owns a list of pages (its block table); its i-th e
 slot = block_table[i // 64] * 64 + i % 64.
 
 The low-level functions (:func:`write_entries`, :func:`read_entries`, :func:`sequence_slots`) work on a raw
-pool tensor, like the kernels do; :class:`PagedCache` adds allocation and bookkeeping on top. Every check
-runs before the first byte is written, so bad input leaves the pool unchanged.
+pool tensor, like the kernels do, and live one floor down in :mod:`dsakit.pool` (re-exported here);
+:class:`PagedCache` adds allocation and bookkeeping on top. Every check runs before the first byte is
+written, so bad input leaves the pool unchanged.
 """
 
 from __future__ import annotations
@@ -16,117 +17,11 @@ from collections.abc import Sequence
 import torch
 
 from ._memory import check_fits, parse_device
-from .batch import PagedBatch, check_pool
-from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat, is_centred
-
-
-# --------------------------------------------------------------------------------------------------
-# Validation helpers (shared by the reference ops and the kernel wrappers)
-# --------------------------------------------------------------------------------------------------
-
-
-def check_slots(slots: torch.Tensor, num_slots: int, what: str = "slots", allow_padding: bool = True) -> torch.Tensor:
-    """Validate int slots [N] against a pool of ``num_slots`` entries; negative = padding (if allowed)."""
-    if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
-        raise ValueError(f"{what} must be a 1-D integer tensor, got "
-                         f"{list(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__}")
-    if slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{what} must be int32 or int64, got {slots.dtype}")
-    cpu = slots.detach().cpu().long()
-    if cpu.numel():
-        bad = cpu >= num_slots
-        if not allow_padding:
-            bad |= cpu < 0
-        if bool(bad.any()):
-            first = int(cpu[bad][0])
-            raise ValueError(f"{what} out of range: slot {first} (pool holds slots 0..{num_slots - 1}"
-                             f"{', negative = padding' if allow_padding else ''})")
-        real = cpu[cpu >= 0]
-        if real.numel() != torch.unique(real).numel():
-            values, counts = torch.unique(real, return_counts=True)
-            raise ValueError(f"{what} contains duplicate slot {int(values[counts > 1][0])}")
-    return cpu
-
-
-def num_slots(pool: torch.Tensor) -> int:
-    return pool.shape[0] * ENTRIES_PER_PAGE
-
-
-# --------------------------------------------------------------------------------------------------
-# Raw pool access
-# --------------------------------------------------------------------------------------------------
-
-
-def _byte_index(fmt: EntryFormat, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    value_start, scale_start = fmt.byte_offsets(slots)
-    values = value_start.unsqueeze(1) + torch.arange(fmt.value_bytes)
-    scales = scale_start.unsqueeze(1) + torch.arange(fmt.scale_bytes)
-    return values, scales
-
-
-def write_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor, values: torch.Tensor,
-                  scales: torch.Tensor) -> None:
-    """Write encoded entries (values uint8 [N, value_bytes], scales uint8 [N, scale_bytes]) at slots [N].
-
-    Negative slots are padding and are skipped. Validates everything before writing.
-    """
-    check_pool(pool, fmt)
-    slots = check_slots(slots, num_slots(pool))
-    n = slots.shape[0]
-    if not isinstance(values, torch.Tensor) or not isinstance(scales, torch.Tensor) \
-            or values.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"values/scales must be uint8 tensors of encoded bytes, got "
-                         f"{getattr(values, 'dtype', type(values).__name__)} / "
-                         f"{getattr(scales, 'dtype', type(scales).__name__)}")
-    if values.shape != (n, fmt.value_bytes) or scales.shape != (n, fmt.scale_bytes):
-        raise ValueError(f"values/scales must be [{n}, {fmt.value_bytes}] / [{n}, {fmt.scale_bytes}], "
-                         f"got {list(values.shape)} / {list(scales.shape)}")
-    keep = slots >= 0
-    if not bool(keep.any()):
-        return
-    value_idx, scale_idx = _byte_index(fmt, slots[keep])
-    flat = pool.view(-1)
-    flat[value_idx.reshape(-1).to(pool.device)] = values[keep].reshape(-1).to(pool.device)
-    if fmt.scale_bytes:
-        flat[scale_idx.reshape(-1).to(pool.device)] = scales[keep].reshape(-1).to(pool.device)
-
-
-def read_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encoded bytes of the entries at slots [N] (all >= 0): (values [N, value_bytes], scales [N, scale_bytes])."""
-    check_pool(pool, fmt)
-    slots = check_slots(slots, num_slots(pool), allow_padding=False)
-    value_idx, scale_idx = _byte_index(fmt, slots)
-    flat = pool.view(-1)  # gather on the pool's device: only the requested bytes come to the host
-    return flat[value_idx.to(pool.device)].cpu(), flat[scale_idx.to(pool.device)].cpu()
-
-
-def dequantize_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor) -> torch.Tensor:
-    """fp32 [N, head_dim] of the entries at slots [N]."""
-    values, scales = read_entries(pool, fmt, slots)
-    if slots.numel() == 0:
-        return torch.zeros(0, fmt.head_dim)
-    if is_centred(fmt):  # + the centre of each entry's page
-        return fmt.dequantize(values, scales, fmt.read_centres(pool, slots))
-    return fmt.dequantize(values, scales)
-
-
-def sequence_slots(block_table_row: torch.Tensor, length: int) -> torch.Tensor:
-    """Slots int64 [length] of a sequence's first ``length`` entries, from its block-table row [max_pages]."""
-    if not isinstance(block_table_row, torch.Tensor) or block_table_row.dim() != 1 \
-            or block_table_row.dtype not in (torch.int32, torch.int64):
-        got = (block_table_row.dtype, list(block_table_row.shape)) if isinstance(block_table_row, torch.Tensor) \
-            else type(block_table_row).__name__
-        raise ValueError(f"block_table_row must be a 1-D int32/int64 tensor, got {got}")
-    if not isinstance(length, int) or isinstance(length, bool) or length < 0:
-        raise ValueError(f"sequence length must be a non-negative int, got {length!r}")
-    pages_needed = (length + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
-    row = block_table_row.detach().cpu().long()
-    if pages_needed > row.numel():
-        raise ValueError(f"sequence of {length} entries needs {pages_needed} pages, block table row has {row.numel()}")
-    if pages_needed and bool((row[:pages_needed] < 0).any()):
-        raise ValueError(f"block table row has an unassigned page (-1) among the first {pages_needed} pages")
-    i = torch.arange(length)
-    return row[i // ENTRIES_PER_PAGE] * ENTRIES_PER_PAGE + i % ENTRIES_PER_PAGE
+from .batch import PagedBatch
+from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat
+# the raw pool access lives one floor down (dsakit.pool); these names stay importable from here
+from .pool import (check_pool, check_slots, dequantize_entries, num_slots, read_entries, sequence_slots,  # noqa: F401
+                   store_entries, write_entries)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -313,17 +208,9 @@ class PagedCache:
 
     # -- data (reference path) -----------------------------------------------------------------------
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Quantize fp32 entries x [N, head_dim] with the reference codec and store them at slots [N]."""
-        x = self.fmt.check_entries(x)
-        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.shape[0] != x.shape[0]:
-            raise ValueError(f"slots must be an int tensor [N] with N = {x.shape[0]} rows of x, got "
-                             f"{list(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__}")
-        check_slots(slots, num_slots(self.pool))
-        if is_centred(self.fmt):  # the page-centre rule needs the pool (dsakit.formats.CentredKeyFormat)
-            self.fmt.store_entries(self.pool, slots, x)
-            return
-        values, scales = self.fmt.quantize(x)
-        write_entries(self.pool, self.fmt, slots, values, scales)
+        """Quantize fp32 entries x [N, head_dim] with the reference codec and store them at slots [N]
+        (centred formats under their page-centre rule: :func:`dsakit.pool.store_entries`)."""
+        store_entries(self.pool, self.fmt, slots, x)
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 [N, head_dim] dequantized entries at slots [N]."""

@@ -430,51 +430,10 @@ class CentredKeyFormat(KeyFormat):
         centres = self.page_centres(pages).repeat_interleave(self.entries_per_page, dim=0)
         return self.dequantize(values, scales, centres)
 
-    # -- pool access (raw pool tensors, like the kernels) ---------------------------------------------
+    # -- byte offsets (the pool floor, dsakit.pool, reads and writes centres with them) ---------------
     def centre_offsets(self, pages: torch.Tensor) -> torch.Tensor:
         """Flat byte offset (int64 [N]) of the centre of each page id [N]."""
         return pages.long() * self.page_bytes + self.centre_offset_in_page
-
-    def read_centres(self, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """fp32 [N, 128]: the centre of the page of each slot [N] (slots >= 0, already validated)."""
-        pages = slots.detach().cpu().long() // self.entries_per_page
-        index = self.centre_offsets(pages).unsqueeze(1) + torch.arange(self.centre_bytes)
-        return decode_centres(pool.view(-1)[index.to(pool.device)].cpu())
-
-    def store_entries(self, pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Reference store of transformed keys x [N, 128] at slots [N] (< 0 = padding) under the centre rule.
-
-        Pages whose entry 0 is among the slots get the centre of that row; every entry is then encoded
-        against its page's centre (new or already in the pool). Everything is validated and computed before
-        the first byte is written.
-        """
-        from ..cache import check_pool, check_slots, num_slots, write_entries
-
-        check_pool(pool, self)
-        x = self.check_entries(x)
-        if not isinstance(slots, torch.Tensor) or slots.shape != (x.shape[0],):
-            raise ValueError(f"slots must be an int tensor [{x.shape[0]}] (one per row of x), got "
-                             f"{list(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__}")
-        slots = check_slots(slots, num_slots(pool))
-        keep = slots >= 0
-        slots, x = slots[keep], x[keep]
-        if slots.numel() == 0:
-            return
-        starts = slots % self.entries_per_page == 0
-        new_raw, new_centre = centre_of(x[starts])
-        new_pages = slots[starts] // self.entries_per_page
-        centres = self.read_centres(pool, slots)
-        # entries of a page (re)started in this call use its new centre
-        page_of = slots // self.entries_per_page
-        match = page_of.unsqueeze(1) == new_pages.unsqueeze(0)  # [N, new pages]
-        has_new = match.any(dim=1)
-        if bool(has_new.any()):
-            centres[has_new] = new_centre[match[has_new].float().argmax(dim=1)]
-        values, scales = self.quantize(x, centres)
-        if new_pages.numel():
-            index = self.centre_offsets(new_pages).unsqueeze(1) + torch.arange(self.centre_bytes)
-            pool.view(-1)[index.reshape(-1).to(pool.device)] = new_raw.reshape(-1).to(pool.device)
-        write_entries(pool, self, slots, values, scales)
 
 
 def _centred_format(name: str, kind: str, value_bytes: int, **kw) -> CentredKeyFormat:

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..cache import PagedCache, read_entries
+from ..cache import PagedCache
+from ..pool import read_centres, read_entries
 from ..formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
 from ..ops import scores as scores_ops
 from ..ops import store as store_ops
@@ -132,7 +133,7 @@ class StoredHaystack:
             else:  # the read faults of fp4 residuals: only a missing centre
                 keys = KeyFormat.parse(cache.fmt.kind).dequantize(values, scales)
             if is_centred(cache.fmt) and self.fault.centre:
-                keys = keys + cache.fmt.read_centres(cache.pool, slots)  # the fault is in the residual's decoding
+                keys = keys + read_centres(cache.pool, cache.fmt, slots)  # the fault is in the residual's decoding
             scores = scores_ops.index_scores_dense(q, weights, keys, op_positions, self.config.ratio)
             return scores, {k: topk_ops.select_topk(scores, k) for k in ks}
         common = self.op_kwargs(fmt_name, q, weights, op_positions)

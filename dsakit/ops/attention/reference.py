@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...cache import check_pool, num_slots
+from ...pool import check_pool, num_slots
 from ...formats import ATTENTION_HEAD_DIM, AttentionKVFormat
 
 __all__ = ["sparse_attention", "sparse_attention_dense", "window_topk_indices", "check_sparse_attention_inputs",

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from ...cache import num_slots
+from ...pool import num_slots
 from ...formats import AttentionKVFormat
 from .._backend import triton_interpreted
 from ._kernels import _sparse_attention_combine_kernel, _sparse_attention_kernel

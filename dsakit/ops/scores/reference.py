@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ...batch import PagedBatch, check_batch_queries, check_queries, check_ratio, visible_counts
-from ...cache import dequantize_entries, read_entries, sequence_slots
+from ...pool import dequantize_entries, read_centres, read_entries, sequence_slots
 from ...formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
 
 # Queries processed per chunk so that [chunk, H, N] stays small on the CPU.
@@ -87,7 +87,7 @@ def gather_sequence_residuals(pool: torch.Tensor, fmt: "KeyFormat | str", block_
     slots = sequence_slots(block_table_row, length)
     values, scales = read_entries(pool, fmt, slots)
     first_slots = slots[::ENTRIES_PER_PAGE]
-    return fmt.dequantize_residual(values, scales), fmt.read_centres(pool, first_slots)
+    return fmt.dequantize_residual(values, scales), read_centres(pool, fmt, first_slots)
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import check_pool, check_slots, num_slots
+from ...pool import check_pool, check_slots, num_slots
 from ...formats import ATTENTION_HEAD_DIM, INDEX_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ...presets import KeyTransform
 from ...transforms import NORMS, ROPE_V4, RopeLayout

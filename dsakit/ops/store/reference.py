@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import check_pool, check_slots, num_slots, write_entries
-from ...formats import AttentionKVFormat, KeyFormat, is_centred
+from ...formats import AttentionKVFormat, KeyFormat
+from ...pool import check_pool, check_slots, num_slots, store_checked_entries
 from ...presets import KeyTransform
 from ...transforms import ROPE_V4, RopeLayout, apply_norm, apply_rope, hadamard_transform
 
@@ -45,23 +45,11 @@ def check_rope_dim(rope_dim: int, dim: int) -> None:
 
 
 def _check_store_target(rows: torch.Tensor, dim: int, what: str, slots: torch.Tensor, pool: torch.Tensor,
-                        fmt: "KeyFormat | AttentionKVFormat") -> None:
-    """Everything about where the rows go, checked before the first byte is written."""
+                        fmt: "KeyFormat | AttentionKVFormat") -> torch.Tensor:
+    """Everything about where the rows go, checked before the first byte is written -> the slots as CPU int64."""
     check_pool(pool, fmt)
     _check_rows(rows, dim, what)
-    if not isinstance(slots, torch.Tensor) or slots.shape != (rows.shape[0],):
-        raise ValueError(f"slots must be an int tensor [{rows.shape[0]}] (one per {what} row), got "
-                         f"{list(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__}")
-    check_slots(slots, num_slots(pool))
-
-
-def _quantize_and_write(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
-                        fmt: "KeyFormat | AttentionKVFormat") -> None:
-    if is_centred(fmt):  # page centres: the rule of dsakit.formats.CentredKeyFormat (bulk = appends)
-        fmt.store_entries(pool, slots, x)
-        return
-    values, scales = fmt.quantize(x)
-    write_entries(pool, fmt, slots, values, scales)
+    return check_slots(slots, num_slots(pool), length=rows.shape[0])
 
 
 def check_eps(eps: float) -> None:
@@ -121,9 +109,9 @@ def store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.T
     [max_position, rope_dim] (cos then sin), norm_weight [128], norm_bias [128] (layernorm only).
     """
     fmt = KeyFormat.parse(fmt)
-    _check_store_target(keys, 128, "keys", slots, pool, fmt)
+    slots = _check_store_target(keys, 128, "keys", slots, pool, fmt)
     x = prepare_index_keys(keys, positions, rope_cos_sin, norm_weight, norm_bias, transform)
-    _quantize_and_write(x, slots, pool, fmt)
+    store_checked_entries(pool, fmt, slots, x)
 
 
 def prepare_attention_kv(kv: torch.Tensor, positions: torch.Tensor, rope_cos_sin: torch.Tensor,
@@ -144,6 +132,6 @@ def store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.T
                        rope_layout: RopeLayout = ROPE_V4, eps: float = 1e-6) -> None:
     """RMSNorm + rope + quantize + paged store of V4 main-attention KV [N, 512] (in place); slots < 0 skipped."""
     fmt = AttentionKVFormat.parse(fmt)
-    _check_store_target(kv, 512, "kv", slots, pool, fmt)
+    slots = _check_store_target(kv, 512, "kv", slots, pool, fmt)
     x = prepare_attention_kv(kv, positions, rope_cos_sin, norm_weight, rope_layout, eps)
-    _quantize_and_write(x, slots, pool, fmt)
+    store_checked_entries(pool, fmt, slots, x)
