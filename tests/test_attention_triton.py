@@ -125,6 +125,60 @@ def test_reference_empty_rows_and_sink():
     assert torch.allclose(out[0], w[:, None] * kv, atol=1e-5)
 
 
+FP32_MAX = torch.finfo(torch.float32).max
+NAN, INF = float("nan"), float("inf")
+
+
+def non_finite_case(name: str):
+    """-> (q fp32 [3, 64, 512], sink [64] | None, idx int32 [3, 4], (out NaN, lse NaN) expected per [query, head 0]).
+
+    Query 0 and 1 have valid entries, query 2 none (its q is poisoned too: an empty row stays out 0, lse -inf).
+    The pool is make_pool(BF16, 1, seed 7); entries 0, 5, 9 have dim 3 of mixed signs."""
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(3, 64, D, generator=gen)
+    sink = None
+    if name == "nan_q":
+        q[0, 0, 3] = q[2, 0, 3] = NAN
+        want = [(True, True), (False, False), (False, False)]
+    elif name == "inf_q":
+        q[0, 0, 3] = INF  # +inf * kv of both signs: a +inf score -> NaN
+        q[1, 0, :] = -INF
+        q[2, 0, 3] = INF
+        want = [(True, True), (True, True), (False, False)]
+    elif name == "fp32_max_q":
+        q[0, 0] = FP32_MAX  # products overflow fp32
+        q[1, 0, 3] = FP32_MAX  # one value: finite in fp32, +inf in bf16 (the kernel's precision)
+        q[2, 0] = FP32_MAX
+        want = [(True, True), (True, True), (False, False)]
+    else:  # nan_sink: out NaN, lse (sink excluded) as without it; the empty row's out too
+        sink = torch.randn(64, generator=gen)
+        sink[0] = NAN
+        want = [(True, False), (True, False), (True, False)]
+    idx = torch.tensor([[0, 5, 9, -1], [0, 5, 9, 1], [-1, -1, -1, -1]], dtype=torch.int32)
+    return q, sink, idx, want
+
+
+NON_FINITE_CASES = ["nan_q", "inf_q", "fp32_max_q", "nan_sink"]
+
+
+def assert_non_finite_as_specified(out, lse, want):
+    """Head 0 of each query NaN (out, lse) as ``want`` says; finite elsewhere; the empty row exactly empty."""
+    for t, (out_nan, lse_nan) in enumerate(want):
+        assert bool(out[t, 0].isnan().all()) == out_nan and bool(out[t, 0].isnan().any()) == out_nan, t
+        assert bool(lse[t, 0].isnan()) == lse_nan, (t, lse[t, 0])
+    assert bool(torch.isfinite(out[:2, 1:]).all()) and bool(torch.isfinite(lse[:2, 1:]).all())
+    assert bool(torch.isneginf(lse[2, 1:]).all()) and bool((out[2, 1:] == 0).all())
+
+
+@pytest.mark.parametrize("name", NON_FINITE_CASES)
+def test_reference_propagates_non_finite_inputs(name):
+    """NaN / Inf in q, q at the fp32 maximum, a NaN sink: NaN out (and lse, sink excluded), never a silent 0."""
+    pool = make_pool(AttentionKVFormat.BF16, 1, torch.Generator().manual_seed(7))
+    q, sink, idx, want = non_finite_case(name)
+    out, lse = ref.sparse_attention(q, pool, idx, kv_format="bf16", sink=sink)
+    assert_non_finite_as_specified(out, lse, want)
+
+
 def test_validation_names_the_bad_value():
     fmt = AttentionKVFormat.FP8_ROPE_BF16
     pool = torch.zeros(1, fmt.page_bytes, dtype=torch.uint8)
@@ -228,6 +282,27 @@ def test_kernel_no_sink_and_public_dispatch():
     assert_flash_close(out, lse, want_out, want_lse, *bf16_torch_attention(q.float(), kv, valid, None, D ** -0.5))
     with pytest.raises(ValueError, match="Hq in"):
         sparse_attention(q[:, :32], pool, idx, kv_format="bf16", backend="triton")
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy reports the NaN it makes
+@pytest.mark.parametrize("name", NON_FINITE_CASES)
+def test_kernel_matches_reference_on_non_finite_inputs(name):
+    """The kernel (one split, and two merged by the combine kernel) has NaN exactly where the reference has,
+    and agrees with it elsewhere (the unpoisoned heads, within the flash tolerance)."""
+    from dsakit.ops.attention.triton import sparse_attention_triton
+
+    pool = make_pool(AttentionKVFormat.BF16, 1, torch.Generator().manual_seed(7))
+    q, sink, idx, want = non_finite_case(name)
+    want_out, want_lse = ref.sparse_attention(q, pool, idx, kv_format="bf16", sink=sink)
+    a = ref.check_sparse_attention_inputs(q, pool, idx, kv_format="bf16", sink=sink)
+    for num_splits in (1, 2):
+        out, lse = sparse_attention_triton(a, num_splits=num_splits)
+        assert_non_finite_as_specified(out, lse, want)
+        assert torch.equal(out.isnan(), want_out.isnan()) and torch.equal(lse.isnan(), want_lse.isnan())
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+        assert torch.allclose(out[:, 1:], want_out[:, 1:], atol=2e-2)
+        assert torch.allclose(lse[:2, 1:], want_lse[:2, 1:], atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -7,6 +7,14 @@
         denom = exp(lse) + exp(sink[h])                           (sink term only if sink is given)
         out[t, h] = sum_j exp(s_j) / denom * kv[j]                (the sink has no value: it only absorbs mass)
 
+Non-finite inputs propagate as IEEE arithmetic makes them, never hidden (the kernel's online softmax gives
+the same): a NaN score s_j (a NaN in q[t, h] or in a gathered kv row, Inf * 0, Inf - Inf) or a +inf score (an
+infinite q or kv, a product overflowing fp32) makes out[t, h] and lse[t, h] NaN; a NaN sink[h] makes
+out[t, h] NaN (lse excludes the sink); a score of -inf only weighs 0; a row with no valid index stays out = 0,
+lse = -inf whatever q holds (a NaN sink still makes its out NaN).
+The kernel multiplies q in bf16, so an fp32 q value beyond the bf16 range (it rounds to +-Inf) counts as
++-Inf here too (:func:`sparse_attention`; :func:`sparse_attention_dense` keeps fp32 q as given).
+
 Index j = indices[t, i] is valid iff i < topk_length[t] (when given) and 0 <= j < num_slots of its pool
 (P * 64); anything else (-1 padding, an out-of-range slot) is skipped, never read. The Triton kernel applies
 the same rule, so out-of-range slots need no host-side check on the hot path. A row with no valid index gives
@@ -138,9 +146,13 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.
     logits = torch.einsum("thd,tid->thi", q, kv) * scale
     logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [T, Hq], -inf for empty rows
+    # a +inf score has no softmax (inf / inf): NaN, not the +inf torch.logsumexp reports (see the docstring)
+    lse = lse.masked_fill(torch.isposinf(lse), float("nan"))
     total = lse if sink is None else torch.logaddexp(lse, sink.unsqueeze(0))
     probs = torch.exp(logits - total.unsqueeze(-1))
-    probs = torch.nan_to_num(probs, nan=0.0)  # empty rows without a sink: -inf - -inf
+    # no mass at all (no valid entry or every score -inf, sink absent or -inf): out = 0, the only case where
+    # exp(-inf - -inf) = NaN is replaced; every other NaN (from a NaN or infinite q, kv or sink) stays
+    probs = probs.masked_fill(torch.isneginf(total).unsqueeze(-1), 0.0)
     out = torch.einsum("thi,tid->thd", probs, kv)
     return out, lse
 
@@ -187,7 +199,14 @@ def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Ten
         xkv, xvalid = gather_entries(a.extra_kv_cache, a.extra_kv_format, a.extra_indices, a.extra_topk_length)
         kv, valid = torch.cat([kv, xkv], dim=1), torch.cat([valid, xvalid], dim=1)
     sink_f = None if a.sink is None else a.sink.detach().cpu().float()
-    return _attend(q.detach().cpu().float(), kv, valid, sink_f, a.softmax_scale)
+    return _attend(_bf16_range(q.detach().cpu().float()), kv, valid, sink_f, a.softmax_scale)
+
+
+def _bf16_range(q: torch.Tensor) -> torch.Tensor:
+    """fp32 q with every finite value that bf16 cannot hold (it rounds to +-Inf, |q| >= 2^128 (1 - 2^-9)) made
+    +-Inf: the kernel multiplies q in bf16, so such a q is an infinite input there (see the module docstring)."""
+    overflow = torch.isfinite(q) & torch.isinf(q.to(torch.bfloat16))
+    return torch.where(overflow, q.sign() * float("inf"), q) if bool(overflow.any()) else q
 
 
 def _check_softmax_scale(softmax_scale) -> float:
