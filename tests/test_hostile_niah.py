@@ -258,3 +258,14 @@ def test_niah_resume_with_a_corrupt_state_file_names_the_file(tmp_path, name, co
     result = _niah(tmp_path, "--out", str(tmp_path), "--resume")
     assert result.exit_code == 2, result.output
     assert str(tmp_path / name) in result.output.replace("\n", "")
+
+
+@pytest.mark.parametrize("port", ["-1", "65536"])
+def test_serve_reference_port_out_of_range_is_a_usage_error(port):
+    """socket.bind raised OverflowError (a traceback); now one line naming the port, exit code 2."""
+    result = CliRunner().invoke(app, ["serve-reference", "--port", port])
+    assert result.exit_code == 2, result.output
+    assert f"port must be an int in 0..65535 (0 = any free port), got {port}" in result.output
+    assert "Traceback" not in result.output
+    with pytest.raises(ValueError, match="port must be"):
+        ReferenceHTTPServer(("127.0.0.1", int(port)), ReferenceService(RetrievalModel(RetrievalConfig())))

@@ -400,10 +400,14 @@ class ReferenceHTTPServer(ThreadingHTTPServer):
         if not 0 < request_timeout < float("inf"):
             raise ValueError(f"request_timeout must be a finite number of seconds > 0, got {request_timeout!r}")
         self.request_timeout = request_timeout
+        port = address[1]
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            # socket.bind would raise OverflowError (not an OSError) for -1 or 70000
+            raise ValueError(f"port must be an int in 0..65535 (0 = any free port), got {port!r}")
         host = check_loopback(address[0])
         if ":" in host:
             self.address_family = socket.AF_INET6
-        super().__init__((host, address[1]), _Handler)
+        super().__init__((host, port), _Handler)
         self.service = service
         self.faults = faults
         self.verbose = verbose
