@@ -116,12 +116,12 @@ def check_choice(name: str, value, choices, *, what: str | None = None):
     return value
 
 
-def check_instance(name: str, value, cls: type, hint: str = ""):
-    """``value`` if it is a ``cls``, else ValueError ("batch must be a dsakit.PagedBatch (hint), got str")."""
+def check_instance(name: str, value, cls: type, hint: str = "", label: str | None = None):
+    """``value`` if it is a ``cls``, else ValueError ("batch must be a dsakit.PagedBatch (hint), got str";
+    ``label`` names the class, default its bare name)."""
     if not isinstance(value, cls):
-        label = f"{cls.__module__.split('.')[0]}.{cls.__name__}" if cls.__module__.startswith("dsakit") \
-            else cls.__name__
-        raise ValueError(f"{name} must be a {label}{f' ({hint})' if hint else ''}, got {type(value).__name__}")
+        raise ValueError(f"{name} must be a {label or cls.__name__}{f' ({hint})' if hint else ''}, got "
+                         f"{type(value).__name__}")
     return value
 
 

@@ -269,7 +269,7 @@ def test_layer_stores_make_no_host_value_checks(triton_backend, device, monkeypa
         raise AssertionError("host-side value check in the layer's store path")
 
     monkeypatch.setattr(store_ops, "check_slots", refuse)
-    monkeypatch.setattr(store_ops, "check_rope_inputs", refuse)
+    monkeypatch.setattr(store_ops, "check_rope_positions", refuse)
     layer = random_layer("csa", triton_backend, device)
     cache = layer.new_cache(16, device=device)
     seq = cache.add_sequence()

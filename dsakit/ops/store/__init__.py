@@ -6,16 +6,28 @@ tensor in global memory) when the pool is on a CUDA device, the fp32 CPU referen
 spec) otherwise. The Triton path goes through the ``torch.library`` custom ops ``dsakit::store_index_keys``
 and ``dsakit::store_attention_kv``, so it can be traced by ``torch.compile`` and captured in a CUDA graph.
 
-Validation: shapes, dtypes, devices and contiguity are always checked (no device sync). Value checks
-(slot range and duplicates, positions inside the rope table) copy to the host, so they run in eager mode
-only; under ``torch.compile`` or CUDA-graph capture they are skipped and the kernel itself drops rows with
-an out-of-range slot or position instead of writing out of bounds.
+Validation, once per call: :meth:`IndexKeyStore.check` / :meth:`AttentionKVStore.check` check every input
+and return a frozen record; :func:`store_checked` runs a record (reference writer or kernel launch) without
+checking anything again. ``store_index_keys`` / ``store_attention_kv`` are exactly those two steps.
+Shapes, dtypes, devices and contiguity are always checked (no device sync). Value checks (slot range and
+duplicates, positions inside the rope table) copy to the host, so they run in eager mode only; under
+``torch.compile`` or CUDA-graph capture they are skipped and the kernel itself drops rows with an
+out-of-range slot or position instead of writing out of bounds.
+
+The trusted path: a caller that makes its slots and positions itself (a layer's own allocator: in range and
+distinct by construction) builds the record with ``check_values=False`` and calls :func:`store_checked`:
+no host copy, no sync, the same dispatch as the public op. The kernel still drops rows whose slot or
+position is out of range, so nothing is written out of bounds either way; the reference backend (CPU)
+checks the values regardless, as it has no such guard.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
+from ...checks import FLOAT_DTYPES, INDEX_DTYPES, check_bool, check_choice, check_instance, check_tensor
 from ...pool import check_pool, check_slots, num_slots
 from ...formats import ATTENTION_HEAD_DIM, INDEX_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ...presets import KeyTransform
@@ -23,15 +35,14 @@ from ...transforms import NORMS, ROPE_V4, RopeLayout
 from .._backend import resolve_backend, triton_available
 from . import reference
 from .config import StoreConfig
-from .reference import check_eps, check_rope_dim, check_rope_inputs, prepare_attention_kv, prepare_index_keys
+from .reference import check_eps, check_rope_dim, check_rope_positions, prepare_attention_kv, prepare_index_keys
 
 if triton_available():
     # registers the dsakit:: custom ops (the kernels compile lazily, on first use)
     from . import triton as _triton_kernels  # noqa: F401
 
-__all__ = ["store_index_keys", "store_attention_kv", "prepare_index_keys", "prepare_attention_kv", "StoreConfig"]
-
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["store_index_keys", "store_attention_kv", "prepare_index_keys", "prepare_attention_kv", "StoreConfig",
+           "IndexKeyStore", "AttentionKVStore", "store_checked"]
 
 
 def _value_checks_allowed(*tensors: torch.Tensor) -> bool:
@@ -42,33 +53,149 @@ def _value_checks_allowed(*tensors: torch.Tensor) -> bool:
     return not (on_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def _check_tensor(x, what: str, shape: tuple, dtypes: tuple, device: torch.device) -> None:
-    """x must be a tensor of ``shape`` (None = any size) with one of ``dtypes`` on ``device``."""
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != len(shape) or any(want is not None and got != want for got, want in zip(x.shape, shape)):
-        want = ", ".join("*" if s is None else str(s) for s in shape)
-        raise ValueError(f"{what} must have shape [{want}], got {list(x.shape)}")
-    if x.dtype not in dtypes:
-        raise ValueError(f"{what} must have dtype in {[str(d) for d in dtypes]}, got {x.dtype}")
-    if x.device != device:
-        raise ValueError(f"{what} is on {x.device} but the pool is on {device}: all inputs must share its device")
-
-
 def _check_common(rows: torch.Tensor, dim: int, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
-                  rope_cos_sin: torch.Tensor, rope_dim: int, what: str) -> None:
+                  rope_cos_sin: torch.Tensor, rope_dim: int, what: str, backend: str,
+                  check_values: bool) -> torch.Tensor | None:
+    """Shapes, dtypes and devices of the rows, positions, slots and rope table; the values too when asked and
+    allowed (always for the reference) -> the slots as CPU int64 when their values were checked, else None."""
     device = pool.device
-    _check_tensor(rows, what, (None, dim), _INPUT_DTYPES, device)
+    tensor = dict(device=device, owner="the pool")
+    check_tensor(what, rows, shape=(None, dim), dtypes=FLOAT_DTYPES, **tensor)
     n = rows.shape[0]
-    _check_tensor(positions, "positions", (n,), (torch.int32, torch.int64), device)
-    _check_tensor(slots, "slots", (n,), (torch.int32, torch.int64), device)
-    _check_tensor(rope_cos_sin, "rope_cos_sin", (None, rope_dim), (torch.float32,), device)
+    check_tensor("positions", positions, shape=(n,), dtypes=INDEX_DTYPES, **tensor)
+    check_tensor("slots", slots, shape=(n,), dtypes=INDEX_DTYPES, **tensor)
+    check_tensor("rope_cos_sin", rope_cos_sin, shape=(None, rope_dim), dtypes=(torch.float32,), **tensor)
     check_rope_dim(rope_dim, dim)
     if rope_cos_sin.shape[0] == 0:
         raise ValueError("rope_cos_sin has no rows (max_position = 0)")
-    if n and _value_checks_allowed(rows, pool):
-        check_slots(slots, num_slots(pool))
-        check_rope_inputs(positions, rope_cos_sin, n, rope_dim)
+    if backend == "reference" or (check_values and n and _value_checks_allowed(rows, pool)):
+        checked = check_slots(slots, num_slots(pool))
+        check_rope_positions(positions, rope_cos_sin)
+        return checked
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class IndexKeyStore:
+    """Checked inputs of :func:`store_index_keys` (argument meanings there); build with :meth:`check`.
+
+    ``backend`` is resolved ('reference' | 'triton'); ``checked_slots`` is the slots as CPU int64 when their
+    values were checked (always on the reference backend), else None (the kernel's bounds guard holds)."""
+
+    keys: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    pool: torch.Tensor
+    fmt: KeyFormat
+    rope_cos_sin: torch.Tensor
+    norm_weight: torch.Tensor
+    norm_bias: torch.Tensor | None
+    transform: KeyTransform
+    layout: RopeLayout
+    backend: str
+    checked_slots: torch.Tensor | None
+
+    @classmethod
+    def check(cls, keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
+              fmt: "KeyFormat | str", rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor,
+              norm_bias: torch.Tensor | None = None, transform: KeyTransform = KeyTransform(), *,
+              backend: str = "auto", check_values: bool = True) -> "IndexKeyStore":
+        """Check every input once -> the record :func:`store_checked` runs. ``check_values=False``: no host
+        copy of slots / positions on the Triton path (the trusted path; module docstring)."""
+        fmt = KeyFormat.parse(fmt)
+        check_pool(pool, fmt)
+        check_instance("transform", transform, KeyTransform)
+        check_choice("norm", transform.norm, NORMS)
+        if transform.norm == "rmsnorm" and norm_bias is not None:
+            raise ValueError("rmsnorm takes no bias; pass norm_bias=None or use norm='layernorm'")
+        layout = RopeLayout.parse(transform.rope_layout)
+        check_bool("check_values", check_values)
+        chosen = resolve_backend(backend, keys, pool)
+        # the same checks for both backends, so they accept and refuse the same inputs
+        checked = _check_common(keys, INDEX_HEAD_DIM, positions, slots, pool, rope_cos_sin, transform.rope_dim,
+                                "keys", chosen, check_values)
+        check_tensor("norm_weight", norm_weight, shape=(INDEX_HEAD_DIM,), dtypes=FLOAT_DTYPES, device=pool.device,
+                     owner="the pool")
+        if norm_bias is not None:
+            check_tensor("norm_bias", norm_bias, shape=(INDEX_HEAD_DIM,), dtypes=FLOAT_DTYPES, device=pool.device,
+                         owner="the pool")
+        return cls(keys, positions, slots, pool, fmt, rope_cos_sin, norm_weight, norm_bias, transform, layout,
+                   chosen, checked)
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionKVStore:
+    """Checked inputs of :func:`store_attention_kv` (argument meanings there); build with :meth:`check`
+    (fields as :class:`IndexKeyStore`)."""
+
+    kv: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    pool: torch.Tensor
+    fmt: AttentionKVFormat
+    rope_cos_sin: torch.Tensor
+    norm_weight: torch.Tensor
+    layout: RopeLayout
+    eps: float
+    backend: str
+    checked_slots: torch.Tensor | None
+
+    @classmethod
+    def check(cls, kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
+              fmt: "AttentionKVFormat | str", rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor,
+              rope_layout: RopeLayout = ROPE_V4, eps: float = 1e-6, *, backend: str = "auto",
+              check_values: bool = True) -> "AttentionKVStore":
+        """Check every input once -> the record :func:`store_checked` runs (``check_values``: as
+        :meth:`IndexKeyStore.check`)."""
+        fmt = AttentionKVFormat.parse(fmt)
+        check_pool(pool, fmt)
+        check_eps(eps)
+        layout = RopeLayout.parse(rope_layout)
+        check_bool("check_values", check_values)
+        chosen = resolve_backend(backend, kv, pool)
+        # the same checks for both backends (the reference once stored entries with a rope table of width 0)
+        check_tensor("rope_cos_sin", rope_cos_sin, dims=2)
+        checked = _check_common(kv, ATTENTION_HEAD_DIM, positions, slots, pool, rope_cos_sin,
+                                rope_cos_sin.shape[1], "kv", chosen, check_values)
+        check_tensor("norm_weight", norm_weight, shape=(ATTENTION_HEAD_DIM,), dtypes=FLOAT_DTYPES,
+                     device=pool.device, owner="the pool")
+        return cls(kv, positions, slots, pool, fmt, rope_cos_sin, norm_weight, layout, float(eps), chosen, checked)
+
+
+def store_checked(record: "IndexKeyStore | AttentionKVStore") -> None:
+    """Run a checked store record: the reference writer or the fused kernel, nothing checked again.
+
+    Eager Triton launches the kernel directly; under ``torch.compile`` it goes through the traceable
+    ``torch.ops.dsakit.*`` custom op (the same launch)."""
+    r = record
+    if isinstance(r, IndexKeyStore):
+        t = r.transform
+        if r.backend == "reference":
+            reference.store_checked_index_keys(r.keys, r.positions, r.checked_slots, r.pool, r.fmt, r.rope_cos_sin,
+                                               r.norm_weight, r.norm_bias, t)
+        elif torch.compiler.is_compiling():
+            torch.ops.dsakit.store_index_keys(r.keys, r.positions, r.slots, r.pool, r.rope_cos_sin,
+                                              r.norm_weight.contiguous(),
+                                              None if r.norm_bias is None else r.norm_bias.contiguous(), r.fmt.name,
+                                              t.norm, r.layout.name, bool(t.hadamard), float(t.eps))
+        else:
+            pairing, placement = r.layout.name.rsplit("-", 1)
+            _triton_kernels.launch_store_index_keys(
+                r.keys, r.positions, r.slots, r.pool, r.rope_cos_sin, r.norm_weight.contiguous(),
+                None if r.norm_bias is None else r.norm_bias.contiguous(), r.fmt, t.norm, pairing, placement,
+                bool(t.hadamard), float(t.eps))
+        return
+    check_instance("record", r, AttentionKVStore, "IndexKeyStore.check or AttentionKVStore.check")
+    if r.backend == "reference":
+        reference.store_checked_attention_kv(r.kv, r.positions, r.checked_slots, r.pool, r.fmt, r.rope_cos_sin,
+                                             r.norm_weight, r.layout, r.eps)
+    elif torch.compiler.is_compiling():
+        torch.ops.dsakit.store_attention_kv(r.kv, r.positions, r.slots, r.pool, r.rope_cos_sin,
+                                            r.norm_weight.contiguous(), r.fmt.name, r.layout.name, r.eps)
+    else:
+        pairing, placement = r.layout.name.rsplit("-", 1)
+        _triton_kernels.launch_store_attention_kv(r.kv, r.positions, r.slots, r.pool, r.rope_cos_sin,
+                                                  r.norm_weight.contiguous(), r.fmt, pairing, placement, r.eps)
 
 
 def store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
@@ -83,28 +210,8 @@ def store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.T
     (layernorm only). ``transform`` picks the norm, rope layout / dims, Hadamard and eps.
     Byte layout of the entries: :mod:`dsakit.formats`.
     """
-    fmt = KeyFormat.parse(fmt)
-    check_pool(pool, fmt)
-    if not isinstance(transform, KeyTransform):
-        raise ValueError(f"transform must be a KeyTransform, got {type(transform).__name__}")
-    if transform.norm not in NORMS:
-        raise ValueError(f"unknown norm {transform.norm!r}; choose one of {NORMS}")
-    if transform.norm == "rmsnorm" and norm_bias is not None:
-        raise ValueError("rmsnorm takes no bias; pass norm_bias=None or use norm='layernorm'")
-    layout = RopeLayout.parse(transform.rope_layout)
-    chosen = resolve_backend(backend, keys, pool)
-    # the same checks for both backends, so they accept and refuse the same inputs
-    _check_common(keys, INDEX_HEAD_DIM, positions, slots, pool, rope_cos_sin, transform.rope_dim, "keys")
-    _check_tensor(norm_weight, "norm_weight", (INDEX_HEAD_DIM,), _INPUT_DTYPES, pool.device)
-    if norm_bias is not None:
-        _check_tensor(norm_bias, "norm_bias", (INDEX_HEAD_DIM,), _INPUT_DTYPES, pool.device)
-    if chosen == "reference":
-        reference.store_index_keys(keys, positions, slots, pool, fmt, rope_cos_sin, norm_weight, norm_bias,
-                                   transform)
-        return
-    torch.ops.dsakit.store_index_keys(keys, positions, slots, pool, rope_cos_sin, norm_weight.contiguous(),
-                                      None if norm_bias is None else norm_bias.contiguous(), fmt.name,
-                                      transform.norm, layout.name, bool(transform.hadamard), float(transform.eps))
+    store_checked(IndexKeyStore.check(keys, positions, slots, pool, fmt, rope_cos_sin, norm_weight, norm_bias,
+                                      transform, backend=backend))
 
 
 def store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
@@ -116,19 +223,5 @@ def store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.T
     rope_cos_sin fp32 [max_position, rope_dim] (rope_dim = its width), norm_weight [512].
     ``fp8-rope-bf16`` entries: 448 e4m3fn + 64 bf16 values, 7 ue8m0 scale bytes + 1 zero pad byte.
     """
-    fmt = AttentionKVFormat.parse(fmt)
-    check_pool(pool, fmt)
-    check_eps(eps)
-    layout = RopeLayout.parse(rope_layout)
-    chosen = resolve_backend(backend, kv, pool)
-    # the same checks for both backends (the reference once stored entries with a rope table of width 0)
-    if not isinstance(rope_cos_sin, torch.Tensor) or rope_cos_sin.dim() != 2:
-        raise ValueError(f"rope_cos_sin must be a [max_position, rope_dim] tensor, got "
-                         f"{list(rope_cos_sin.shape) if isinstance(rope_cos_sin, torch.Tensor) else rope_cos_sin!r}")
-    _check_common(kv, ATTENTION_HEAD_DIM, positions, slots, pool, rope_cos_sin, rope_cos_sin.shape[1], "kv")
-    _check_tensor(norm_weight, "norm_weight", (ATTENTION_HEAD_DIM,), _INPUT_DTYPES, pool.device)
-    if chosen == "reference":
-        reference.store_attention_kv(kv, positions, slots, pool, fmt, rope_cos_sin, norm_weight, layout, eps)
-        return
-    torch.ops.dsakit.store_attention_kv(kv, positions, slots, pool, rope_cos_sin, norm_weight.contiguous(),
-                                        fmt.name, layout.name, float(eps))
+    store_checked(AttentionKVStore.check(kv, positions, slots, pool, fmt, rope_cos_sin, norm_weight, rope_layout,
+                                         eps, backend=backend))

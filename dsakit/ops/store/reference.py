@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ...checks import INDEX_DTYPES, check_dtype
 from ...formats import AttentionKVFormat, KeyFormat
 from ...pool import check_pool, check_slots, num_slots, store_checked_entries
 from ...presets import KeyTransform
@@ -60,15 +61,19 @@ def check_eps(eps: float) -> None:
 
 
 def check_rope_inputs(positions: torch.Tensor, rope_cos_sin: torch.Tensor, n: int, rope_dim: int) -> None:
-    if not isinstance(positions, torch.Tensor) or positions.shape != (n,) or positions.dtype not in (torch.int32, torch.int64):
+    if not isinstance(positions, torch.Tensor) or positions.shape != (n,) or positions.dtype not in INDEX_DTYPES:
         raise ValueError(f"positions must be int32/int64 [{n}], got "
                          f"{(positions.dtype, list(positions.shape)) if isinstance(positions, torch.Tensor) else positions!r}")
     if not isinstance(rope_cos_sin, torch.Tensor) or rope_cos_sin.dim() != 2 or rope_cos_sin.shape[1] != rope_dim:
         raise ValueError(f"rope_cos_sin must be [max_position, {rope_dim}] (cos then sin), got "
                          f"{list(rope_cos_sin.shape) if isinstance(rope_cos_sin, torch.Tensor) else rope_cos_sin!r}")
-    if rope_cos_sin.dtype != torch.float32:
-        raise ValueError(f"rope_cos_sin must be fp32, got {rope_cos_sin.dtype}")
-    if n:
+    check_dtype("rope_cos_sin", rope_cos_sin, torch.float32)
+    check_rope_positions(positions, rope_cos_sin)
+
+
+def check_rope_positions(positions: torch.Tensor, rope_cos_sin: torch.Tensor) -> None:
+    """Every position a row of the rope table (one host copy), else ValueError naming the first that is not."""
+    if positions.numel():
         pos = positions.detach().cpu()
         bad = (pos < 0) | (pos >= rope_cos_sin.shape[0])
         if bool(bad.any()):
@@ -93,6 +98,10 @@ def prepare_index_keys(keys: torch.Tensor, positions: torch.Tensor, rope_cos_sin
     _check_vector(norm_weight, d, "norm_weight")
     _check_vector(norm_bias, d, "norm_bias")
     check_rope_inputs(positions, rope_cos_sin, keys.shape[0], transform.rope_dim)
+    return _prepare_index_keys(keys, positions, rope_cos_sin, norm_weight, norm_bias, transform)
+
+
+def _prepare_index_keys(keys, positions, rope_cos_sin, norm_weight, norm_bias, transform) -> torch.Tensor:
     x = apply_norm(keys.detach().cpu().float(), transform.norm, norm_weight.detach().cpu(),
                    None if norm_bias is None else norm_bias.detach().cpu(), transform.eps)
     x = _rope(x, positions, rope_cos_sin, transform.rope_layout, transform.rope_dim)
@@ -123,8 +132,12 @@ def prepare_attention_kv(kv: torch.Tensor, positions: torch.Tensor, rope_cos_sin
     rope_dim = rope_cos_sin.shape[1] if isinstance(rope_cos_sin, torch.Tensor) and rope_cos_sin.dim() == 2 else 64
     check_rope_dim(rope_dim, 512)
     check_rope_inputs(positions, rope_cos_sin, kv.shape[0], rope_dim)
+    return _prepare_attention_kv(kv, positions, rope_cos_sin, norm_weight, rope_layout, eps)
+
+
+def _prepare_attention_kv(kv, positions, rope_cos_sin, norm_weight, rope_layout, eps) -> torch.Tensor:
     x = apply_norm(kv.detach().cpu().float(), "rmsnorm", norm_weight.detach().cpu(), None, eps)
-    return _rope(x, positions, rope_cos_sin, RopeLayout.parse(rope_layout), rope_dim)
+    return _rope(x, positions, rope_cos_sin, RopeLayout.parse(rope_layout), rope_cos_sin.shape[1])
 
 
 def store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
@@ -134,4 +147,21 @@ def store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.T
     fmt = AttentionKVFormat.parse(fmt)
     slots = _check_store_target(kv, 512, "kv", slots, pool, fmt)
     x = prepare_attention_kv(kv, positions, rope_cos_sin, norm_weight, rope_layout, eps)
+    store_checked_entries(pool, fmt, slots, x)
+
+
+def store_checked_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
+                             fmt: KeyFormat, rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor,
+                             norm_bias: torch.Tensor | None, transform: KeyTransform) -> None:
+    """:func:`store_index_keys` on inputs already checked (``dsakit.ops.store.IndexKeyStore``): ``slots`` are
+    the CPU int64 slots :func:`dsakit.pool.check_slots` returned. Nothing is checked again."""
+    x = _prepare_index_keys(keys, positions, rope_cos_sin, norm_weight, norm_bias, transform)
+    store_checked_entries(pool, fmt, slots, x)
+
+
+def store_checked_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
+                               fmt: AttentionKVFormat, rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor,
+                               rope_layout: RopeLayout, eps: float) -> None:
+    """:func:`store_attention_kv` on inputs already checked (``dsakit.ops.store.AttentionKVStore``)."""
+    x = _prepare_attention_kv(kv, positions, rope_cos_sin, norm_weight, rope_layout, eps)
     store_checked_entries(pool, fmt, slots, x)
