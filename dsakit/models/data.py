@@ -1,0 +1,147 @@
+"""Training documents for the tiny DSA model: long haystacks of distinct filler lines (dsakit's needle
+generator, :mod:`dsakit.niah.text`) holding facts to retrieve, each ending with a question and its answer.
+
+Three kinds, drawn per document (probabilities in :data:`KIND_WEIGHTS`):
+
+* ``passkey``: one needle ``The secret passphrase is ZEBRA-4492-OMEGA.`` at a uniform depth, the niah
+  question, answer = the code (exactly what ``dsakit niah`` asks);
+* ``multi``: 2-4 such needles, the niah multi-needle question, answer = the codes in text order, ", "-joined;
+* ``kv``: 2-6 key-value lines ``The secret passphrase of the copper vault is ZEBRA-4492-OMEGA.`` with
+  distinct keys, a question about one key, answer = its code (the indexer must find the right line, not any).
+
+Each document is written half the time as a completion prompt (``... \\nAnswer:`` + `` CODE``) and half as a
+chat prompt (the serve-reference chat template, then ``CODE``), followed by ``<eos>``. Everything is a pure
+function of (seed, step, row), so a batch is rebuilt identically on resume and by any number of workers.
+
+Batch layout: ``input_ids`` int64 [B, L] (right-padded with ``<pad>``), ``answer_mask`` bool [B, L] (the
+answer tokens and the ``<eos>``), ``valid`` bool [B, L] (not padding). L is drawn per step from the length
+set and B = tokens_per_batch // L, so every step costs about the same.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..niah.server import render_chat
+from ..niah.text import (DEFAULT_INTRO, DEFAULT_MULTI_QUESTION, DEFAULT_NEEDLE, DEFAULT_QUESTION, FillerStream,
+                         Templates, build_haystack, completion_prompt, needle_codes)
+from .tokenizer import EOS, PAD
+
+KIND_WEIGHTS = {"passkey": 0.5, "multi": 0.2, "kv": 0.3}
+KV_KEYS = ("copper", "iron", "velvet", "granite", "cedar", "marble", "linen", "bronze", "coral", "slate",
+           "ivory", "maroon", "olive", "scarlet", "teal", "violet")
+KV_NEEDLE = "The secret passphrase of the {key} vault is {code}."
+KV_QUESTION = "What is the secret passphrase of the {key} vault? Reply with the passphrase only."
+
+
+def corpus_texts(count: int = 200, seed: int = 0) -> list[str]:
+    """Example prompts + answers covering every word the documents use (to build the tokenizer's vocabulary)."""
+    texts = [DEFAULT_INTRO, DEFAULT_NEEDLE, DEFAULT_QUESTION, DEFAULT_MULTI_QUESTION, KV_NEEDLE, KV_QUESTION,
+             " ".join(KV_KEYS), completion_prompt(build_haystack(["x"], ["X"], [0.0], Templates()))]
+    for i in range(count):
+        texts.extend(FillerStream(f"vocab:{seed}:{i}").lines(40))
+        texts.extend(needle_codes(8, seed * 100003 + i))
+    return texts
+
+
+@dataclass(frozen=True)
+class Document:
+    prompt: str
+    answer: str
+    kind: str
+
+
+def make_document(rng: random.Random, filler_lines: int, kind: str, chat: bool, seed_text: str) -> Document:
+    """One document with ``filler_lines`` filler lines (see the module docstring)."""
+    filler = FillerStream(seed_text).lines(filler_lines)
+    codes_seed = rng.randrange(1 << 30)
+    if kind == "passkey":
+        codes = needle_codes(1, codes_seed)
+        hay = build_haystack(filler, codes, [rng.random()], Templates())
+        answer = codes[0]
+    elif kind == "multi":
+        count = rng.randint(2, 4)
+        codes = needle_codes(count, codes_seed)
+        depths = [rng.random() for _ in codes]
+        hay = build_haystack(filler, codes, depths, Templates())
+        in_text_order = [c for _, c in sorted(zip(depths, codes), key=lambda p: p[0])]
+        answer = ", ".join(in_text_order)
+    elif kind == "kv":
+        count = rng.randint(2, 6)
+        codes = needle_codes(count, codes_seed)
+        keys = rng.sample(KV_KEYS, count)
+        lines = [KV_NEEDLE.format(key=k, code=c) for k, c in zip(keys, codes)]
+        asked = rng.randrange(count)
+        templates = Templates(needle="{code}", question=KV_QUESTION.format(key=keys[asked]))
+        hay = build_haystack(filler, lines, [rng.random() for _ in lines], templates)
+        answer = codes[asked]
+    else:
+        raise ValueError(f"unknown document kind {kind!r}; known: {sorted(KIND_WEIGHTS)}")
+    if chat:
+        prompt, _ = render_chat([{"role": "user", "content": f"{hay.body}\n\n{hay.question}"}])
+        return Document(prompt, answer, kind)
+    return Document(completion_prompt(hay), " " + answer, kind)
+
+
+class DocumentBatches(torch.utils.data.Dataset):
+    """Batch ``step`` of the training stream (map-style, indexed by step: resumable, worker-independent)."""
+
+    def __init__(self, tokenizer, lengths: list[int], tokens_per_batch: int, seed: int,
+                 kind_weights: dict | None = None, prefix: str = "train"):
+        if not lengths or any(not isinstance(n, int) or n < 128 for n in lengths):
+            raise ValueError(f"lengths must be ints >= 128, got {lengths!r}")
+        if tokens_per_batch < max(lengths):
+            raise ValueError(f"tokens_per_batch {tokens_per_batch} is below the longest length {max(lengths)}")
+        self.tokenizer = tokenizer
+        self.lengths = list(lengths)
+        self.tokens_per_batch = tokens_per_batch
+        self.seed = seed
+        self.prefix = prefix
+        self.kind_weights = dict(kind_weights or KIND_WEIGHTS)
+        self.pad_id = tokenizer.token_to_id(PAD)
+        self.eos_id = tokenizer.token_to_id(EOS)
+        sample = FillerStream(f"{prefix}:calibrate:{seed}").lines(64)
+        ids = tokenizer.encode("\n".join(sample), add_special_tokens=False).ids
+        self.tokens_per_line = len(ids) / len(sample)
+
+    def __len__(self) -> int:
+        return 1 << 40
+
+    def encode(self, doc: Document) -> tuple[list[int], int]:
+        """-> (token ids: BOS + prompt + answer + EOS, index of the first answer token)."""
+        prompt = self.tokenizer.encode(doc.prompt).ids
+        answer = self.tokenizer.encode(doc.answer, add_special_tokens=False).ids + [self.eos_id]
+        return prompt + answer, len(prompt)
+
+    def document(self, step: int, row: int, length: int) -> tuple[list[int], int, Document]:
+        rng = random.Random(f"{self.prefix}:{self.seed}:{step}:{row}")
+        kinds, weights = zip(*sorted(self.kind_weights.items()))
+        kind = rng.choices(kinds, weights)[0]
+        chat = rng.random() < 0.5
+        lines = max(1, int((length - 80) / self.tokens_per_line * rng.uniform(0.8, 1.0)))
+        while True:
+            doc = make_document(rng, lines, kind, chat, f"{self.prefix}:{self.seed}:{step}:{row}")
+            ids, start = self.encode(doc)
+            if len(ids) <= length or lines == 1:
+                return ids[:length], start, doc
+            lines = max(1, lines - 1 - (len(ids) - length) // max(1, int(self.tokens_per_line)))
+
+    def batch(self, step: int, length: int | None = None) -> dict:
+        if length is None:
+            length = self.lengths[random.Random(f"{self.prefix}:{self.seed}:len:{step}").randrange(len(self.lengths))]
+        rows = max(1, self.tokens_per_batch // length)
+        input_ids = torch.full((rows, length), self.pad_id, dtype=torch.long)
+        answer_mask = torch.zeros((rows, length), dtype=torch.bool)
+        valid = torch.zeros((rows, length), dtype=torch.bool)
+        for row in range(rows):
+            ids, start, _ = self.document(step, row, length)
+            input_ids[row, :len(ids)] = torch.tensor(ids)
+            answer_mask[row, start:len(ids)] = True
+            valid[row, :len(ids)] = True
+        return {"input_ids": input_ids, "answer_mask": answer_mask, "valid": valid, "step": step}
+
+    def __getitem__(self, step: int) -> dict:
+        return self.batch(step)
