@@ -18,7 +18,9 @@ prefill lays them out); the results never depend on it.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -83,7 +85,8 @@ class ContextParallelPlan:
 
     rows: int64 [T_r] (CPU) rows of the full batch owned by ``rank``, ascending (the local batch keeps the
     batch order); counts: T_r of every rank; order: int64 [T] (CPU) the rows of rank 0, then rank 1, ...
-    (what :func:`dsakit.distributed.gather_rows` puts back in place).
+    (what :func:`dsakit.distributed.gather_rows` puts back in place). A plan built by hand is checked for
+    consistency (order a permutation of 0..T-1 whose rank-r part is rank r's rows).
     """
 
     world_size: int
@@ -110,6 +113,39 @@ class ContextParallelPlan:
         return cls(world_size=world_size, rank=rank, num_queries=int(owner.shape[0]), rows=per_rank[rank],
                    counts=tuple(int(r.numel()) for r in per_rank),
                    order=torch.cat(per_rank) if per_rank else torch.zeros(0, dtype=torch.long))
+
+    def __post_init__(self) -> None:
+        _check_world(self.world_size, self.rank)
+        counts = self.counts
+        if not isinstance(counts, tuple) or len(counts) != self.world_size \
+                or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+            raise ValueError(f"counts must be a tuple of {self.world_size} non-negative ints, got {counts!r}")
+        if isinstance(self.num_queries, bool) or not isinstance(self.num_queries, int) \
+                or self.num_queries != sum(counts):
+            raise ValueError(f"num_queries must be sum(counts) = {sum(counts)}, got {self.num_queries!r}")
+        for what, x, n in (("rows", self.rows, counts[self.rank]), ("order", self.order, self.num_queries)):
+            if not isinstance(x, torch.Tensor) or x.dtype != torch.int64 or x.device.type != "cpu" \
+                    or tuple(x.shape) != (n,):
+                raise ValueError(f"{what} must be an int64 CPU tensor [{n}], got "
+                                 f"{(x.dtype, x.device.type, list(x.shape)) if isinstance(x, torch.Tensor) else x!r}")
+        order = self.order
+        if order.numel() and (int(order.min()) < 0 or int(order.max()) >= self.num_queries
+                              or bool((torch.bincount(order, minlength=self.num_queries) != 1).any())):
+            raise ValueError(f"order must be a permutation of 0..{self.num_queries - 1}")
+        start = sum(counts[: self.rank])
+        if not torch.equal(self.rows, order[start: start + counts[self.rank]]):
+            raise ValueError(f"rows must be rank {self.rank}'s part of order (order[{start}:"
+                             f"{start + counts[self.rank]}])")
+
+    @cached_property
+    def digest(self) -> str:
+        """16 hex digits of a hash of world_size, counts and order: equal on every rank of one plan (the rank
+        is left out), so that the collectives can check that the ranks hold the same plan before any data
+        moves."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(repr((self.world_size, self.counts)).encode())
+        h.update(self.order.contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     @property
     def num_local(self) -> int:
