@@ -104,6 +104,24 @@ def test_plan_rows_counts_order_and_take():
     assert plans[0].rows.tolist()[-1] == t - 1 and plans[2].rows.tolist()[-1] == t - 2
 
 
+def test_plan_digest_and_hand_built_plans():
+    query_seq = torch.tensor([0] * 9 + [1] * 4, dtype=torch.int64)
+    plans = [ContextParallelPlan.zigzag(query_seq, 2, r) for r in range(2)]
+    assert plans[0].digest == plans[1].digest  # one plan, seen from every rank
+    assert ContextParallelPlan.zigzag(query_seq[:-1], 2, 0).digest != plans[0].digest  # another batch
+    assert ContextParallelPlan.zigzag(query_seq, 3, 0).digest != plans[0].digest  # another world size
+    good = dict(world_size=2, rank=0, num_queries=13, rows=plans[0].rows, counts=plans[0].counts,
+                order=plans[0].order)
+    assert ContextParallelPlan(**good).digest == plans[0].digest
+    bad = {"counts": (7, 7), "num_queries": 12, "rows": plans[1].rows, "order": plans[0].order.flip(0),
+           "rank": 2}
+    for field, value in bad.items():
+        with pytest.raises(ValueError, match=field):
+            ContextParallelPlan(**{**good, field: value})
+    with pytest.raises(ValueError, match="permutation"):
+        ContextParallelPlan(**{**good, "order": torch.zeros(13, dtype=torch.int64)})
+
+
 def test_validation_names_the_bad_value():
     qs = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(ValueError, match="world_size"):

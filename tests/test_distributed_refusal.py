@@ -202,10 +202,26 @@ CASES = {
 }
 
 
+def case_rows_of_any_dtype_and_shape(world, rank, group):
+    # the rows travel as bytes: every dtype and trailing shape comes back exact (zero-width and 1-D included)
+    plan = ContextParallelPlan.zigzag(QUERY_SEQ, group=group)
+    t = QUERY_SEQ.numel()
+    g = torch.Generator().manual_seed(5)
+    for full in (torch.randn(t, 3, 2, generator=g).to(torch.bfloat16), torch.rand(t, 5, generator=g) > 0.5,
+                 torch.randint(0, 255, (t, 3), generator=g, dtype=torch.uint8), torch.randn(t, dtype=torch.float64, generator=g),
+                 torch.zeros(t, 0, dtype=torch.int32), torch.randn(t, 2, dtype=torch.complex64, generator=g)):
+        back, stats = gather_rows(plan.take(full), plan, group=group, return_stats=True)
+        assert back.dtype == full.dtype and torch.equal(back, full), full.dtype
+        assert stats.row_bytes == full[0].numel() * full.element_size() and stats.rows == t
+
+
+HEALTHY = {"rows_of_any_dtype_and_shape": case_rows_of_any_dtype_and_shape}
+
+
 def _run_case(name: str, world: int, rank: int, group) -> tuple[str, str]:
     """One case on this rank -> (what its call did: an exception type or 'returned', the message)."""
     try:
-        CASES[name][0](world, rank, group)
+        (HEALTHY[name] if name in HEALTHY else CASES[name][0])(world, rank, group)
         outcome = ("returned", "")
     except Exception as exc:  # noqa: BLE001 -- reported to the test, which names what it expected
         outcome = (type(exc).__name__, str(exc))
@@ -312,3 +328,10 @@ def test_every_rank_refuses_and_none_blocks(ranks, name, world):
         assert kind == "ValueError", (rank, outcomes)
         want = bad_message if bad is None or rank == bad else other_message.format(bad=bad)
         assert re.search(want, message, re.S), (rank, want, outcomes)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", list(HEALTHY))
+def test_healthy_calls_return_on_every_rank(ranks, name, world):
+    outcomes = ranks.run(name, world)
+    assert all(outcomes[r] == ("returned", "") for r in range(world)), outcomes
