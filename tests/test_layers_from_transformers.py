@@ -67,8 +67,7 @@ def test_key_norm_epsilon_comes_from_the_module():
     assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
     # what the hard-coded 1e-6 gave: far from transformers (so this test fails without the fix)
     wrong = DSAIndexer.from_transformers(indexer)
-    wrong.preset = ix.preset.__class__(**{**ix.preset.__dict__,
-                                          "key_transform": get_preset("deepseek-v4-flash").key_transform})
+    wrong.kv_norm.variance_epsilon = get_preset("deepseek-v4-flash").key_transform.eps  # the epsilon's home
     rel = ((wrong.keys(hidden, hadamard=False) - theirs).norm(dim=1) / theirs.norm(dim=1)).max()
     assert float(rel) > 0.05
 

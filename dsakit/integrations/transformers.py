@@ -12,24 +12,35 @@ keys), attached to the transformers cache object that ``generate`` passes around
 placeholders in transformers' own cache layers so their token counts (``get_seq_length``, the masks) stay
 right. Conventions that differ from transformers' eager code are listed in docs/layers.md.
 
+A refused or failed call changes nothing: patching checks every layer before it replaces the first one, and a
+forward of the patched model that raises puts every layer's caches (dsakit's and transformers' placeholders)
+back as they were before it.
+
 Not supported (ValueError or documented): beam search / cache reordering, assisted generation (transformers
 already refuses it for V4), left-padded batches (positions are each sequence's own token count).
 """
 
 from __future__ import annotations
 
+import contextlib
+import types
+
 import torch
 from torch import nn
 
 from ..formats import AttentionKVFormat, KeyFormat
-from ..layers.attention import V4Attention, V4LayerCache
-from ..layers.indexer import rope_from_transformers
+from ..layers.attention import V4Attention
+from ..layers.config import resolve_index_key_format
+from ..presets import get_preset
+from ..layers.from_transformers import (LAYER_TYPE_NAMES, adopt_parameters, check_attention_module,
+                                        layer_config_from_transformers)
+from ..layers.kv_cache import V4LayerCache
 
 __all__ = ["patch_deepseek_v4", "unpatch_deepseek_v4", "PatchedDeepseekV4Attention", "LAYER_TYPE_NAMES"]
 
-LAYER_TYPE_NAMES = {"compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca",
-                    "sliding_attention": "window"}
 _STATE_ATTR = "_dsakit_layer_state"
+_FORWARD_ATTR = "forward"
+_DEFAULT_PRESET = "deepseek-v4-flash"  # the preset config_from_transformers builds on  # the decoder's instance attribute that makes its forward a transaction
 
 
 class _SequenceState:
@@ -41,35 +52,27 @@ class _SequenceState:
 
 
 class PatchedDeepseekV4Attention(V4Attention):
-    """Drop-in for transformers' ``DeepseekV4Attention`` (same forward signature and parameter names)."""
+    """Drop-in for transformers' ``DeepseekV4Attention`` (same forward signature and parameter names).
+
+    ``self.config`` is the transformers config; dsakit's settings are ``self.layer_config``. The replaced
+    module is kept (not as a submodule: its parameters are this block's) so :func:`unpatch_deepseek_v4` puts
+    back the very object, buffers included."""
 
     def __init__(self, original: nn.Module, *, index_key_format, topk, kv_format, backend, max_tokens):
-        config = original.config
-        layer_type = LAYER_TYPE_NAMES.get(original.layer_type)
-        if layer_type is None:
-            raise ValueError(f"unknown DeepSeek-V4 layer type {original.layer_type!r}")
-        rates = dict(getattr(config, "compress_rates", None) or {})
-        if layer_type == "csa" and rates.get("compressed_sparse_attention", 4) != 4:
-            raise ValueError(f"CSA compress rate must be 4 (overlapping windows), config has "
-                             f"{rates['compressed_sparse_attention']}")
-        rope_owner = original.compressor.rotary_emb if original.compressor is not None else None
-        if rope_owner is None:  # window-only layers: transformers passes the model's "main" rope in
-            rope_owner = _model_rotary(original)
-        rope = rope_from_transformers(rope_owner, "main" if layer_type == "window" else "compress")
-        if config.head_dim != 512:
-            raise ValueError(f"head_dim must be 512, config has {config.head_dim}")
+        config = layer_config_from_transformers(original, index_key_format=index_key_format, topk=topk,
+                                                kv_format=kv_format, backend=backend)
         with torch.device("meta"):  # placeholders only: every parameter is replaced by the original's below
-            super().__init__(
-                layer_type, config.hidden_size, config.q_lora_rank, num_heads=config.num_attention_heads,
-                o_groups=config.o_groups, o_lora_rank=config.o_lora_rank, index_heads=config.index_n_heads,
-                index_topk=int(config.index_topk) if topk is None else topk, index_key_format=index_key_format,
-                kv_format=kv_format, window=config.sliding_window, rope=rope, eps=float(config.rms_norm_eps),
-                hca_ratio=int(rates.get("heavily_compressed_attention", 128)), backend=backend)
-        self.config = config
+            super().__init__(config)
+        adopt_parameters(self, original)
+        self.config = original.config
         self.layer_idx = original.layer_idx
         self.max_tokens = max_tokens
-        _share_parameters(self, original)
-        _check_epsilons(self, original)
+        object.__setattr__(self, "_original", original)  # plain attribute: not a submodule
+
+    @property
+    def original(self) -> nn.Module:
+        """The transformers module this block replaced (sharing its parameters)."""
+        return self._original
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, position_ids=None,
                 attention_mask=None, cache=None, **kwargs):
@@ -82,8 +85,9 @@ class PatchedDeepseekV4Attention(V4Attention):
             raise ValueError(f"hidden_states must be [B, S, hidden], got "
                              f"{list(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else hidden_states!r}")
         batch, seq_len, _ = hidden_states.shape
-        state = self._state(cache, batch, seq_len, hidden_states)
-        out = V4Attention.forward(self, hidden_states, state.cache, state.seqs)
+        with _layer_transaction(cache, self.layer_idx):
+            state = self._state(cache, batch, seq_len, hidden_states)
+            out = V4Attention.forward(self, hidden_states, state.cache, state.seqs)
         return out.to(hidden_states.dtype), None
 
     def _state(self, cache, batch: int, seq_len: int, hidden_states: torch.Tensor) -> _SequenceState:
@@ -98,6 +102,9 @@ class PatchedDeepseekV4Attention(V4Attention):
                                  f"dsakit never saw (patch the model before the cache is filled)")
             state = _SequenceState(self, batch, max(self.max_tokens, seq_len), hidden_states.device)
             setattr(layer, _STATE_ATTR, state)
+        if state.cache.layer is not self:
+            raise ValueError(f"layer {self.layer_idx}: the cache was filled by an earlier patch of this model "
+                             f"(patched again since): start a new cache")
         if len(state.seqs) != batch:
             raise ValueError(f"layer {self.layer_idx}: the cache holds {len(state.seqs)} sequences, the input has "
                              f"{batch} (cache reordering / beam search is not supported)")
@@ -111,56 +118,90 @@ class PatchedDeepseekV4Attention(V4Attention):
         return state
 
 
-def _model_rotary(attention: nn.Module) -> nn.Module:
-    """The rotary embedding a window-only layer uses: one built from the layer's config (same buffers as the
-    model's ``rotary_emb``, which the attention module does not hold)."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
-
-    return DeepseekV4RotaryEmbedding(attention.config)
+# --------------------------------------------------------------------------------------------------
+# Transactions: a failed forward leaves every cache as it was
+# --------------------------------------------------------------------------------------------------
 
 
-def _set_parameter(root: nn.Module, name: str, param: nn.Parameter) -> None:
-    *path, leaf = name.split(".")
-    module = root
-    for part in path:
-        module = getattr(module, part)
-    mine = getattr(module, leaf)
-    if not isinstance(mine, nn.Parameter):
-        raise ValueError(f"dsakit's block has no parameter {name!r}")
-    if mine.shape != param.shape:
-        raise ValueError(f"parameter {name}: transformers has {list(param.shape)}, dsakit expects {list(mine.shape)}")
-    setattr(module, leaf, param)
+@contextlib.contextmanager
+def _cache_transaction(cache, layer_indices=None):
+    """On an exception, put the transformers cache ``cache`` (its layer list, the attributes of the layers at
+    ``layer_indices``, default all: ``update`` replaces their tensors, never changes them) and the dsakit
+    caches attached to those layers (their own transactions) back as they were."""
+    layers = getattr(cache, "layers", None)
+    if cache is None or layers is None or getattr(cache, "_dsakit_transaction", False):
+        yield  # no cache, or an outer transaction covers it
+        return
+    indices = range(len(layers)) if layer_indices is None else [i for i in layer_indices if i < len(layers)]
+    saved_layers = list(layers)
+    saved_attrs = {i: {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(layers[i]).items()}
+                   for i in indices}
+    cache._dsakit_transaction = True
+    try:
+        with contextlib.ExitStack() as stack:
+            for attrs in saved_attrs.values():
+                state = attrs.get(_STATE_ATTR)
+                if state is not None:
+                    stack.enter_context(state.cache.transaction(state.seqs))
+            yield
+    except BaseException:
+        cache.layers[:] = saved_layers
+        for i, attrs in saved_attrs.items():
+            vars(saved_layers[i]).clear()
+            vars(saved_layers[i]).update(attrs)
+        raise
+    finally:
+        del cache._dsakit_transaction
 
 
-def _share_parameters(mine: nn.Module, original: nn.Module) -> None:
-    """Make every parameter of ``mine`` the very Parameter object of ``original`` under the same name."""
-    theirs = dict(original.named_parameters())
-    ours = dict(mine.named_parameters())
-    if set(theirs) != set(ours):
-        raise ValueError(f"parameter names differ: only in transformers {sorted(set(theirs) - set(ours))}, "
-                         f"only in dsakit {sorted(set(ours) - set(theirs))}")
-    for name, param in theirs.items():
-        _set_parameter(mine, name, param)
+def _layer_transaction(cache, layer_idx: int):
+    return _cache_transaction(cache, [layer_idx])
 
 
-def _check_epsilons(mine: V4Attention, original: nn.Module) -> None:
-    """Each RMSNorm takes its own module's epsilon (they all come from rms_norm_eps in transformers)."""
-    for name, module in original.named_modules():
-        eps = getattr(module, "variance_epsilon", None)
-        if eps is not None:
-            target = mine.get_submodule(name)
-            target.variance_epsilon = float(eps)
-    unit = getattr(original, "q_b_norm", None)
-    if unit is not None and getattr(unit, "eps", None) is not None:
-        mine.eps = float(unit.eps)
+def _decoder_forward(self, *args, **kwargs):
+    """The decoder's forward as one transaction on the cache it is given (instance attribute set by
+    :func:`patch_deepseek_v4`): a failure in any layer leaves every layer's cache as it was."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is None and len(args) > 3:
+        cache = args[3]  # forward(input_ids, attention_mask, position_ids, cache, ...)
+    with _cache_transaction(cache):
+        return type(self).forward(self, *args, **kwargs)
 
 
-def _decoder_layers(model: nn.Module):
+# --------------------------------------------------------------------------------------------------
+# Patching
+# --------------------------------------------------------------------------------------------------
+
+
+def _decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """(the module holding ``.layers``, the layers), every layer's ``self_attn`` a DeepSeek-V4 attention block
+    (or an already patched one); ValueError otherwise, before anything is changed."""
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
-    if layers is None or not len(layers) or not hasattr(layers[0], "self_attn"):
+    if not isinstance(layers, nn.ModuleList) or not len(layers) or not hasattr(layers[0], "self_attn"):
         raise ValueError(f"{type(model).__name__} is not a transformers DeepseekV4 model (no .layers[i].self_attn)")
-    return layers
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if isinstance(attn, PatchedDeepseekV4Attention):
+            continue
+        try:
+            check_attention_module(attn)
+        except ValueError as err:
+            raise ValueError(f"{type(model).__name__} is not a transformers DeepseekV4 model: layer {i}: {err}") \
+                from None
+    return inner, layers
+
+
+def _patch_settings(index_key_format, topk, kv_format, backend, max_tokens) -> dict:
+    """The patch's arguments, checked and in canonical form (compared to decide whether to re-patch)."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if topk is not None and (not isinstance(topk, int) or isinstance(topk, bool) or topk < 1):
+        raise ValueError(f"topk must be a positive int or None, got {topk!r}")
+    if index_key_format is not None:
+        index_key_format = KeyFormat.parse(index_key_format)
+    return dict(index_key_format=index_key_format, topk=topk, kv_format=AttentionKVFormat.parse(kv_format),
+                backend=backend, max_tokens=max_tokens)
 
 
 def patch_deepseek_v4(model: nn.Module, index_key_format: "KeyFormat | str | None" = "bf16",
@@ -173,31 +214,48 @@ def patch_deepseek_v4(model: nn.Module, index_key_format: "KeyFormat | str | Non
     topk: compressed entries per query (default: the config's ``index_topk``).
     kv_format: main / compressed KV cache format ("bf16" | "fp8-rope-bf16").
     max_tokens: initial cache capacity per sequence (caches grow when exceeded).
-    Returns the model. Parameters are shared, not copied. Idempotent for already patched layers.
+    Returns the model. Parameters are shared, not copied.
+
+    Every layer is checked and its block built before the first one is replaced: a model that is not a
+    DeepSeek-V4 one, or a layer dsakit cannot run, raises ValueError and leaves the model as it was. Patching
+    a patched model again with the same arguments changes nothing; with other arguments it re-patches every
+    layer with them (caches filled under the earlier patch are refused by the new blocks: start a new
+    ``generate``).
     """
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    if topk is not None and (not isinstance(topk, int) or isinstance(topk, bool) or topk < 1):
-        raise ValueError(f"topk must be a positive int or None, got {topk!r}")
-    layers = _decoder_layers(model)
-    for layer in layers:
-        if isinstance(layer.self_attn, PatchedDeepseekV4Attention):
-            continue
-        layer.self_attn = PatchedDeepseekV4Attention(layer.self_attn, index_key_format=index_key_format, topk=topk,
-                                                     kv_format=kv_format, backend=backend, max_tokens=max_tokens)
+    settings = _patch_settings(index_key_format, topk, kv_format, backend, max_tokens)
+    inner, layers = _decoder(model)
+    # the format a block gets (None: $DSAKIT_INDEX_KEY_FORMAT or the preset's), compared to decide a re-patch
+    resolved = resolve_index_key_format(settings["index_key_format"], get_preset(_DEFAULT_PRESET))
+    built = {}
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        if isinstance(attn, PatchedDeepseekV4Attention):
+            if attn.patch_settings == (settings, resolved):
+                continue
+            attn = attn.original
+        block = PatchedDeepseekV4Attention(attn, **settings)
+        block.patch_settings = (settings, resolved)
+        built[i] = block
+    for i, block in built.items():  # every layer checked: now replace
+        layers[i].self_attn = block
+    vars(inner)[_FORWARD_ATTR] = types.MethodType(_decoder_forward, inner)
     return model
 
 
 def unpatch_deepseek_v4(model: nn.Module) -> nn.Module:
-    """Put transformers' attention blocks back (same shared parameters), in place; returns the model."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
+    """Put transformers' attention blocks back, in place; returns the model.
 
-    for layer in _decoder_layers(model):
+    Each layer gets back the very module it had before patching: its parameters (shared all along), its
+    buffers (the rotary ``inv_freq`` of a bf16-cast model stay bf16, bit for bit) and attributes. A model
+    moved to another device after patching has those buffers moved to its parameters' device."""
+    inner, layers = _decoder(model)
+    for layer in layers:
         patched = layer.self_attn
-        if not isinstance(patched, PatchedDeepseekV4Attention):
-            continue
-        original = DeepseekV4Attention(patched.config, patched.layer_idx).to(patched.q_a_proj.weight.device)
-        for name, param in patched.named_parameters():
-            _set_parameter(original, name, param)
-        layer.self_attn = original
+        if isinstance(patched, PatchedDeepseekV4Attention):
+            original = patched.original
+            device = patched.q_a_proj.weight.device
+            if any(b.device != device for b in original.buffers()):
+                original.to(device)
+            layer.self_attn = original
+    vars(inner).pop(_FORWARD_ATTR, None)
     return model

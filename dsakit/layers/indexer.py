@@ -1,7 +1,19 @@
-"""DeepSeek-V4 lightning indexer of one CSA layer, wired from dsakit's ops (docs/spec.md §2.1 and §3).
+"""The lightning indexer of a DeepSeek-V4 CSA layer, one module for both uses (docs/spec.md §2.1 and §3).
+
+:class:`V4Indexer` holds the indexer's weights under transformers' names (``q_b_proj``, ``scorer.weights_proj``
+and its own compressor: ``kv_proj``, ``gate_proj``, ``position_bias``, ``kv_norm``). It serves
+
+* the attention block (:class:`dsakit.layers.V4Attention`), on the device: :meth:`V4Indexer.step` feeds the
+  compressor's decode state, :meth:`V4Indexer.device_queries` / :meth:`V4Indexer.device_weights` make a
+  chunk's queries and head weights;
+* the reference pipeline (pure PyTorch, fp32), used by the conformance tests, the recall lab and demos:
+  :meth:`queries`, :meth:`weights`, :meth:`keys`, :meth:`scores`, :meth:`store_keys`, :meth:`topk`.
+
+:class:`DSAIndexer` is the same module built from weight tensors (fp32 copies, no gradients), with
+:meth:`DSAIndexer.random` and :meth:`DSAIndexer.from_transformers`.
 
 Shapes use the letters of docs/spec.md §1: S context tokens, T query tokens, H index heads, D = 128 index head dim,
-N = S // ratio compressed entries, K top-k. Pipeline (pure PyTorch, fp32)::
+N = S // ratio compressed entries, K top-k. Pipeline::
 
     q[t]    = rope_V4(reshape(q_latent[t] @ wq_b.T, [H, D]), position[t]) @ H128 / sqrt(128)   [T, H, D]
     w[t]    = (hidden[t] @ weights_proj.T) * D^-0.5 * H^-0.5                                     [T, H]
@@ -10,13 +22,12 @@ N = S // ratio compressed entries, K top-k. Pipeline (pure PyTorch, fp32)::
               PagedCache of the chosen key format by dsakit.ops.store.store_index_keys
     top-k   = dsakit.ops.topk.index_topk(q, w, cache.batch(...), k), entry j visible to t iff j < (pos_t + 1) // 4
 
+(wq_b = q_b_proj.weight, weights_proj = scorer.weights_proj.weight, wkv / wgate = kv_proj / gate_proj.weight,
+ape = position_bias, norm_weight = kv_norm.weight: the names of the formulas are properties of the module.)
 Hadamard is applied to both q and k (``hadamard=False`` turns it off on both sides; exact scores do not
 change because H is orthogonal, quantized scores do). Queries stay fp32 unless ``query_format`` asks for
-a simulated quantization (DeepSeek's reference simulates fp4 on q as well).
-
-``DSAIndexer.from_transformers`` copies the weights of transformers' ``DeepseekV4Indexer`` (which holds
-its own compressor: ``kv_proj``, ``gate_proj``, ``position_bias``, ``kv_norm``); see docs/conventions.md
-for every convention difference between transformers, DeepSeek's reference and dsakit.
+a simulated quantization (DeepSeek's reference simulates fp4 on q as well). See docs/conventions.md for
+every convention difference between transformers, DeepSeek's reference and dsakit.
 """
 
 from __future__ import annotations
@@ -26,7 +37,9 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 
+from ..batch import check_positive_int
 from ..cache import PagedCache
 from ..formats import INDEX_HEAD_DIM, KeyFormat
 from ..ops.compress import compress
@@ -34,7 +47,11 @@ from ..ops.scores import index_scores_dense
 from ..ops.store import prepare_index_keys, store_index_keys
 from ..ops.topk import index_topk
 from ..presets import DSAPreset, get_preset
-from ..transforms import RopeConfig, YarnConfig, apply_rope, hadamard_transform
+from ..transforms import RopeConfig, apply_rope, hadamard_matrix, hadamard_transform
+from .from_transformers import rope_from_transformers
+from .modules import V4Compressor, linear, rope_v4
+
+__all__ = ["V4Indexer", "DSAIndexer", "rope_from_transformers"]
 
 
 def _as_matrix(value: Any, shape: tuple[int, ...], what: str) -> torch.Tensor:
@@ -44,7 +61,7 @@ def _as_matrix(value: Any, shape: tuple[int, ...], what: str) -> torch.Tensor:
         raise ValueError(f"{what} must have shape {list(shape)}, got {list(value.shape)}")
     if not value.is_floating_point():
         raise ValueError(f"{what} must be a floating tensor, got {value.dtype}")
-    return value.detach().float().clone()
+    return value.detach().float()
 
 
 def _check_rows(x: Any, width: int, what: str) -> None:
@@ -66,65 +83,48 @@ def _check_positions(positions: Any, t: int) -> torch.Tensor:
     return pos
 
 
-class DSAIndexer(torch.nn.Module):
-    """Lightning indexer of one DeepSeek-V4 CSA layer (weights as buffers; inference only).
+class _Scorer(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden, heads, bias=False)
 
-    Args (nn.Linear weight layout, [out, in]):
-        wq_b: [H * D, q_lora_rank], head-major rows (row h * D + d).
-        weights_proj: [H, hidden].
-        wkv, wgate: [2 * D, hidden] compressor projections (first D features: the entry's contribution to
-            the next overlapping window, last D: to its own window; docs/spec.md §3).
-        ape: [ratio, 2 * D] learned position bias of the gate.
-        norm_weight: [D] RMSNorm weight of the compressed keys.
-        preset: a V4 preset (ratio 4 with overlap); its rope, key transform and index_topk are used.
-        rope: override of the preset's RopeConfig (``from_transformers`` reads it off the module).
-        index_topk: override of the preset's K.
-        norm_eps: epsilon of the keys' RMSNorm (default: the preset's key transform, 1e-6 for V4);
-            ``from_transformers`` passes the module's ``kv_norm.variance_epsilon`` (its config's rms_norm_eps).
+
+class V4Indexer(V4Compressor):
+    """Lightning indexer of one CSA layer: its compressor at D = 128 (ratio 4, overlapping), q_b_proj
+    [H * D, q_lora_rank] (head-major rows) and scorer.weights_proj [H, hidden].
+
+    Args: hidden, q_lora_rank, heads (H); eps: the keys' RMSNorm epsilon (``kv_norm.variance_epsilon``, which
+    transformers' modules carry and :mod:`dsakit.layers.from_transformers` copies); preset: a V4 preset
+    (its key transform); rope: override of the preset's RopeConfig; index_topk: override of the preset's K.
     """
 
-    def __init__(self, wq_b: torch.Tensor, weights_proj: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
-                 ape: torch.Tensor, norm_weight: torch.Tensor, preset: "str | DSAPreset" = "deepseek-v4-flash",
-                 rope: RopeConfig | None = None, index_topk: int | None = None, norm_eps: float | None = None):
-        super().__init__()
+    def __init__(self, hidden: int, q_lora_rank: int, heads: int, eps: float = 1e-6, *,
+                 preset: "str | DSAPreset" = "deepseek-v4-flash", rope: RopeConfig | None = None,
+                 index_topk: int | None = None):
         preset = get_preset(preset)
         if preset.compress_ratio != 4 or not preset.compress_overlap:
-            raise ValueError(f"DSAIndexer implements the V4 CSA indexer (ratio 4 with overlap); preset "
-                             f"{preset.name!r} has ratio {preset.compress_ratio}")
+            raise ValueError(f"the V4 CSA indexer has ratio 4 with overlap; preset {preset.name!r} has ratio "
+                             f"{preset.compress_ratio}")
+        if preset.index_head_dim != INDEX_HEAD_DIM:
+            raise ValueError(f"index head dim must be {INDEX_HEAD_DIM}, preset {preset.name!r} has "
+                             f"{preset.index_head_dim}")
         if rope is not None and not isinstance(rope, RopeConfig):
             raise ValueError(f"rope must be a RopeConfig or None, got {type(rope).__name__}")
-        if index_topk is not None and (not isinstance(index_topk, int) or index_topk < 1):
-            raise ValueError(f"index_topk must be a positive int, got {index_topk!r}")
-        if norm_eps is not None and (isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float))
-                                     or not math.isfinite(norm_eps) or norm_eps < 0):
-            raise ValueError(f"norm_eps must be a finite number >= 0 or None, got {norm_eps!r}")
-        d = preset.index_head_dim
-        if d != INDEX_HEAD_DIM:
-            raise ValueError(f"index head dim must be {INDEX_HEAD_DIM}, preset {preset.name!r} has {d}")
-        if not isinstance(weights_proj, torch.Tensor) or weights_proj.dim() != 2:
-            got = list(weights_proj.shape) if isinstance(weights_proj, torch.Tensor) else weights_proj
-            raise ValueError(f"weights_proj must be a [H, hidden] tensor, got {got!r}")
-        heads, hidden = weights_proj.shape
-        if not isinstance(wq_b, torch.Tensor) or wq_b.dim() != 2:
-            got = list(wq_b.shape) if isinstance(wq_b, torch.Tensor) else type(wq_b).__name__
-            raise ValueError(f"wq_b must be a [H * D, q_lora_rank] tensor, got {got}")
-        self.ratio = preset.compress_ratio
-        self.register_buffer("wq_b", _as_matrix(wq_b, (heads * d, wq_b.shape[1]), "wq_b"))
-        self.register_buffer("weights_proj", _as_matrix(weights_proj, (heads, hidden), "weights_proj"))
-        self.register_buffer("wkv", _as_matrix(wkv, (2 * d, hidden), "wkv"))
-        self.register_buffer("wgate", _as_matrix(wgate, (2 * d, hidden), "wgate"))
-        self.register_buffer("ape", _as_matrix(ape, (self.ratio, 2 * d), "ape"))
-        self.register_buffer("norm_weight", _as_matrix(norm_weight, (d,), "norm_weight"))
+        if index_topk is not None:
+            check_positive_int("index_topk", index_topk)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"norm_eps must be a finite number >= 0, got {eps!r}")
         rope = preset.rope if rope is None else rope
         if rope.rope_dim != preset.key_transform.rope_dim:
             raise ValueError(f"rope_dim {rope.rope_dim} differs from the key transform's "
                              f"{preset.key_transform.rope_dim}")
-        key_transform = preset.key_transform if norm_eps is None else \
-            dataclasses.replace(preset.key_transform, eps=float(norm_eps))
-        self.preset = dataclasses.replace(preset, rope=rope, key_transform=key_transform,
-                                          index_topk=preset.index_topk if index_topk is None else index_topk,
-                                          index_heads=heads)
-        self.heads, self.head_dim, self.hidden_size, self.q_lora_rank = heads, d, hidden, wq_b.shape[1]
+        super().__init__(hidden, INDEX_HEAD_DIM, preset.compress_ratio, eps)
+        self.heads, self.head_dim, self.hidden_size, self.q_lora_rank = heads, INDEX_HEAD_DIM, hidden, q_lora_rank
+        self.q_b_proj = nn.Linear(q_lora_rank, heads * INDEX_HEAD_DIM, bias=False)
+        self.scorer = _Scorer(hidden, heads)
+        self.preset = dataclasses.replace(preset, rope=rope, index_heads=heads,
+                                          index_topk=preset.index_topk if index_topk is None else index_topk)
+        self._hadamard: torch.Tensor | None = None
 
     # -- configuration ----------------------------------------------------------------------------------
     @property
@@ -135,16 +135,44 @@ class DSAIndexer(torch.nn.Module):
     def index_topk(self) -> int:
         return self.preset.index_topk
 
+    # the weights under the names of the formulas (and of the DSAIndexer constructor)
+    wq_b = property(lambda self: self.q_b_proj.weight)
+    weights_proj = property(lambda self: self.scorer.weights_proj.weight)
+    wkv = property(lambda self: self.kv_proj.weight)
+    wgate = property(lambda self: self.gate_proj.weight)
+    ape = property(lambda self: self.position_bias)
+    norm_weight = property(lambda self: self.kv_norm.weight)
+
     def transform(self, hadamard: bool | None = None):
-        """The key transform (RMSNorm, V4 rope, Hadamard), with Hadamard optionally overridden."""
-        kt = self.preset.key_transform
-        return kt if hadamard is None else dataclasses.replace(kt, hadamard=bool(hadamard))
+        """The key transform (RMSNorm with this module's epsilon, V4 rope, Hadamard), with Hadamard optionally
+        overridden."""
+        changes = {"eps": float(self.kv_norm.variance_epsilon)}
+        if hadamard is not None:
+            changes["hadamard"] = bool(hadamard)
+        return dataclasses.replace(self.preset.key_transform, **changes)
 
     def key_positions(self, num_entries: int) -> torch.Tensor:
         """int64 [N]: rope position of each compressed entry = its first token, j * ratio."""
         return torch.arange(num_entries, dtype=torch.long) * self.ratio
 
-    # -- queries and weights ------------------------------------------------------------------------------
+    # -- on the device (the attention block's stages) --------------------------------------------------
+    def device_queries(self, q_res: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """q_res [S, q_lora] -> queries fp32 [S, H, 128] (rope at positions from ``table``, Hadamard) on q_res's
+        device."""
+        qi = linear(q_res, self.q_b_proj).float().view(q_res.shape[0], self.heads, INDEX_HEAD_DIM)
+        qi = rope_v4(qi, table, positions)
+        if self.preset.key_transform.hadamard:
+            if self._hadamard is None or self._hadamard.device != qi.device:
+                self._hadamard = hadamard_matrix(INDEX_HEAD_DIM).to(qi.device)
+            qi = qi @ self._hadamard
+        return qi
+
+    def device_weights(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> head weights fp32 [S, H] with both scales (D^-0.5, H^-0.5) folded in."""
+        return linear(hidden, self.scorer.weights_proj).float() * (INDEX_HEAD_DIM ** -0.5 * self.heads ** -0.5)
+
+    # -- the reference pipeline (fp32; queries and weights on the CPU) ------------------------------------------------------------------------------
+    @torch.no_grad()
     def queries(self, q_latent: torch.Tensor, positions: torch.Tensor, *, hadamard: bool | None = None,
                 query_format: "KeyFormat | str | None" = None) -> torch.Tensor:
         """q_latent [T, q_lora_rank], positions int [T] -> fp32 [T, H, D].
@@ -167,6 +195,7 @@ class DSAIndexer(torch.nn.Module):
             q = fmt.dequantize(*fmt.quantize(rows)).reshape(t, self.heads, self.head_dim)
         return q
 
+    @torch.no_grad()
     def weights(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> fp32 [T, H] = weights_proj(hidden) * D^-0.5 * H^-0.5 (both factors folded in)."""
         _check_rows(hidden, self.hidden_size, "hidden")
@@ -174,11 +203,13 @@ class DSAIndexer(torch.nn.Module):
         return (w * (self.head_dim ** -0.5 * self.heads ** -0.5)).cpu()
 
     # -- keys ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
     def compressed_keys(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> pre-norm compressed entries fp32 [S // 4, D] (incomplete tail block dropped)."""
         _check_rows(hidden, self.hidden_size, "hidden")
         return compress(hidden, self.wkv, self.wgate, self.ape, self.ratio)
 
+    @torch.no_grad()
     def keys(self, hidden: torch.Tensor, *, hadamard: bool | None = None) -> torch.Tensor:
         """hidden [S, hidden] -> fp32 [N, D] index keys after RMSNorm, rope at 4j and Hadamard; not quantized."""
         entries = self.compressed_keys(hidden)
@@ -187,6 +218,7 @@ class DSAIndexer(torch.nn.Module):
         return prepare_index_keys(entries, self.key_positions(n), table, self.norm_weight.cpu(), None,
                                   self.transform(hadamard))
 
+    @torch.no_grad()
     def scores(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor | None = None, *,
                hadamard: bool | None = None) -> torch.Tensor:
         """Prefill scores without quantization: hidden [S, hidden], q_latent [S, q_lora_rank] (every token is
@@ -206,6 +238,7 @@ class DSAIndexer(torch.nn.Module):
                              f"prefill where every token is a query (use queries() / weights() otherwise)")
         return hidden
 
+    @torch.no_grad()
     def store_keys(self, hidden: torch.Tensor, cache: PagedCache, seq_id: int, *,
                    backend: str = "auto") -> torch.Tensor:
         """Compress hidden [S, hidden] (the sequence from token 0) and store the entries the cache does not
@@ -231,6 +264,7 @@ class DSAIndexer(torch.nn.Module):
                 raise
         return slots
 
+    @torch.no_grad()
     def topk(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor | None = None, *,
              key_format: "KeyFormat | str" = "bf16", k: int | None = None, backend: str = "auto",
              device: "str | torch.device | None" = None) -> torch.Tensor:
@@ -260,6 +294,56 @@ class DSAIndexer(torch.nn.Module):
         self.store_keys(hidden, cache, seq, backend=backend)
         batch = cache.batch([seq], query_lens=[t], query_positions=positions.to(device), ratio=self.ratio)
         return index_topk(q.to(device), w.to(device), batch, k, backend=backend)
+
+
+class DSAIndexer(V4Indexer):
+    """A :class:`V4Indexer` made from weight tensors (fp32 copies, no gradients; inference only).
+
+    Args (nn.Linear weight layout, [out, in]):
+        wq_b: [H * D, q_lora_rank], head-major rows (row h * D + d).
+        weights_proj: [H, hidden].
+        wkv, wgate: [2 * D, hidden] compressor projections (first D features: the entry's contribution to
+            the next overlapping window, last D: to its own window; docs/spec.md §3).
+        ape: [ratio, 2 * D] learned position bias of the gate.
+        norm_weight: [D] RMSNorm weight of the compressed keys.
+        preset: a V4 preset (ratio 4 with overlap); its rope, key transform and index_topk are used.
+        rope: override of the preset's RopeConfig (``from_transformers`` reads it off the module).
+        index_topk: override of the preset's K.
+        norm_eps: epsilon of the keys' RMSNorm (default: the preset's key transform, 1e-6 for V4);
+            ``from_transformers`` passes the module's ``kv_norm.variance_epsilon`` (its config's rms_norm_eps).
+    """
+
+    def __init__(self, wq_b: torch.Tensor, weights_proj: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
+                 ape: torch.Tensor, norm_weight: torch.Tensor, preset: "str | DSAPreset" = "deepseek-v4-flash",
+                 rope: RopeConfig | None = None, index_topk: int | None = None, norm_eps: float | None = None):
+        preset = get_preset(preset)
+        if preset.compress_ratio != 4 or not preset.compress_overlap:
+            raise ValueError(f"DSAIndexer implements the V4 CSA indexer (ratio 4 with overlap); preset "
+                             f"{preset.name!r} has ratio {preset.compress_ratio}")
+        if not isinstance(weights_proj, torch.Tensor) or weights_proj.dim() != 2:
+            got = list(weights_proj.shape) if isinstance(weights_proj, torch.Tensor) else weights_proj
+            raise ValueError(f"weights_proj must be a [H, hidden] tensor, got {got!r}")
+        heads, hidden = weights_proj.shape
+        if not isinstance(wq_b, torch.Tensor) or wq_b.dim() != 2:
+            got = list(wq_b.shape) if isinstance(wq_b, torch.Tensor) else type(wq_b).__name__
+            raise ValueError(f"wq_b must be a [H * D, q_lora_rank] tensor, got {got}")
+        d, ratio = INDEX_HEAD_DIM, preset.compress_ratio
+        weights = {"q_b_proj.weight": _as_matrix(wq_b, (heads * d, wq_b.shape[1]), "wq_b"),
+                   "scorer.weights_proj.weight": _as_matrix(weights_proj, (heads, hidden), "weights_proj"),
+                   "kv_proj.weight": _as_matrix(wkv, (2 * d, hidden), "wkv"),
+                   "gate_proj.weight": _as_matrix(wgate, (2 * d, hidden), "wgate"),
+                   "position_bias": _as_matrix(ape, (ratio, 2 * d), "ape"),
+                   "kv_norm.weight": _as_matrix(norm_weight, (d,), "norm_weight")}
+        eps = preset.key_transform.eps if norm_eps is None else norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"norm_eps must be a finite number >= 0 or None, got {norm_eps!r}")
+        device = weights["q_b_proj.weight"].device
+        with torch.device("meta"):  # placeholders: every weight is set below
+            super().__init__(hidden, wq_b.shape[1], heads, float(eps), preset=preset, rope=rope,
+                             index_topk=index_topk)
+        for name, value in weights.items():
+            module, _, leaf = name.rpartition(".")
+            setattr(self.get_submodule(module), leaf, nn.Parameter(value.to(device, copy=True), requires_grad=False))
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -311,55 +395,3 @@ class DSAIndexer(torch.nn.Module):
                    wkv=source.kv_proj.weight, wgate=source.gate_proj.weight, ape=source.position_bias,
                    norm_weight=source.kv_norm.weight, preset=preset, rope=rope, index_topk=int(indexer.index_topk),
                    norm_eps=float(eps))
-
-
-def rope_from_transformers(rotary_emb: torch.nn.Module, layer_type: str = "compress") -> RopeConfig:
-    """RopeConfig equal to a transformers ``DeepseekV4RotaryEmbedding``'s ``layer_type`` rope.
-
-    Reads ``config.rope_parameters[layer_type]`` (theta, rope_type 'default' | 'yarn', factor,
-    original_max_position_embeddings, beta_fast, beta_slow), rope_dim = 2 x len(inv_freq); verifies the
-    frequencies against the module's ``inv_freq`` buffer and that cos/sin are not rescaled.
-
-    The check runs at the buffer's own precision: transformers computes the buffer in fp32, but
-    ``model.to(torch.bfloat16)`` casts it too, so a bf16 buffer is compared with the rebuilt frequencies
-    rounded to bf16. The returned config always holds the exact (fp64) frequencies of the config.
-    """
-    config = getattr(rotary_emb, "config", None)
-    params = getattr(config, "rope_parameters", {}).get(layer_type) if config is not None else None
-    if not isinstance(params, dict):
-        raise ValueError(f"rotary embedding has no rope_parameters[{layer_type!r}] dict")
-    inv_freq = getattr(rotary_emb, f"{layer_type}_inv_freq")
-    scaling = float(getattr(rotary_emb, f"{layer_type}_attention_scaling"))
-    if scaling != 1.0:
-        raise ValueError(f"transformers multiplies the {layer_type!r} cos/sin by attention_factor {scaling}; "
-                         f"DeepSeek-V4 does not (set rope_parameters[{layer_type!r}]['attention_factor'] = 1.0)")
-    rope_type = params.get("rope_type", "default")
-    yarn = None
-    if rope_type == "yarn":
-        if params.get("truncate", True) is False:
-            raise ValueError("YaRN with truncate=False is not the V4 rule (floor / ceil of the ramp bounds)")
-        yarn = YarnConfig(factor=float(params["factor"]),
-                          original_max_position=int(params["original_max_position_embeddings"]),
-                          beta_fast=float(params.get("beta_fast") or 32.0),
-                          beta_slow=float(params.get("beta_slow") or 1.0))
-    elif rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r} (V4 uses 'yarn' or 'default')")
-    rope = RopeConfig(rope_dim=2 * inv_freq.numel(), theta=float(params["rope_theta"]), yarn=yarn)
-    buffer = inv_freq.detach().cpu()
-    if not buffer.is_floating_point():
-        raise ValueError(f"the module's {layer_type}_inv_freq buffer is {buffer.dtype}, not a float tensor")
-    # transformers computes inv_freq in fp32, dsakit in fp64; a cast model holds them rounded to its dtype:
-    # compare both at the buffer's precision, allowing one rounding step of that dtype (fp32: 1e-5 as before)
-    rebuilt = rope.inv_freq().to(buffer.dtype).double()
-    rtol = max(1e-5, float(torch.finfo(buffer.dtype).eps))
-    held = buffer.double()
-    rel = ((rebuilt - held).abs() / held.abs().clamp_min(1e-30)).max() if held.numel() else torch.tensor(0.0)
-    if held.shape != rebuilt.shape or not bool(torch.isfinite(held).all()) or float(rel) > rtol:
-        yarn_desc = "no YaRN" if yarn is None else (f"YaRN factor {yarn.factor:g} from "
-                                                    f"{yarn.original_max_position}")
-        raise ValueError(
-            f"the module's {layer_type}_inv_freq buffer ({buffer.dtype}, {held.numel()} pairs) is not the rope of "
-            f"its config.rope_parameters[{layer_type!r}] (theta {rope.theta:g}, {yarn_desc}, {rope.rope_dim} dims): "
-            f"largest relative difference {float(rel):.3g} > {rtol:.3g} (the tolerance of one {buffer.dtype} "
-            f"rounding). The buffer was changed after construction or comes from another config")
-    return rope

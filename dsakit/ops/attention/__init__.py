@@ -13,9 +13,11 @@ import torch
 from ...formats import AttentionKVFormat
 from .._backend import resolve_backend
 from . import reference
+from .config import ATTENTION_DEFAULTS, TRITON_HEADS, AttentionConfig
 from .reference import check_sparse_attention_inputs, sparse_attention_dense, window_topk_indices
 
-__all__ = ["sparse_attention", "sparse_attention_dense", "window_topk_indices"]
+__all__ = ["sparse_attention", "sparse_attention_dense", "window_topk_indices", "AttentionConfig",
+           "ATTENTION_DEFAULTS", "TRITON_HEADS"]
 
 
 def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, *,

@@ -18,11 +18,15 @@ from ...pool import num_slots
 from ...formats import AttentionKVFormat
 from .._backend import triton_interpreted
 from ._kernels import _sparse_attention_combine_kernel, _sparse_attention_kernel
+from .config import ATTENTION_DEFAULTS, HEAD_BLOCK, TRITON_HEADS, AttentionConfig
 from .reference import SparseAttentionInputs
 
 LOG2E = 1.4426950408889634
-TRITON_HEADS = (64, 128)
-BLOCK_H = 64
+BLOCK_H = HEAD_BLOCK
+# the H200 stage table (read it from AttentionConfig.for_device(device).stages; kept for the benchmarks)
+DEFAULT_STAGES: dict[tuple[str, int], int] = ATTENTION_DEFAULTS["H200"].stages
+
+__all__ = ["sparse_attention_triton", "choose_num_splits", "AttentionConfig", "TRITON_HEADS"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,49 +34,43 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _device_sm_count(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _tiles(k: int, block_n: int) -> int:
     return -(-k // block_n)
 
 
-def choose_num_splits(num_queries: int, num_heads: int, tiles: int, device: torch.device) -> int:
-    """Splits per query so that the (query, head block, split) programs fill the SMs about once."""
-    if device.type != "cuda":
-        return 1
-    programs = num_queries * (num_heads // BLOCK_H)
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    if programs >= sms or tiles <= 1:
-        return 1
-    return max(1, min(tiles, sms // programs))
-
-
-# Pipeline stages per (main-pool format, Hq), measured on the H200 (benchmarks/bench_attention.py sweep):
-# with 128 heads the two head blocks of a query run side by side and the cp.async pipeline (2 stages) pays
-# off; with 64 heads, and for the fp8 dequantization in registers, gathering straight through registers
-# (1 stage, no shared-memory double buffer) is faster.
-DEFAULT_STAGES: dict[tuple[str, int], int] = {
-    ("bf16", 64): 1, ("bf16", 128): 2, ("fp8-rope-bf16", 64): 1, ("fp8-rope-bf16", 128): 1,
-}
+def choose_num_splits(num_queries: int, num_heads: int, tiles: int, device: torch.device,
+                      config: AttentionConfig | None = None) -> int:
+    """Splits per query of the device's config (:meth:`AttentionConfig.splits_for`)."""
+    config = AttentionConfig.for_device(device) if config is None else config
+    return config.splits_for(num_queries, num_heads, tiles, _device_sm_count(device))
 
 
 def _is_fp8(fmt: AttentionKVFormat) -> bool:
     return fmt.kind == "fp8-rope-bf16"
 
 
-def sparse_attention_triton(a: SparseAttentionInputs, *, num_splits: int | None = None, block_n: int = 64,
-                            num_warps: int = 8, num_stages: int | None = None,
-                            dv_split: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_attention_triton(a: SparseAttentionInputs, config: AttentionConfig | None = None,
+                            **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """Checked inputs -> (out [T, Hq, 512] in q.dtype, lse fp32 [T, Hq]).
 
-    ``num_splits`` None = automatic (``choose_num_splits``); ``num_stages`` None = ``DEFAULT_STAGES``.
-    ``block_n`` (gathered rows per tile), ``num_warps`` and ``num_stages`` are tuning knobs for benchmarks;
-    one program holds a [64, 512] fp32 accumulator, so 8 warps is the only count without heavy spills.
-    ``dv_split=2`` (experimental, not the default, not yet timed on a GPU): two programs per (query, head block),
-    each owning 256 of the 512 output dims (half the accumulator, so with ``num_warps=4`` and ``block_n=32``
-    two programs fit on an SM and can hide each other's gathers) and both computing the full q . kv."""
+    Every launch setting comes from ``config`` (default: :meth:`AttentionConfig.for_device` of q's device);
+    ``overrides`` (block_n, num_warps, num_stages, num_splits, dv_split, ...: fields of AttentionConfig) replace
+    single settings of it, for benchmarks and tests."""
+    if config is None:
+        config = AttentionConfig.for_device(a.q.device)
+    elif not isinstance(config, AttentionConfig):
+        raise ValueError(f"config must be an AttentionConfig or None, got {type(config).__name__}")
+    if overrides:
+        config = config.replace(**overrides)
+    block_n, dv_split = config.block_n, config.dv_split
     q = a.q
     t, hq, d = q.shape
-    if dv_split not in (1, 2) or isinstance(dv_split, bool):
-        raise ValueError(f"dv_split must be 1 or 2, got {dv_split!r}")
     if hq not in TRITON_HEADS:
         raise ValueError(f"the Triton kernel supports Hq in {TRITON_HEADS}, got q {list(q.shape)}; "
                          f"use backend='reference'")
@@ -91,10 +89,7 @@ def sparse_attention_triton(a: SparseAttentionInputs, *, num_splits: int | None 
     if t == 0:
         return out, lse
     main_tiles, extra_tiles = _tiles(k, block_n), _tiles(xk, block_n)
-    if num_splits is None:
-        num_splits = choose_num_splits(t, hq, max(main_tiles + extra_tiles, 1), q.device)
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    num_splits = choose_num_splits(t, hq, max(main_tiles + extra_tiles, 1), q.device, config)
     sink = a.sink.float().contiguous() if a.sink is not None else None
     if num_splits > 1:
         part_out = torch.empty(num_splits, t, hq, d, dtype=torch.float32, device=q.device)
@@ -103,8 +98,7 @@ def sparse_attention_triton(a: SparseAttentionInputs, *, num_splits: int | None 
     else:
         dst_out, dst_lse = out, lse
     fmt, xfmt = a.kv_format, a.extra_kv_format or a.kv_format
-    if num_stages is None:
-        num_stages = DEFAULT_STAGES[(fmt.kind, hq)]
+    num_stages = config.stages_for(fmt.kind, hq)
     dummy = indices
     tiles_per_split, xtiles_per_split = _tiles(main_tiles, num_splits), _tiles(extra_tiles, num_splits)
     interp = triton_interpreted() and not q.is_cuda
@@ -125,12 +119,12 @@ def sparse_attention_triton(a: SparseAttentionInputs, *, num_splits: int | None 
         HAS_SINK=sink is not None,
         DV_SPLIT=dv_split, INTERPRET=interp, INTERP_TILES=tiles_per_split if interp else 0,
         INTERP_XTILES=xtiles_per_split if interp else 0,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=config.num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
-        combine_block_h = 16
+        combine_block_h = config.combine_block_h
         _sparse_attention_combine_kernel[(t * (hq // combine_block_h),)](
             part_out, part_lse, sink if sink is not None else lse, out, lse, t, num_splits,
-            HQ=hq, BLOCK_H=combine_block_h, HAS_SINK=sink is not None, INTERPRET=interp, num_warps=4,
+            HQ=hq, BLOCK_H=combine_block_h, HAS_SINK=sink is not None, INTERPRET=interp, num_warps=config.combine_warps,
         )
     return out, lse

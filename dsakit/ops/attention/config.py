@@ -1,0 +1,98 @@
+"""Launch configuration of the sparse-attention Triton kernels: :class:`AttentionConfig` and its per-GPU
+defaults. The launcher (``triton.py``) reads every launch setting from here and derives none of its own."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from .._tuning import gpu_key
+
+# head counts the kernel takes: programs own HEAD_BLOCK heads of one query, and one program's [64, 512] fp32
+# accumulator is what the warps below are sized for
+TRITON_HEADS = (64, 128)
+HEAD_BLOCK = 64
+
+
+def _stages_table(bf16_64: int, bf16_128: int, fp8_64: int, fp8_128: int) -> dict[tuple[str, int], int]:
+    return {("bf16", 64): bf16_64, ("bf16", 128): bf16_128, ("fp8-rope-bf16", 64): fp8_64,
+            ("fp8-rope-bf16", 128): fp8_128}
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tuning of :func:`dsakit.ops.attention.triton.sparse_attention_triton`.
+
+    block_n: gathered KV rows per tile. num_warps: warps of the main kernel (one program holds a [64, 512]
+    fp32 accumulator, so 8 is the only count without heavy spills at dv_split 1). stages: pipeline stages
+    per (main-pool format kind, Hq); num_stages, when set, overrides the table for every case.
+    num_splits: splits of each query's index set (None = :meth:`splits_for`: enough (query, head block,
+    split) programs to fill the SMs about once; decode only, prefill fills them with queries).
+    dv_split: 1, or 2 (experimental, not the default, not yet timed on a GPU): two programs per (query, head
+    block), each owning 256 of the 512 output dims (half the accumulator, so with num_warps 4 and block_n 32
+    two programs fit on an SM and can hide each other's gathers), both computing the full q . kv.
+    combine_block_h / combine_warps: heads per program and warps of the split-merging kernel.
+    """
+
+    block_n: int = 64
+    num_warps: int = 8
+    stages: dict = field(default_factory=lambda: _stages_table(1, 2, 1, 1))
+    num_stages: int | None = None
+    num_splits: int | None = None
+    dv_split: int = 1
+    combine_block_h: int = 16
+    combine_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_n", "num_warps", "combine_block_h", "combine_warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 1, got {value!r}")
+        for name in ("num_stages", "num_splits"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if isinstance(self.dv_split, bool) or self.dv_split not in (1, 2):
+            raise ValueError(f"dv_split must be 1 or 2, got {self.dv_split!r}")
+        if HEAD_BLOCK % self.combine_block_h:
+            raise ValueError(f"combine_block_h must divide {HEAD_BLOCK}, got {self.combine_block_h}")
+        if not isinstance(self.stages, dict) or set(self.stages) != set(_stages_table(1, 1, 1, 1)) or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.stages.values()):
+            raise ValueError(f"stages must map every (format kind, Hq) of {sorted(_stages_table(1, 1, 1, 1))} "
+                             f"to a positive int, got {self.stages!r}")
+
+    @staticmethod
+    def for_device(device: "torch.device | str | None" = None) -> "AttentionConfig":
+        """The measured defaults of the GPU of ``device`` (the H200 table for GPUs not measured yet)."""
+        return ATTENTION_DEFAULTS[gpu_key(device, ATTENTION_DEFAULTS)]
+
+    def replace(self, **changes) -> "AttentionConfig":
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    def stages_for(self, kind: str, heads: int) -> int:
+        """Pipeline stages of the main kernel for a main pool of format ``kind`` and ``heads`` query heads."""
+        return self.num_stages if self.num_stages is not None else self.stages[(kind, heads)]
+
+    def splits_for(self, num_queries: int, num_heads: int, tiles: int, sm_count: int | None) -> int:
+        """Splits per query: ``num_splits`` if set; else, on a GPU of ``sm_count`` SMs (None: not a GPU, one
+        split), as many as leave about one (query, head block, split) program per SM, at most one per tile."""
+        if self.num_splits is not None:
+            return self.num_splits
+        if sm_count is None:
+            return 1
+        programs = num_queries * (num_heads // HEAD_BLOCK)
+        if programs >= sm_count or tiles <= 1:
+            return 1
+        return max(1, min(tiles, sm_count // programs))
+
+
+# Measured on the H200 (benchmarks/bench_attention.py stage sweep): with 128 heads the two head blocks of a
+# query run side by side and the cp.async pipeline (2 stages) pays off for bf16 KV; with 64 heads, and for the
+# fp8 dequantization in registers, gathering straight through registers (1 stage, no shared-memory double
+# buffer) is faster. Other GPUs take the H200's table until measured.
+ATTENTION_DEFAULTS: dict[str, AttentionConfig] = {"H200": AttentionConfig(), "default": AttentionConfig()}
+
+__all__ = ["AttentionConfig", "ATTENTION_DEFAULTS", "TRITON_HEADS", "HEAD_BLOCK"]
