@@ -47,19 +47,14 @@ from ..formats import ATTENTION_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ..ops import attention as attention_ops
 from ..ops import topk as topk_ops
 from ..ops._backend import resolve_backend
-from ..ops.store import store_attention_kv, store_index_keys
-from ..transforms import ROPE_V4, RopeLayout
+from ..ops.store import AttentionKVStore, IndexKeyStore, store_checked
+from ..transforms import ROPE_V4
 from .config import DEFAULT_QUERY_CHUNK, INDEX_KEY_FORMAT_ENV, LAYER_TYPES, V4AttentionConfig, \
     resolve_index_key_format
 from .from_transformers import adopt_parameters, layer_config_from_transformers
 from .indexer import V4Indexer
 from .kv_cache import V4LayerCache
 from .modules import RMSNorm, RopeTable, V4Compressor, linear, rope_v4
-
-try:  # the launchers behind dsakit.ops.store (triton is an optional dependency)
-    from ..ops.store.triton import launch_store_attention_kv, launch_store_index_keys
-except ImportError:  # pragma: no cover - without triton every store runs the reference
-    launch_store_attention_kv = launch_store_index_keys = None
 
 # V4LayerCache, the config names and resolve_index_key_format are re-exported: they were defined here
 __all__ = ["V4Attention", "V4AttentionConfig", "V4LayerCache", "INDEX_KEY_FORMAT_ENV", "resolve_index_key_format",
@@ -89,47 +84,28 @@ def sparse_attention_paged(q: torch.Tensor, kv_cache: torch.Tensor, indices: tor
     return out.float()
 
 
-_ROPE_PAIRING, _ROPE_PLACEMENT = RopeLayout.parse(ROPE_V4).name.rsplit("-", 1)
-
-
-def _write_attention_kv(rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
+def _store_attention_kv(rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
                         fmt: AttentionKVFormat, table: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         backend: str) -> None:
-    """``dsakit.ops.store.store_attention_kv`` (rope layout V4) minus its host-side value checks.
+    """``dsakit.ops.store.store_attention_kv`` (rope layout V4) on its trusted path: the inputs' shapes, dtypes
+    and devices are checked, their values are not (``check_values=False``).
 
     The layer makes ``slots`` (its own allocator: in range, distinct) and ``positions`` (< the rope table's
-    rows) itself, so they are valid by construction. The public op would copy both to the host on every call
-    to check them: a device sync per store, and on a long prefill a CPU sort of every slot for the duplicate
-    check. The kernel also drops any row whose slot or position is out of range, so nothing can be written
-    out of bounds either way. The reference (CPU) path keeps the public op and its checks.
-    """
-    if resolve_backend(backend, rows, pool) == "reference":
-        store_attention_kv(rows, positions, slots, pool, fmt, table, norm_weight, ROPE_V4, eps, backend="reference")
-    elif torch.compiler.is_compiling():  # the custom op is the traceable form of the same launch
-        torch.ops.dsakit.store_attention_kv(rows, positions, slots, pool, table, norm_weight.contiguous(), fmt.name,
-                                            RopeLayout.parse(ROPE_V4).name, float(eps))
-    else:
-        launch_store_attention_kv(rows, positions, slots, pool, table, norm_weight.contiguous(), fmt,
-                                  _ROPE_PAIRING, _ROPE_PLACEMENT, float(eps))
+    rows) itself, so they are valid by construction; checking them would copy both to the host on every call
+    (a device sync per store, and on a long prefill a CPU sort of every slot). The kernel drops any row whose
+    slot or position is out of range, so nothing is written out of bounds either way; the reference backend
+    checks the values regardless."""
+    store_checked(AttentionKVStore.check(rows, positions, slots, pool, fmt, table, norm_weight, ROPE_V4, eps,
+                                         backend=backend, check_values=False))
 
 
-def _write_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
+def _store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
                       fmt: KeyFormat, table: torch.Tensor, norm_weight: torch.Tensor, transform,
                       backend: str) -> None:
-    """``dsakit.ops.store.store_index_keys`` (RMSNorm, no bias) minus its host-side value checks: see
-    :func:`_write_attention_kv`."""
-    if resolve_backend(backend, keys, pool) == "reference":
-        store_index_keys(keys, positions, slots, pool, fmt, table, norm_weight, None, transform, backend="reference")
-        return
-    layout = RopeLayout.parse(transform.rope_layout)
-    if torch.compiler.is_compiling():
-        torch.ops.dsakit.store_index_keys(keys, positions, slots, pool, table, norm_weight.contiguous(), None,
-                                          fmt.name, transform.norm, layout.name, bool(transform.hadamard),
-                                          float(transform.eps))
-    else:
-        pairing, placement = layout.name.rsplit("-", 1)
-        launch_store_index_keys(keys, positions, slots, pool, table, norm_weight.contiguous(), None, fmt,
-                                transform.norm, pairing, placement, bool(transform.hadamard), float(transform.eps))
+    """``dsakit.ops.store.store_index_keys`` (RMSNorm, no bias) on its trusted path: see
+    :func:`_store_attention_kv`."""
+    store_checked(IndexKeyStore.check(keys, positions, slots, pool, fmt, table, norm_weight, None, transform,
+                                      backend=backend, check_values=False))
 
 
 def _topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedCache, seq: int, k: int, positions: torch.Tensor,
@@ -293,13 +269,13 @@ class V4Attention(nn.Module):
                            pool: torch.Tensor, table: torch.Tensor, norm: RMSNorm) -> None:
         """Norm, rope and store rows [N, 512] at slots [N] reserved in this layer's cache (the fused store
         kernel on CUDA; no host-side value checks: the cache made the slots)."""
-        _write_attention_kv(rows, positions, slots, pool, self.kv_format, table, norm.weight, norm.variance_epsilon,
+        _store_attention_kv(rows, positions, slots, pool, self.kv_format, table, norm.weight, norm.variance_epsilon,
                             self.backend)
 
     def write_index_keys(self, keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                          pool: torch.Tensor, table: torch.Tensor) -> None:
         """Index keys [N, 128] at slots [N] reserved in this layer's cache (see :meth:`write_attention_kv`)."""
-        _write_index_keys(keys, positions, slots, pool, self.index_key_format, table,
+        _store_index_keys(keys, positions, slots, pool, self.index_key_format, table,
                           self.compressor.indexer.kv_norm.weight.float(), self.index_transform(), self.backend)
 
     def index_queries(self, hidden: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,

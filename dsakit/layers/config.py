@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from ..batch import check_positive_int
+from ..checks import check_positive_int
 from ..formats import ATTENTION_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ..presets import DSAPreset, get_preset
 from ..transforms import ROPE_V4, RopeConfig, RopeLayout

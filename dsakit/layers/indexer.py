@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batch import check_positive_int
+from ..checks import check_positive_int
 from ..cache import PagedCache
 from ..formats import INDEX_HEAD_DIM, KeyFormat
 from ..ops.compress import compress

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batch import check_positive_int, upload
+from ..batch import upload
+from ..checks import check_positive_int
 from ..cache import PagedCache
 from ..formats import ENTRIES_PER_PAGE
 from ..ops.compress.device import CompressorState
