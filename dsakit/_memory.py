@@ -12,15 +12,26 @@ import torch
 
 
 def parse_device(device, what: str = "device") -> torch.device:
-    """``device`` (a torch.device or a name like "cpu", "cuda:0") as a torch.device, else ValueError."""
-    if isinstance(device, torch.device):
-        return device
-    if not isinstance(device, str):
+    """``device`` (a torch.device or a name like "cpu", "cuda:0") as a torch.device, else ValueError. A CUDA
+    device on a machine without CUDA is a ValueError here, not torch's AssertionError at first use."""
+    if not isinstance(device, (str, torch.device)):
         raise ValueError(f"{what} must be a torch.device or a name like 'cpu' or 'cuda:0', got {device!r}")
     try:
-        return torch.device(device)
+        device = torch.device(device)
     except RuntimeError:
         raise ValueError(f"{what} {device!r} is not a device name; use e.g. 'cpu' or 'cuda:0'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{what} {device} requested but CUDA is not available on this machine")
+    return device
+
+
+def indexed_device(device, what: str = "device") -> torch.device:
+    """:func:`parse_device` with the index filled in: 'cuda' means the current CUDA device, so comparisons
+    with tensors' devices (always indexed) hold."""
+    device = parse_device(device, what)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
@@ -46,7 +57,8 @@ def _gib(nbytes: int) -> str:
 
 
 def check_fits(nbytes: int, device: torch.device, what: str) -> None:
-    """ValueError naming ``what`` and both sizes when ``nbytes`` exceed the device's memory."""
+    """ValueError naming ``what`` and both sizes when ``nbytes`` exceed the device's memory (a size the
+    allocator would refuse with a RuntimeError, or the OS answer by killing the process)."""
     memory = device_memory_bytes(device)
     if memory is not None and nbytes > memory:
         raise ValueError(f"{what} needs {_gib(nbytes)} ({nbytes:,} bytes), more than the {_gib(memory)} of "

@@ -37,11 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import check_int, check_positive_int, check_same_device, describe
+from ._memory import check_fits
+from .checks import (INDEX_DTYPES, check_bool, check_int, check_int_list, check_positive_int,  # noqa: F401
+                     check_same_device, describe)
 from .formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from .pool import check_pool, check_pool_alignment  # noqa: F401  (importable from here as before)
 
-_INT_DTYPES = (torch.int32, torch.int64)
 #: dtypes every backend reads for q (fp8 = e4m3fn, DeepGEMM's fp8 q) and for the head weights; an integer or
 #: bool weight would be truncated silently, a float64 q is something no kernel reads.
 QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -92,6 +93,23 @@ def check_batch_queries(q: torch.Tensor, weights: torch.Tensor, batch: "PagedBat
         raise ValueError(f"q has {q.shape[0]} rows but the batch has {batch.num_queries} queries")
 
 
+#: the kernels index rows, block-table cells and slots with int32
+MAX_INT32 = 2**31 - 1
+
+
+def check_table_size(num_seqs: int, width: int, device: torch.device, queries: int = 0) -> None:
+    """A block table [num_seqs, width] (+ ``queries`` query rows) that int32 indices can address and the host
+    and ``device`` can hold, else ValueError (the allocator would raise a RuntimeError, or the OS kill us)."""
+    if queries > MAX_INT32:
+        raise ValueError(f"query_lens sum to {queries:,} queries; at most {MAX_INT32:,} (int32 row ids)")
+    if num_seqs * width > MAX_INT32:
+        raise ValueError(f"a block table of {num_seqs} x {width:,} pages has more than {MAX_INT32:,} cells "
+                         f"(int32 indices)")
+    nbytes = 4 * (num_seqs * width + num_seqs + queries)
+    for where in {torch.device("cpu"), device}:
+        check_fits(nbytes, where, f"a block table of {num_seqs} x {width:,} pages and {queries:,} queries")
+
+
 def visible_counts(entry_counts: torch.Tensor, query_positions: torch.Tensor | None, ratio: int) -> torch.Tensor:
     """int64 [T]: how many leading entries each query sees (entry_counts already gathered per query)."""
     counts = entry_counts.long()
@@ -100,17 +118,23 @@ def visible_counts(entry_counts: torch.Tensor, query_positions: torch.Tensor | N
     return torch.minimum(counts, torch.div(query_positions.long() + 1, ratio, rounding_mode="floor").clamp(min=0))
 
 
-def _as_int_tensor(name: str, value, dims: int, dtype: torch.dtype) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dim() != dims or value.dtype not in _INT_DTYPES:
+def _as_int_tensor(name: str, value, dims: int) -> torch.Tensor:
+    """An int32 / int64 tensor of ``dims`` dimensions, as given (narrowed only after its values are checked:
+    an int64 2**32 must not become page 0), else ValueError."""
+    if not isinstance(value, torch.Tensor) or value.dim() != dims or value.dtype not in INDEX_DTYPES:
         shape = "[B, W]" if dims == 2 else "[N]"
         raise ValueError(f"{name} must be an int32/int64 {shape} tensor, got {describe(value)}")
-    return value.to(dtype).contiguous()
+    return value
+
+
+def _int32(value: torch.Tensor) -> torch.Tensor:
+    return value.to(torch.int32).contiguous()
 
 
 def _as_positions(query_positions, t: int) -> torch.Tensor:
     """query_positions as int64 [T] (same device), else ValueError naming it."""
     if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (t,) \
-            or query_positions.dtype not in _INT_DTYPES:
+            or query_positions.dtype not in INDEX_DTYPES:
         raise ValueError(f"query_positions must be int [T] = [{t}] or None, got {describe(query_positions)}")
     return query_positions.to(torch.int64)
 
@@ -179,12 +203,12 @@ class PagedBatch:
         fmt = KeyFormat.parse(fmt)
         check_pool(pool, fmt)
         device = pool.device
-        table = _as_int_tensor("block_table", block_table, 2, torch.int32)
+        table = _as_int_tensor("block_table", block_table, 2)
         b, width = table.shape
-        counts = _as_int_tensor("entry_counts", entry_counts, 1, torch.int32)
+        counts = _as_int_tensor("entry_counts", entry_counts, 1)
         if counts.shape != (b,):
             raise ValueError(f"entry_counts must be int [B] = [{b}], got {describe(entry_counts)}")
-        seq = _as_int_tensor("query_seq", query_seq, 1, torch.int32)
+        seq = _as_int_tensor("query_seq", query_seq, 1)
         t = seq.shape[0]
         positions = None
         if query_positions is not None:
@@ -192,20 +216,25 @@ class PagedBatch:
         check_ratio(ratio)
         check_same_device(device, block_table=table, entry_counts=counts, query_seq=seq,
                           query_positions=positions)
-        if not isinstance(validate, bool):
-            raise ValueError(f"validate must be a bool, got {validate!r}")
+        check_bool("validate", validate)
         if not validate:
-            if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
-                raise ValueError(f"validate=False needs max_entries, an int >= 0 (the largest entry count), "
-                                 f"got {max_entries!r}")
-            return cls(pool, fmt, table, counts, seq, positions, ratio, t, max_entries, None, False)
+            check_int("max_entries", max_entries, 0,
+                      message="validate=False needs max_entries, an int >= 0 (the largest entry count)")
+            if t and not b:
+                raise ValueError(f"query_seq has {t} queries but the block table has no sequences")
+            # Unchecked query_seq values are clamped into 0..B-1 (one device op, no sync): the slot mapping
+            # gathers block_table[query_seq] and the score kernels index rows by it, so an out-of-range value
+            # must become a wrong sequence, never a read next to the block table.
+            seq = _int32(seq.clamp(0, b - 1)) if t else _int32(seq)
+            return cls(pool, fmt, _int32(table), _int32(counts), seq, positions, ratio, t, max_entries, None, False)
         if max_entries is not None:
             raise ValueError("max_entries is measured when validate=True; pass it only with validate=False")
         return cls._validated(pool, fmt, table, counts, seq, positions, ratio)
 
     @classmethod
     def _validated(cls, pool, fmt, table, counts, seq, positions, ratio) -> "PagedBatch":
-        """Value checks of converted tensors, gathered into one device->host sync."""
+        """Value checks of the int32 / int64 tensors as given (checked as int64, narrowed to int32 after),
+        gathered into one device->host sync."""
         b, width = table.shape
         t = seq.shape[0]
         device = pool.device
@@ -241,8 +270,8 @@ class PagedBatch:
                              f"entries")
         if n_repeats:
             raise ValueError(_repeated_page_message(table, needed))
-        return cls(pool, fmt, table, counts, seq, positions, ratio, t, int(count_max) if b else 0,
-                   tuple(int(n) for n in lens), n_unsorted == 0)
+        return cls(pool, fmt, _int32(table), _int32(counts), _int32(seq), positions, ratio, t,
+                   int(count_max) if b else 0, tuple(int(n) for n in lens), n_unsorted == 0)
 
     @classmethod
     def from_host(cls, pool: torch.Tensor, fmt: KeyFormat, pages: "Sequence[Sequence[int] | torch.Tensor]",
@@ -260,15 +289,16 @@ class PagedBatch:
         b = len(pages)
         if len(lengths) != b:
             raise ValueError(f"lengths must have one entry per sequence ({b}), got {len(lengths)}")
-        query_lens = [1] * b if query_lens is None else list(query_lens)
-        if len(query_lens) != b or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in query_lens):
-            raise ValueError(f"query_lens must be {b} non-negative ints (queries per sequence), got {query_lens!r}")
+        query_lens = [1] * b if query_lens is None else query_lens
+        query_lens = check_int_list("query_lens", query_lens, 0, length=b,
+                                    message=f"query_lens must be {b} non-negative ints (queries per sequence)")
         widest = max((int(len(p)) for p in pages), default=0)
         width = widest if width is None else width
-        if isinstance(width, bool) or not isinstance(width, int) or width < widest:
-            raise ValueError(f"block table width must be an int >= {widest} (the longest page list), got {width!r}")
+        check_int("width", width, widest, message=f"block table width must be an int >= {widest} (the longest "
+                                                   f"page list)")
         t = sum(query_lens)
         device = pool.device
+        check_table_size(b, width, device, queries=t)
         # one host buffer [B * W + B + T] int32 (block table, counts, query_seq), one asynchronous upload
         rows = [p.to(torch.int32) if isinstance(p, torch.Tensor) else torch.tensor(list(p), dtype=torch.int32)
                 for p in pages]

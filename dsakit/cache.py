@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 
 from ._memory import check_fits, parse_device
-from .batch import PagedBatch
+from .batch import PagedBatch, check_table_size
+from .checks import check_int, check_int_list, is_int
 from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat
 # the raw pool access lives one floor down (dsakit.pool); these names stay importable from here
 from .pool import (check_pool, check_slots, dequantize_entries, num_slots, read_entries, sequence_slots,  # noqa: F401
@@ -163,10 +164,10 @@ class PagedCache:
             self._check_seq(s)
         widest = max((len(self._tables[s]) for s in seq_ids), default=0)
         width = widest if width is None else width
-        if not isinstance(width, int) or isinstance(width, bool):
-            raise ValueError(f"block table width must be an int, got {width!r}")
+        check_int("width", width, message="block table width must be an int")
         if width < widest:
             raise ValueError(f"block table width {width} is smaller than the longest table ({widest} pages)")
+        check_table_size(len(seq_ids), width, self.pool.device)
         out = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
         for row, s in enumerate(seq_ids):
             pages = self._tables[s]
