@@ -119,3 +119,16 @@ def test_sizes_no_machine_holds_are_value_errors():
 def test_a_cuda_device_without_cuda_is_a_value_error():
     with pytest.raises(ValueError, match="CUDA is not available"):
         PagedCache("fp8", 4, device="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_a_layer_cache_on_cuda_without_cuda_is_a_value_error():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_layers_attention import random_layer
+
+    layer = random_layer("csa", "reference", "cpu")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        layer.new_cache(16, device="cuda")

@@ -7,19 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._memory import indexed_device  # a CUDA device without CUDA: ValueError
 from ..ops.compress.device import CompressorState, compress_step
 from ..transforms import RopeConfig
 
 __all__ = ["RMSNorm", "V4Compressor", "linear", "RopeTable", "rope_v4", "indexed_device"]
-
-
-def indexed_device(device: "str | torch.device") -> torch.device:
-    """A device with its index: 'cuda' means the current CUDA device, so comparisons with tensors' devices
-    (always indexed) hold."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
