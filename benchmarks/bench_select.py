@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 from _common import bench_parser, environment, median_ms, same_selection, write_json
 
-from dsakit.ops.topk._select_stream import SelectBuffers, StreamConfig, launch_stream_select, select_topk_stream
 from dsakit.ops.topk.config import SelectConfig
-from dsakit.ops.topk.triton import select_topk_triton
+from dsakit.ops.topk.triton import SelectBuffers, launch_stream_select, select_topk_stream, select_topk_triton
 
 
 def make_scores(kind: str, rows: int, n: int, device: str, seed: int) -> torch.Tensor:
@@ -113,7 +112,7 @@ def main() -> int:
     if args.sweep and not args.smoke:
         for rows, n, k in [(8192, 65536, 2048), (64, 131072, 2048)]:
             scores = make_scores("relu_like", rows, n, dev, seed=0)
-            base = StreamConfig.default(rows, n, k)
+            base = SelectConfig().stream_for(rows, n, k)
             variants = [base]
             if rows >= 512:
                 variants += [dataclasses.replace(base, v=16), dataclasses.replace(base, num_warps=8, v=16),

@@ -45,10 +45,9 @@ from _common import (DIM, bench_parser, environment, make_queries, median_ms, pe
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
 from dsakit.ops.scores.triton import launch_index_scores, prepare_q
-from dsakit.ops.topk._select_stream import SelectBuffers, select_topk_stream
 from dsakit.ops.topk.config import TopkConfig
 from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
-from dsakit.ops.topk.triton import index_topk_triton, release_workspaces
+from dsakit.ops.topk.triton import SelectBuffers, index_topk_triton, release_workspaces, select_topk_stream
 
 PREFILL_VARIANTS = ("fp8_overlap", "fp8_unsorted", "bf16", "bf16_overlap", "bf16_unsorted", "fp4", "fp4_bf16q")
 

@@ -1,6 +1,6 @@
 """Launch-configuration sweep of the indexer's decode scores, streaming select and chunked prefill (H200).
 
-Exploration runs behind the defaults in ``ScoresConfig`` / ``StreamConfig.default`` / ``TopkConfig``:
+Exploration runs behind the defaults in ``ScoresConfig`` / ``SelectConfig.stream_for`` / ``TopkConfig``:
   decode    scores kernel alone (CUDA-graph replays), fp8 keys + fp8 q, fp4 keys + fp8 q (each ``decode_fp4``
             mode the installed version knows), B = 64 sequences x N in {65536, 131072}, per
             (BLOCK_N, key tiles per program, warps, stages);
@@ -31,9 +31,8 @@ from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
 from dsakit.ops.scores.config import ScoresConfig
 from dsakit.ops.scores.triton import launch_index_scores, plan_decode_tiles, prepare_q
-from dsakit.ops.topk.triton import index_topk_triton
-from dsakit.ops.topk._select_stream import SelectBuffers, StreamConfig, launch_stream_select
-from dsakit.ops.topk.config import TopkConfig
+from dsakit.ops.topk.config import SelectConfig, StreamConfig, TopkConfig
+from dsakit.ops.topk.triton import SelectBuffers, index_topk_triton, launch_stream_select
 
 HEADS = 64
 
@@ -106,7 +105,7 @@ def decode_section(dev: str, smoke: bool, report: dict, path: Path, rep: int, fo
 def _stream_variants(rows: int, n: int, k: int, earlier: bool = False) -> list[tuple[str, StreamConfig]]:
     """Select variants against the default. earlier: also the order_chunks / v / cap / splits / rank-order
     variants of the earlier sweeps (sweep_topk_h200_{b4b4485,ac42a7e,8468ee4})."""
-    base = StreamConfig.default(rows, n, k)
+    base = SelectConfig().stream_for(rows, n, k)
     out = [("default", base)]
     # histogram buckets of the range narrowing (the filter's sample threshold and the final kernel): each step
     # costs a few block-wide operations, and wider steps (8-9 bits instead of 6) need fewer of them
@@ -123,9 +122,8 @@ def _stream_variants(rows: int, n: int, k: int, earlier: bool = False) -> list[t
                 out.append((f"order_chunks={chunks}", dataclasses.replace(base, order_chunks=chunks)))
     if rows < 1024:  # longer tiles per filter step (fewer block-wide scans per entry)
         for v in (64, 128):
-            cfg = dataclasses.replace(base, v=v, tie_cap=max(32, 2 * v))
-            if cfg.splits * cfg.lanes * cfg.tie_cap <= 16384 and cfg.block <= 16384:
-                out.append((f"v={v}", cfg))
+            if base.splits * base.lanes * max(32, 2 * v) <= 16384 and base.lanes * v <= 16384:
+                out.append((f"v={v}", dataclasses.replace(base, v=v, tie_cap=max(32, 2 * v))))
     if n <= base.cap:  # rows that fit the buffer skip the sample; a smaller cap makes them sample a threshold
         for cap in (2048, 4096):
             if cap < base.cap and cap >= 2 * k:

@@ -1,4 +1,4 @@
-"""Streaming exact top-k (dsakit.ops.topk._select_stream) against the reference ``select_topk``.
+"""Streaming exact top-k (``select_topk_stream`` of dsakit.ops.topk.triton) against the reference ``select_topk``.
 
 The select is exact, so on identical scores it must reproduce the reference bit for bit: same sets, same
 order, same -1 padding. Tiny launch configurations (32-entry buffers and samples, 64-entry tiles) make rows
@@ -18,13 +18,13 @@ TINY = dict(cap=64, lanes=4, v=8, tie_cap=16, sample=32, num_warps=4, final_warp
 
 
 def _config(splits: int = 1):
-    from dsakit.ops.topk._select_stream import StreamConfig
+    from dsakit.ops.topk.config import StreamConfig
 
     return StreamConfig(splits=splits, **TINY)
 
 
 def _run(scores, k, splits=1, **kw):
-    from dsakit.ops.topk._select_stream import SelectBuffers, select_topk_stream
+    from dsakit.ops.topk.triton import SelectBuffers, select_topk_stream
 
     buffers = SelectBuffers.allocate(scores.shape[0], scores.shape[1], k, scores.device,
                                      _config(splits))
@@ -99,7 +99,8 @@ def test_relu_zero_rows_same_set_on_every_backend(triton_backend):
 
 
 def test_stream_select_rejects_bad_input(triton_backend):
-    from dsakit.ops.topk._select_stream import STREAM_MAX_K, StreamConfig, select_topk_stream
+    from dsakit.ops.topk.config import STREAM_MAX_K, StreamConfig
+    from dsakit.ops.topk.triton import select_topk_stream
 
     scores = torch.randn(2, 64, device=_device())
     with pytest.raises(ValueError, match="k must be"):
@@ -117,11 +118,10 @@ def test_stream_select_rejects_bad_input(triton_backend):
 def test_default_config_tie_lists_reach_the_second_tile():
     """Every lane's tie list reaches its second tile (tie_cap >= 2 v), so a relu row of zeros is completed
     from the tie lists instead of the exact whole-row passes; every lane holds >= 64 candidates."""
-    from dsakit.ops.topk._select_stream import StreamConfig
+    from dsakit.ops.topk.config import SelectConfig
 
     for rows, width, k in [(64, 131072, 2048), (256, 131072, 2048), (64, 65536, 512), (8192, 65536, 2048)]:
-        cfg = StreamConfig.default(rows, width, k)
-        cfg.validate()
+        cfg = SelectConfig().stream_for(rows, width, k)
         assert cfg.lane_cap >= 64 and cfg.tie_cap >= 2 * cfg.v, cfg
 
 
@@ -143,7 +143,7 @@ def test_cached_launch_in_row_slices(triton_backend):
 def test_exact_row_stats_name_the_rows_and_why(triton_backend):
     """exact_row_stats lists the rows that took the exact passes, with each split's counters: the rows with
     fewer than k entries >= the threshold show it, and rows from the other paths are not listed."""
-    from dsakit.ops.topk._select_stream import SelectBuffers, select_topk_stream
+    from dsakit.ops.topk.triton import SelectBuffers, select_topk_stream
 
     scores = _rows(256).to(_device())
     buffers = SelectBuffers.allocate(8, 256, 12, scores.device, _config(2))
@@ -166,7 +166,7 @@ def test_chunked_order_equals_single_program_sort(triton_backend, chunks):
     chunks), rows with fewer candidates than k (-1 padding), ties, and the global slots of a paged batch."""
     from dataclasses import replace
 
-    from dsakit.ops.topk._select_stream import SelectBuffers, launch_stream_select
+    from dsakit.ops.topk.triton import SelectBuffers, launch_stream_select
 
     scores = _rows(256).to(_device())
     counts = torch.tensor([256, 200, 7, 0, 33, 256, 255, 64], dtype=torch.int32, device=scores.device)
@@ -188,7 +188,7 @@ def test_chunked_order_equals_single_program_sort(triton_backend, chunks):
     assert torch.equal(results[1][0], results[0][0])
     assert torch.equal(results[1][1], results[0][1])
     with pytest.raises(ValueError, match="order_chunks"):
-        replace(_config(), order_chunks=3).validate()
+        replace(_config(), order_chunks=3)
 
 
 def test_rows_that_fit_the_buffer_are_read_directly(triton_backend, monkeypatch):
@@ -211,3 +211,52 @@ def test_rows_that_fit_the_buffer_are_read_directly(triton_backend, monkeypatch)
     assert not filters
     _run(_rows(65).to(_device()), 5)  # one entry wider than the buffer: the filter runs
     assert filters
+
+
+def _launch_rule_before_the_move(rows: int, width: int, k: int) -> dict:
+    """The streaming select's launch rule as it stood in ``_select_stream.StreamConfig.default`` (and its
+    launcher's margin / sort-chunk rules) before it moved into ``SelectConfig.stream_for``: the move must
+    not change one setting."""
+    def pow2(x):
+        return 1 << (max(1, x) - 1).bit_length()
+
+    def pow2_floor(x):
+        return 1 << (max(1, x).bit_length() - 1)
+
+    splits = 1
+    if rows < 512:
+        splits = max(1, min(4, pow2_floor(2 * 512 // max(rows, 1)), pow2_floor(width // 8192)))
+    cap = min(16384, max(4096, 4 * pow2(k)))
+    sample = pow2(-(-128 * width // cap))
+    if splits > 1:
+        sample = max(sample, pow2(-(-64 * width // k)))
+    sample = min(8192, max(256, sample))
+    lanes = max(16, min(128, cap // (splits * 64)))
+    v = max(8, 1024 // lanes)
+    order_chunks = 4 if rows < 1024 else 1
+    return dict(splits=splits, cap=cap, lanes=lanes, v=v, tie_cap=max(32, 2 * v), sample=sample, num_warps=8,
+                final_warps=8, order_warps=2 if rows >= 512 else 4, bins=64, order_chunks=order_chunks,
+                margin=5.0 if splits > 1 else 4.0, sort_chunks=min(order_chunks, max(1, pow2(k) // 16)))
+
+
+def test_launch_settings_unchanged_by_the_move_into_select_config():
+    from dsakit.ops.topk.config import SelectConfig, TopkConfig
+
+    select = SelectConfig()
+    assert TopkConfig.for_device("cpu").select == select == SelectConfig.for_device(None)
+    for rows in (1, 3, 8, 64, 100, 256, 300, 511, 512, 1000, 1024, 4096, 8192):
+        for width in (64, 300, 4096, 8192, 65536, 131072, 262144, 1 << 20):
+            for k in (1, 5, 16, 100, 512, 1024, 2048, 4096):
+                cfg = select.stream_for(rows, width, k)
+                want = _launch_rule_before_the_move(rows, width, k)
+                got = {name: getattr(cfg, name) for name in want if name not in ("margin", "sort_chunks")}
+                got.update(margin=cfg.sample_margin, sort_chunks=cfg.sort_chunks(k))
+                assert got == want, (rows, width, k)
+    fixed = SelectConfig(stream=select.stream_for(64, 65536, 512))
+    assert fixed.stream_for(8192, 300, 7) is fixed.stream  # a fixed launch overrides the rule
+    assert select.uses_stream(4096) and not select.uses_stream(4097)
+    assert SelectConfig(algorithm="stream").uses_stream(8192) and not SelectConfig(algorithm="multipass").uses_stream(1)
+    with pytest.raises(ValueError, match="stream must be"):
+        SelectConfig(stream="fast")
+    with pytest.raises(ValueError, match="visible_block"):
+        SelectConfig(visible_block=0)

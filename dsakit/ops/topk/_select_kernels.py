@@ -47,13 +47,14 @@ from ._kernels import _INT32_MIN as INT32_MIN
 from ._kernels import _INT64_MIN as INT64_MIN
 from ._kernels import (_bucket_shift, _keep_bucket, _order_key, _range_histogram, _sort_by_key, _sorted_packed,
                        _store_slots)
+from .config import STREAM_STATS
 
 INT32_MAX = tl.constexpr((1 << 31) - 1)
 # order key of -inf: bits 0xFF800000 (negative) with the magnitude bits flipped = 0x807FFFFF
 KEY_NEG_INF = tl.constexpr(-2139095041)
 # per-(row, split) words: entries > thr, entries == thr, any candidate < thr, thr, (unused), largest lane
 # count; word 6 of split 0: the path the final kernel took (1 buffer, 2 tie lists, 0 exact)
-STATS = tl.constexpr(8)
+STATS = tl.constexpr(STREAM_STATS)
 
 
 @triton.jit

@@ -36,96 +36,7 @@ import triton
 from ._inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
 from ._select_kernels import (STATS, _filter_kernel, _final_kernel, _order_chunk_kernel, _order_kernel,
                               _order_merge_kernel)
-
-STREAM_MAX_K = 4096
-MAX_BLOCK = 16384  # the filter packs two per-tile ranks into one int32 prefix sum (16 bits each)
-# rows below which a row is split over several programs (decode): a few programs per SM of the H200
-_TARGET_PROGRAMS = 512
-_MIN_SPLIT = 8192  # entries per split program: below this the per-program sample and setup dominate
-
-
-def _pow2_floor(x: int) -> int:
-    return 1 << (max(1, x).bit_length() - 1)
-
-
-@dataclass(frozen=True)
-class StreamConfig:
-    """Launch parameters (powers of two). splits: programs per row; cap: candidate entries per row (all
-    splits and lanes); lanes: buffer lanes per program (each lane owns v consecutive entries of every
-    tile of lanes * v entries and cap // (splits * lanes) buffer entries); tie_cap: entries of each lane's
-    list of the first indices equal to the threshold; sample: entries of the threshold sample (>= 32);
-    num_warps / final_warps / order_warps: the three kernels; bins: histogram buckets of the narrowing;
-    order_chunks: programs per row of the sort (1: one program sorts the row's k winners; C > 1: C programs
-    each sort next_pow2(k) / C of them, then C programs place each entry at its rank by binary searches in the
-    sorted chunks: two launches, but the latency of a few rows spread over C times more SMs)."""
-
-    splits: int
-    cap: int
-    lanes: int
-    v: int
-    tie_cap: int
-    sample: int
-    num_warps: int
-    final_warps: int
-    order_warps: int
-    bins: int
-    order_chunks: int = 1
-
-    @property
-    def lane_cap(self) -> int:
-        return self.cap // (self.splits * self.lanes)
-
-    @property
-    def block(self) -> int:
-        return self.lanes * self.v
-
-    @staticmethod
-    def default(rows: int, width: int, k: int) -> "StreamConfig":
-        splits = 1
-        if rows < _TARGET_PROGRAMS:
-            splits = max(1, min(4, _pow2_floor(2 * _TARGET_PROGRAMS // max(rows, 1)),
-                                _pow2_floor(width // _MIN_SPLIT)))
-        cap = min(16384, max(4096, 4 * triton.next_power_of_2(k)))
-        # about 128 sample entries per cap-sized slice of the row: the sample rank then has a relative
-        # spread of ~1/sqrt(rank) small enough that overflow / underflow (exact fallback) stay rare
-        sample = triton.next_power_of_2(-(-128 * width // cap))
-        if splits > 1:
-            # more lanes share the cap: a sample of ~64 entries per k-th of the row keeps the expected
-            # candidates near 1.5 k (each lane ~Poisson(1.5 k / lanes) below its 32 entries)
-            sample = max(sample, triton.next_power_of_2(-(-64 * width // k)))
-        sample = min(8192, max(256, sample))
-        # entries per lane: lane counts are ~Poisson and the fullest of the row's splits * lanes lanes must fit,
-        # or the row takes the exact whole-row passes (~0.5 ms for a 128K row on one SM). 64 per lane: with
-        # 32 per lane and 4 splits one row of a 256-row decode launch overflowed on the H200
-        # (vs_deepgemm_h200_165cbdd: select 0.73 ms instead of ~0.2); 64 costs 3-6 % in the common case
-        lanes = max(16, min(128, cap // (splits * 64)))
-        v = max(8, 1024 // lanes)
-        # the sort of a few rows (decode) is latency bound on one program per row: 4 chunk sorts + a rank merge
-        # per row ran 0.078 -> 0.060 ms at 64 x 65536 and 0.104 -> 0.079 ms at 64 x 131072, K 2048
-        # (sweep_topk_h200_b4b4485); at 8192 rows every SM is busy and the chunks gain nothing.
-        # A lane's tie list must reach past its first tile: with TCAP >= 2 V a full list ends in the lane's
-        # second tile, so the ties known complete cover >= splits + 1 tiles of the row (the relu case)
-        return StreamConfig(splits=splits, cap=cap, lanes=lanes, v=v, tie_cap=max(32, 2 * v),
-                            sample=sample, num_warps=8, final_warps=8, order_warps=2 if rows >= 512 else 4,
-                            bins=64, order_chunks=4 if rows < 1024 else 1)
-
-    def validate(self) -> None:
-        for name in ("splits", "cap", "lanes", "v", "tie_cap", "sample", "bins"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {value!r}")
-        if self.sample < 32 or self.bins < 32 or self.lane_cap < 1 or self.cap > 16384 or self.block < 16 \
-                or self.splits * self.lanes * self.tie_cap > 16384:
-            raise ValueError(f"config out of range (sample >= 32, bins >= 32, cap <= 16384 and >= splits * lanes, "
-                             f"lanes * v >= 16, splits * lanes * tie_cap <= 16384): {self}")
-        oc = self.order_chunks
-        if isinstance(oc, bool) or not isinstance(oc, int) or oc < 1 or oc & (oc - 1) or oc > 64:
-            raise ValueError(f"order_chunks must be a power of two in 1..64, got {oc!r}")
-        for name in ("num_warps", "final_warps", "order_warps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or value not in (1, 2, 4, 8, 16, 32):
-                raise ValueError(f"{name} must be 1..32 (power of two), got {value!r}")
-
+from .config import STREAM_MAX_K, SelectConfig, StreamConfig, pow2_floor
 
 @dataclass(frozen=True)
 class SelectBuffers:
@@ -146,8 +57,11 @@ class SelectBuffers:
 
     @staticmethod
     def allocate(rows: int, width: int, k: int, device, config: StreamConfig | None = None) -> "SelectBuffers":
-        config = config or StreamConfig.default(rows, width, k)
-        config.validate()
+        """Buffers for ``rows`` x ``width`` and k with ``config`` (default: the launch rule of the device's
+        :class:`SelectConfig`)."""
+        config = config or SelectConfig.for_device(device).stream_for(rows, width, k)
+        if not isinstance(config, StreamConfig):
+            raise ValueError(f"config must be a StreamConfig, got {type(config).__name__}")
         r, s, lanes = max(rows, 1), config.splits, config.lanes
         empty = lambda *shape: torch.empty(shape, dtype=torch.int32, device=device)  # noqa: E731
         return SelectBuffers(rows=rows, width=width, k=k, config=config,
@@ -227,7 +141,7 @@ def _launch_order(out: torch.Tensor, counts: torch.Tensor, k: int, sort: bool, b
     rows = out.shape[0]
     cfg = buffers.config
     k_pad = triton.next_power_of_2(k)
-    chunks = min(cfg.order_chunks, max(1, k_pad // 16))  # chunks of >= 16 entries
+    chunks = cfg.sort_chunks(k)
     if sort and chunks > 1:
         chunk = k_pad // chunks
         # the candidate buffer (int64 [R, cap >= k_pad]) is free once the final kernel has read it
@@ -253,35 +167,34 @@ def release_select_buffers() -> None:
     _CACHE.clear()
 
 
-def cached_select_buffers(rows: int, width: int, k: int, device, rows_hint: int | None = None) -> SelectBuffers:
+def cached_select_buffers(rows: int, width: int, k: int, device, rows_hint: int | None = None,
+                          select: SelectConfig | None = None) -> SelectBuffers:
     """Buffers for >= rows x width (both rounded up to powers of two, so that a growing width or a short
     last chunk reuses them), k; the last few shapes are kept. rows_hint: the rows of the whole launch (picks
-    the launch configuration; default rows). Not for CUDA-graph capture (an entry may be evicted): a graph's
-    caller keeps its own :meth:`SelectBuffers.allocate`."""
+    the launch configuration through ``select.stream_for``; default rows). Not for CUDA-graph capture (an
+    entry may be evicted): a graph's caller keeps its own :meth:`SelectBuffers.allocate`."""
+    select = select or SelectConfig()
     rows, width = triton.next_power_of_2(max(rows, 1)), triton.next_power_of_2(max(width, 1))
     hint = triton.next_power_of_2(max(rows_hint or rows, 1))
-    return lru_get(_CACHE, (torch.device(device), rows, width, k, hint), _CACHE_KEPT,
-                   lambda: SelectBuffers.allocate(rows, width, k, device, StreamConfig.default(hint, width, k)))
-
-
-# Bound of the cached buffers of one launch (bytes): more rows than fit are selected in consecutive launches
-# over row slices (still no sync), so the select adds at most this much to a chunked index_topk.
-CACHED_BYTES = 256 << 20
+    config = select.stream_for(hint, width, k)
+    return lru_get(_CACHE, (torch.device(device), rows, width, k, config), _CACHE_KEPT,
+                   lambda: SelectBuffers.allocate(rows, width, k, device, config))
 
 
 def launch_stream_select_cached(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int,
                                 sort: bool, *, slots: torch.Tensor | None = None, seq: torch.Tensor | None = None,
-                                block_table: torch.Tensor | None = None, budget: int = CACHED_BYTES) -> None:
-    """:func:`launch_stream_select` with cached buffers of at most ~``budget`` bytes: rows beyond what they
-    hold are selected in consecutive launches over row slices."""
+                                block_table: torch.Tensor | None = None, select: SelectConfig | None = None,
+                                budget: int | None = None) -> None:
+    """:func:`launch_stream_select` with cached buffers of at most ~``budget`` bytes (default
+    ``select.cached_bytes``): rows beyond what they hold are selected in consecutive launches over row slices."""
     rows, width = scores.shape
     if rows == 0:
         return
-    cfg = StreamConfig.default(rows, width, k)
-    parts = cfg.splits * cfg.lanes
-    per_row = 8 * cfg.cap + 4 * parts * (cfg.tie_cap + 2) + 4 * cfg.splits * STATS.value + 8 * k + 4
-    step = min(triton.next_power_of_2(rows), _pow2_floor(max(1, budget // per_row)))
-    buffers = cached_select_buffers(step, width, k, scores.device, rows_hint=rows)
+    select = select or SelectConfig()
+    budget = select.cached_bytes if budget is None else budget
+    per_row = select.stream_for(rows, width, k).bytes_per_row(k)
+    step = min(triton.next_power_of_2(rows), pow2_floor(max(1, budget // per_row)))
+    buffers = cached_select_buffers(step, width, k, scores.device, rows_hint=rows, select=select)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         launch_stream_select(scores[start:stop], counts[start:stop], out[start:stop], k, sort, buffers,
@@ -296,7 +209,7 @@ def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
 
     row_counts int [T] (optional): row t considers only its first row_counts[t] entries. sort=False returns
     each row's set in a deterministic order (the index order of the candidate buffer), skipping the sort.
-    config: launch parameters (default :meth:`StreamConfig.default`); buffers: reusable scratch
+    config: launch parameters (default: :meth:`SelectConfig.stream_for` of the device's select config); buffers: reusable scratch
     (:meth:`SelectBuffers.allocate`), else allocated here. k <= STREAM_MAX_K.
     """
     check_scores_matrix(scores)
@@ -320,6 +233,6 @@ def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
     return out
 
 
-__all__ = ["STREAM_MAX_K", "StreamConfig", "SelectBuffers", "cached_select_buffers", "release_select_buffers",
+__all__ = ["SelectBuffers", "cached_select_buffers", "release_select_buffers",
            "launch_stream_select", "launch_stream_select_cached",
            "select_topk_stream"]

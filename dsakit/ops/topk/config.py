@@ -1,5 +1,7 @@
-"""Tuning of the Triton top-k: :class:`SelectConfig` (radix select), :class:`TopkConfig` (the fused
-scores + select of ``index_topk``), with per-GPU defaults."""
+"""Tuning of the Triton top-k: :class:`SelectConfig` (which select runs and how it is launched),
+:class:`StreamConfig` (one launch of the streaming select), :class:`TopkConfig` (the fused scores + select of
+``index_topk``), with per-GPU defaults. Every launch setting of the top-k kernels is decided here; the
+launchers only read it."""
 
 from __future__ import annotations
 
@@ -20,6 +22,18 @@ MAX_SELECT_BLOCK = 16384
 #: Largest k of every top-k op, on every backend: the Triton select's final sort holds next_pow2(K) int64
 #: keys in the registers of one program, and the reference refuses what the kernels cannot do.
 MAX_K = 16384
+#: Largest k of the streaming select (larger k use the multi-pass radix select).
+STREAM_MAX_K = 4096
+#: int32 counters the streaming select keeps per row and split (the STATS of its kernels)
+STREAM_STATS = 8
+
+
+def pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (max(1, x) - 1).bit_length()
 
 
 def _power_of_two(name: str, value, low: int, high: int | None = None) -> None:
@@ -29,6 +43,82 @@ def _power_of_two(name: str, value, low: int, high: int | None = None) -> None:
             or (high is not None and value > high):
         bound = f"{low}..{high}" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be a power of two in {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """One launch of the streaming select (powers of two). splits: programs per row; cap: candidate entries
+    per row (all splits and lanes); lanes: buffer lanes per program (each lane owns v consecutive entries of
+    every tile of lanes * v entries and cap // (splits * lanes) buffer entries); tie_cap: entries of each
+    lane's list of the first indices equal to the threshold; sample: entries of the threshold sample (>= 32);
+    num_warps / final_warps / order_warps: the three kernels; bins: histogram buckets of the narrowing;
+    order_chunks: programs per row of the sort (1: one program sorts the row's k winners; C > 1: C programs
+    each sort next_pow2(k) / C of them, then C programs place each entry at its rank by binary searches in the
+    sorted chunks: two launches, but the latency of a few rows spread over C times more SMs); margin: the
+    threshold sample's margin in standard deviations (None: 5 for split rows, 4 for whole rows, see
+    :attr:`sample_margin`). Built by :meth:`SelectConfig.stream_for`, or by hand (tests, sweeps)."""
+
+    splits: int
+    cap: int
+    lanes: int
+    v: int
+    tie_cap: int
+    sample: int
+    num_warps: int
+    final_warps: int
+    order_warps: int
+    bins: int
+    order_chunks: int = 1
+    margin: float | None = None
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def lane_cap(self) -> int:
+        return self.cap // (self.splits * self.lanes)
+
+    @property
+    def block(self) -> int:
+        return self.lanes * self.v
+
+    @property
+    def sample_margin(self) -> float:
+        """Margin of the sampled threshold in standard deviations: split rows (decode) 5 (with 4, and 32
+        entries per lane, one row of a 256-row launch took the exact passes on the H200); whole rows 4 (5 sent
+        8 of 8192 rows, not 1, to the exact passes: more candidates fill more lanes)."""
+        if self.margin is not None:
+            return self.margin
+        return 5.0 if self.splits > 1 else 4.0
+
+    def sort_chunks(self, k: int) -> int:
+        """Programs per row of the sort of k winners: order_chunks, cut so each chunk keeps >= 16 entries."""
+        return min(self.order_chunks, max(1, _next_pow2(k) // 16))
+
+    def bytes_per_row(self, k: int) -> int:
+        """Scratch bytes per row of :class:`SelectBuffers` with this config and k."""
+        parts = self.splits * self.lanes
+        return 8 * self.cap + 4 * parts * (self.tie_cap + 2) + 4 * self.splits * STREAM_STATS + 8 * k + 4
+
+    def validate(self) -> None:
+        for name in ("splits", "cap", "lanes", "v", "tie_cap", "sample", "bins"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value!r}")
+        if self.sample < 32 or self.bins < 32 or self.lane_cap < 1 or self.cap > MAX_SELECT_BLOCK \
+                or self.block < 16 or self.splits * self.lanes * self.tie_cap > MAX_SELECT_BLOCK:
+            raise ValueError(f"config out of range (sample >= 32, bins >= 32, cap <= 16384 and >= splits * lanes, "
+                             f"lanes * v >= 16, splits * lanes * tie_cap <= 16384): {self}")
+        oc = self.order_chunks
+        if isinstance(oc, bool) or not isinstance(oc, int) or oc < 1 or oc & (oc - 1) or oc > 64:
+            raise ValueError(f"order_chunks must be a power of two in 1..64, got {oc!r}")
+        for name in ("num_warps", "final_warps", "order_warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in (1, 2, 4, 8, 16, 32):
+                raise ValueError(f"{name} must be 1..32 (power of two), got {value!r}")
+        if self.margin is not None and (isinstance(self.margin, bool) or not isinstance(self.margin, (int, float))
+                                        or not self.margin > 0):
+            raise ValueError(f"margin must be a positive number or None, got {self.margin!r}")
 
 
 @dataclass(frozen=True)
@@ -50,6 +140,32 @@ class SelectConfig:
     # (prefill) and for fewer, long rows (decode: one program per row)
     many_rows: tuple[int, int, int] = (2048, 8, 128)
     few_rows: tuple[int, int, int] = (8192, 16, 64)
+    # rows per program of the visible-count kernel that feeds the select its per-row entry counts
+    visible_block: int = 256
+    # --- the streaming select's launch rule (:meth:`stream_for`); ``stream`` set: that config for every launch
+    stream: StreamConfig | None = None
+    # rows below which a row is split over several programs (decode): a few programs per SM of the H200
+    stream_target_programs: int = 512
+    # entries per split program: below this the per-program sample and setup dominate
+    stream_min_split: int = 8192
+    stream_max_splits: int = 4
+    # candidate entries per lane: lane counts are ~Poisson and the fullest of the row's splits * lanes lanes
+    # must fit, or the row takes the exact whole-row passes (~0.5 ms for a 128K row on one SM). 64 per lane:
+    # with 32 per lane and 4 splits one row of a 256-row decode launch overflowed on the H200
+    # (vs_deepgemm_h200_165cbdd: select 0.73 ms instead of ~0.2); 64 costs 3-6 % in the common case
+    stream_lane_entries: int = 64
+    # (filter, final) warps; histogram buckets of the narrowing
+    stream_warps: tuple[int, int] = (8, 8)
+    stream_bins: int = 64
+    # the sort of k winners: warps for >= 512 rows / fewer; programs per row for >= 1024 rows / fewer. The sort
+    # of a few rows (decode) is latency bound on one program per row: 4 chunk sorts + a rank merge per row ran
+    # 0.078 -> 0.060 ms at 64 x 65536 and 0.104 -> 0.079 ms at 64 x 131072, K 2048 (sweep_topk_h200_b4b4485);
+    # at 8192 rows every SM is busy and the chunks gain nothing
+    stream_order_warps: tuple[int, int] = (2, 4)
+    stream_order_chunks: tuple[int, int] = (1, 4)
+    # bound of the cached buffers of one launch (bytes): more rows than fit are selected in consecutive
+    # launches over row slices (still no sync), so the select adds at most this much to a chunked index_topk
+    cached_bytes: int = 256 << 20
 
     def __post_init__(self):
         if self.algorithm not in ("auto", "stream", "multipass"):
@@ -60,11 +176,54 @@ class SelectConfig:
         if self.num_warps is not None and (isinstance(self.num_warps, bool) or not isinstance(self.num_warps, int)
                                            or self.num_warps < 1):
             raise ValueError(f"num_warps must be a positive int, got {self.num_warps!r}")
+        if self.stream is not None and not isinstance(self.stream, StreamConfig):
+            raise ValueError(f"stream must be a StreamConfig or None, got {type(self.stream).__name__}")
+        for name in ("visible_block", "stream_target_programs", "stream_min_split", "stream_max_splits",
+                     "stream_lane_entries", "cached_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
 
     def resolve(self, rows: int) -> tuple[int, int, int]:
-        """(block, num_warps, bins) for a launch over ``rows`` rows."""
+        """(block, num_warps, bins) of the multi-pass select for a launch over ``rows`` rows."""
         block, warps, bins = self.many_rows if rows >= 512 else self.few_rows
         return self.block or block, self.num_warps or warps, self.bins or bins
+
+    def uses_stream(self, k: int) -> bool:
+        """Whether a select of k runs the streaming select (else the multi-pass radix select)."""
+        return self.algorithm == "stream" or (self.algorithm == "auto" and k <= STREAM_MAX_K)
+
+    def stream_for(self, rows: int, width: int, k: int) -> StreamConfig:
+        """The streaming select's launch for ``rows`` rows of ``width`` entries and k (``stream`` when set)."""
+        if self.stream is not None:
+            return self.stream
+        splits = 1
+        if rows < self.stream_target_programs:
+            splits = max(1, min(self.stream_max_splits, pow2_floor(2 * self.stream_target_programs // max(rows, 1)),
+                                pow2_floor(width // self.stream_min_split)))
+        cap = min(MAX_SELECT_BLOCK, max(4096, 4 * _next_pow2(k)))
+        # about 128 sample entries per cap-sized slice of the row: the sample rank then has a relative
+        # spread of ~1/sqrt(rank) small enough that overflow / underflow (exact fallback) stay rare
+        sample = _next_pow2(-(-128 * width // cap))
+        if splits > 1:
+            # more lanes share the cap: a sample of ~64 entries per k-th of the row keeps the expected
+            # candidates near 1.5 k (each lane ~Poisson(1.5 k / lanes) below its 32 entries)
+            sample = max(sample, _next_pow2(-(-64 * width // k)))
+        sample = min(8192, max(256, sample))
+        lanes = max(16, min(128, cap // (splits * self.stream_lane_entries)))
+        v = max(8, 1024 // lanes)
+        # A lane's tie list must reach past its first tile: with TCAP >= 2 V a full list ends in the lane's
+        # second tile, so the ties known complete cover >= splits + 1 tiles of the row (the relu case)
+        many = rows >= 512
+        return StreamConfig(splits=splits, cap=cap, lanes=lanes, v=v, tie_cap=max(32, 2 * v), sample=sample,
+                            num_warps=self.stream_warps[0], final_warps=self.stream_warps[1],
+                            order_warps=self.stream_order_warps[0 if many else 1], bins=self.stream_bins,
+                            order_chunks=self.stream_order_chunks[0 if rows >= 1024 else 1])
+
+    @staticmethod
+    def for_device(device: "torch.device | str | None" = None) -> "SelectConfig":
+        """The measured select defaults of the GPU of ``device`` (those of :meth:`TopkConfig.for_device`)."""
+        return TopkConfig.for_device(device).select
 
 
 @dataclass(frozen=True)
@@ -105,4 +264,5 @@ class TopkConfig:
 
 TOPK_DEFAULTS: dict[str, TopkConfig] = {"H200": TopkConfig(), "default": TopkConfig()}
 
-__all__ = ["TopkConfig", "SelectConfig", "TOPK_DEFAULTS", "DEFAULT_WORKSPACE_BYTES", "MAX_SELECT_BLOCK"]
+__all__ = ["TopkConfig", "SelectConfig", "StreamConfig", "TOPK_DEFAULTS", "DEFAULT_WORKSPACE_BYTES",
+           "MAX_SELECT_BLOCK", "MAX_K", "STREAM_MAX_K"]

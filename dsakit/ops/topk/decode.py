@@ -32,7 +32,7 @@ The plan owns the workspace and the outputs. Memory (bytes, fixed at plan time):
 
     4 * R * W (scores workspace) + 8 * R * 2048 (candidate buffer) + 4 * R * K (indices)
     [+ 4 * R * K (slots)] + 8 * R (visible counts, tile rows) + 12 * B (tile plan),  R = B * next_n
-    + the streaming select's buffers for k <= 4096 (``plan.stream.nbytes``, see dsakit.ops.topk._select_stream)
+    + the streaming select's buffers for k <= 4096 (``plan.stream.nbytes``, see ``SelectBuffers`` in dsakit.ops.topk.triton)
 
 e.g. B = 64, next_n = 1, W = 128K, K = 2048: 32 MiB + 1 MiB + 0.5 MiB + 9 MiB.
 
@@ -54,9 +54,9 @@ from ...batch import PagedBatch, check_k, check_positive_int
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from ..scores.config import ScoresConfig
 from ..scores.triton import QueryTiles, check_q_inputs, launch_index_scores, plan_decode_tiles, prepare_q
-from .config import SelectConfig
-from ._select_stream import STREAM_MAX_K, SelectBuffers
-from .triton import CANDIDATE_CAP, MAX_K, launch_select, launch_visible
+from ._select_stream import SelectBuffers
+from .config import MAX_K, SelectConfig
+from .triton import launch_select, launch_visible
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,8 @@ def plan_decode_topk(batch: int, next_n: int, max_entries: int, k: int, fmt: "Ke
         raise ValueError(f"return_slots and sort must be bools, got {return_slots!r}, {sort!r}")
     device = parse_device(device)
     select = select or SelectConfig()
+    if not isinstance(select, SelectConfig):
+        raise ValueError(f"select must be a SelectConfig or None, got {type(select).__name__}")
     rows = batch * next_n
     per_row = 4 * (max_entries + 1 + k * (2 if return_slots else 1)) + 8 * select.cap
     check_fits(rows * per_row, device, f"a decode plan for {rows:,} rows x max_entries {max_entries:,}")
@@ -140,8 +142,8 @@ def plan_decode_topk(batch: int, next_n: int, max_entries: int, k: int, fmt: "Ke
         cand_vals=torch.empty((rows, select.cap), dtype=torch.float32, device=device),
         cand_idx=torch.empty((rows, select.cap), dtype=torch.int32, device=device),
         scores=scores or ScoresConfig.for_device(device), select=select,
-        stream=SelectBuffers.allocate(rows, max_entries, k, device)
-        if select.algorithm == "stream" or (select.algorithm == "auto" and k <= STREAM_MAX_K) else None)
+        stream=SelectBuffers.allocate(rows, max_entries, k, device, select.stream_for(rows, max_entries, k))
+        if select.uses_stream(k) else None)
 
 
 def _check_plan(q, weights, batch, k, plan, q_scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -197,7 +199,7 @@ def index_topk_decode(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
     q, weights, q_scale = _check_plan(q, weights, batch, k, plan, q_scale)
     # the batch's widest sequence bounds the columns worth scoring (an unchecked batch states it itself)
     width = max(1, min(batch.max_entries, plan.max_entries))
-    launch_visible(batch, plan.visible, min(width, batch.block_table.shape[1] * ENTRIES_PER_PAGE))
+    launch_visible(batch, plan.visible, min(width, batch.block_table.shape[1] * ENTRIES_PER_PAGE), plan.select)
     scores = plan.workspace[:, :width]
     launch_index_scores(prepare_q(q), weights, batch, scores, plan.tiles, q_scale=q_scale, config=plan.scores)
     launch_select(scores, plan.visible, plan.indices, plan.k, plan.sort, config=plan.select, slots=plan.slots,

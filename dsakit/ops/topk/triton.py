@@ -12,9 +12,10 @@ Two entry points:
   (opt-in; measured no faster on the H200) two half-size workspaces alternate: chunk i is selected on a
   high-priority side stream while chunk i + 1 is scored on the caller's stream, ordered by events only.
 
-Both select with the streaming select of :mod:`dsakit.ops.topk._select_stream` for k <= 4096 (one pass over
-the scores in the common case; ``SelectConfig.algorithm``) and with the multi-pass radix select below
-otherwise.
+Both select with the streaming select (:func:`select_topk_stream`, :class:`SelectBuffers`; launch settings from
+``SelectConfig.stream_for``) for k <= 4096 (one pass over the scores in the common case;
+``SelectConfig.algorithm``) and with the multi-pass radix select below otherwise. Every launch setting comes
+from :mod:`dsakit.ops.topk.config`.
 
 Host cost. Workspaces (visible counts, score workspace, candidate buffers) and tile plans are cached by
 shape (device, T, H, workspace width rounded up to a power of two, queries per sequence), so a repeated
@@ -27,7 +28,7 @@ Workspace budget (documented, independent of N for the memory that matters):
     rows_per_chunk = clamp(workspace_bytes // (4 * W'), 1, T)       default workspace_bytes = 512 MiB
     W' = W rounded up to a power of two (the cached workspace serves every W up to it)
     extra memory   = 4 * rows_per_chunk * W' (<= max(workspace_bytes, 4 * W'))      fp32 score workspace
-                   + 8 * rows_per_chunk * CANDIDATE_CAP (2048)                        candidate buffer
+                   + 8 * rows_per_chunk * SelectConfig.cap (2048)                     candidate buffer
                    + 4 * T * K (indices) [+ 4 * T * K (slots)] + 4 * T (visible counts)
 
     overlap (CUDA, rows_per_chunk above < T): rows_per_chunk = clamp((workspace_bytes // 2) // (4 * W'), 1, T)
@@ -71,13 +72,10 @@ from ..scores.triton import (QueryTiles, check_q_inputs, check_q_scale_values, l
                              plan_query_tiles, prepare_q, tiles_from_lens)
 from ._inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
 from ._kernels import _radix_select_kernel, _visible_kernel
-from ._select_stream import (STREAM_MAX_K, launch_stream_select, launch_stream_select_cached,
-                             release_select_buffers)
-from .config import DEFAULT_WORKSPACE_BYTES, MAX_K, SelectConfig, TopkConfig
+from ._select_stream import (SelectBuffers, launch_stream_select, launch_stream_select_cached,
+                             release_select_buffers, select_topk_stream)
+from .config import DEFAULT_WORKSPACE_BYTES, MAX_K, STREAM_MAX_K, SelectConfig, StreamConfig, TopkConfig
 
-# Candidates per row kept for the exact final select (fp32 value + int32 index = 8 bytes each).
-CANDIDATE_CAP = 2048
-_VISIBLE_BLOCK = 256  # rows per program of the visible-count kernel
 # Buffers reused across calls, keyed by (role, device, shape); bounded so that a long-running process that
 # sees many shapes keeps only the latest few.
 _BUFFERS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
@@ -108,9 +106,10 @@ def launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
     candidate buffers (fp32 / int32 [>= R, cap]) are allocated when not given. With the streaming select
     (``config.algorithm``), ``stream_buffers`` (a ``SelectBuffers``) or cached ones are used."""
     config = config or SelectConfig()
-    if config.algorithm == "stream" or (config.algorithm == "auto" and k <= STREAM_MAX_K):
+    if config.uses_stream(k):
         if stream_buffers is None:
-            launch_stream_select_cached(scores, counts, out, k, sort, slots=slots, seq=seq, block_table=block_table)
+            launch_stream_select_cached(scores, counts, out, k, sort, slots=slots, seq=seq, block_table=block_table,
+                                        select=config)
         else:
             launch_stream_select(scores, counts, out, k, sort, stream_buffers, slots=slots, seq=seq,
                                  block_table=block_table)
@@ -130,15 +129,17 @@ def launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
         WITH_SLOTS=slots is not None, num_warps=num_warps)
 
 
-def launch_visible(batch: PagedBatch, out: torch.Tensor, limit: int) -> None:
-    """visible int32 [T] of every batch row, clamped to 0..limit (one kernel, no sync)."""
+def launch_visible(batch: PagedBatch, out: torch.Tensor, limit: int, config: SelectConfig | None = None) -> None:
+    """visible int32 [T] of every batch row, clamped to 0..limit (one kernel, no sync); config: its launch
+    (``SelectConfig.visible_block`` rows per program)."""
     rows = batch.num_queries
     if rows == 0:
         return
+    block = (config or SelectConfig()).visible_block
     positions = batch.query_positions
-    _visible_kernel[(triton.cdiv(rows, _VISIBLE_BLOCK),)](
+    _visible_kernel[(triton.cdiv(rows, block),)](
         batch.entry_counts, batch.query_seq, positions if positions is not None else batch.entry_counts, out,
-        rows, max(batch.num_seqs, 1), batch.ratio, limit, HAS_POS=positions is not None, BLOCK=_VISIBLE_BLOCK)
+        rows, max(batch.num_seqs, 1), batch.ratio, limit, HAS_POS=positions is not None, BLOCK=block)
 
 
 def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor | None = None,
@@ -334,7 +335,7 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
         chunk = rows_per_chunk(t, columns, config.workspace_bytes // 2)
     plans = plan_chunks(batch, chunk, num_heads, config)
     visible = cached_buffer("visible", (t,), torch.int32, device)
-    launch_visible(batch, visible, min(width, batch.block_table.shape[1] * 64))
+    launch_visible(batch, visible, min(width, batch.block_table.shape[1] * 64), config.select)
     if overlap:
         workspaces = cached_buffer("scores2", (2, chunk, columns), torch.float32, device)[:, :, :width]
     else:
@@ -357,4 +358,5 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
 
 
 __all__ = ["index_topk_triton", "select_topk_triton", "launch_select", "launch_visible", "rows_per_chunk",
-           "release_workspaces", "TopkConfig", "SelectConfig", "DEFAULT_WORKSPACE_BYTES", "CANDIDATE_CAP", "MAX_K"]
+           "release_workspaces", "TopkConfig", "SelectConfig", "StreamConfig", "DEFAULT_WORKSPACE_BYTES", "MAX_K",
+           "STREAM_MAX_K", "SelectBuffers", "select_topk_stream", "launch_stream_select"]
