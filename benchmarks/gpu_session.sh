@@ -3,7 +3,7 @@
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_session.sh OUTDIR SECTION...
 #
-# Sections: tests scores-tests host select selectq deepgemm* attention centred layer store sweep decode-sweep prefill-sweep ncu
+# Sections: tests scores-tests host select selectq deepgemm* peers attention centred layer store sweep decode-sweep prefill-sweep ncu
 # ncu-gaps distributed (see the case below);
 # a deepgemm section builds the DeepGEMM anchor first (~100 s, once per machine) inside its own chain.
 # Sections named "x@N" run pinned to GPU N (CUDA_VISIBLE_DEVICES=N); sections joined with "+" in one argument
@@ -27,6 +27,18 @@ deepgemm_ready() {
   fi
 }
 
+streamindex_ready() {
+  # StreamIndex: pure Triton, only unpacked (benchmarks/anchors/pack_streamindex.sh made the tarball)
+  local tgz
+  for tgz in .anchors/streamindex-*.tgz; do
+    [ -f "$tgz" ] || continue
+    # shellcheck disable=SC1090
+    source benchmarks/anchors/build_streamindex.sh "$tgz" >> "$res/streamindex_build.log" 2>&1 || return 1
+    return 0
+  done
+  return 1
+}
+
 run_section() {
   local name=$1 gpu=${2:-} limit=${3:-540}
   local dir="$res/$name"; mkdir -p "$dir"
@@ -39,6 +51,9 @@ run_section() {
     select)      "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_select.py --out "$dir" --commit "$commit" ;;
     deepgemm*)   deepgemm_ready || echo "DeepGEMM build failed: timing dsakit alone"
                  "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_vs_deepgemm.py --out "$dir" --commit "$commit" ;;
+    peers)       deepgemm_ready || echo "DeepGEMM build failed: reported as missing"
+                 streamindex_ready || echo "StreamIndex not unpacked: reported as missing"
+                 "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_peers.py --out "$dir" --commit "$commit" ;;
     selectq)     "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_select.py --out "$dir" --commit "$commit" --quick ;;
     attention)   "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_attention.py --out "$dir" --commit "$commit" ;;
     centred)     "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_centred.py --out "$dir" --commit "$commit" ;;
