@@ -31,6 +31,8 @@ configuration = pytest.importorskip("transformers.models.deepseek_v4.configurati
 from dsakit.integrations.transformers import (PatchedDeepseekV4Attention, patch_deepseek_v4,  # noqa: E402
                                               unpatch_deepseek_v4)
 
+from dsakit.formats import KeyFormat  # noqa: E402
+
 from _helpers import randomize_v4_, tiny_v4_config  # noqa: E402
 
 
@@ -158,3 +160,142 @@ def test_bf16_model(saved_model):
     assert rel <= 0.1, rel
     generated = model.generate(prompt, min_new_tokens=4, max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, 100)
+
+
+# --------------------------------------------------------------------------------------------------
+# Refused calls change nothing (issue 24 items 3 and 7)
+# --------------------------------------------------------------------------------------------------
+
+
+def cache_snapshot(cache) -> list:
+    """Per layer: transformers' token count, and for a patched layer every dsakit pool's entry count, live
+    entries and slot map and every compressor ring, per sequence."""
+    out = []
+    for layer in cache.layers:
+        entry = [layer.get_seq_length()]
+        state = getattr(layer, "_dsakit_layer_state", None)
+        if state is not None:
+            c = state.cache
+            for seq in state.seqs:
+                for name, pool in c.caches().items():
+                    sid = c.id_in(name, seq)
+                    slot_map = c.slot_map(name, seq) if name != "index" else None
+                    entry += [pool.length(sid), pool.gather(sid).clone(), pool.num_pages, pool.free_pages,
+                              None if slot_map is None else slot_map.clone()]
+                for ring in c._states[seq].values():
+                    entry += [ring.kv.clone(), ring.gate.clone(), ring.length]
+        out.append(entry)
+    return out
+
+
+def assert_same_snapshot(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert len(x) == len(y), f"layer {i}"
+        for u, v in zip(x, y):
+            assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v, f"layer {i}"
+
+
+def test_failed_forward_leaves_every_layer_cache_as_it_was(saved_model, monkeypatch):
+    """A failure inside layer 1 (after layer 0 and layer 1 stored the tokens) leaves every layer's caches,
+    dsakit's and transformers' placeholders, as they were: no phantom tokens, and the next forward gives
+    exactly the logits of a cache that never saw the failure. The same for a failure in the first forward."""
+    from transformers import DynamicCache
+
+    path, prompt = saved_model
+    prompt, step = prompt[:, :40], prompt[:, 40:41]
+    model = patch_deepseek_v4(load(path), index_key_format="bf16")
+
+    def forward(ids, cache):
+        with torch.no_grad():
+            return model(ids, cache=cache, use_cache=True).logits
+
+    clean = DynamicCache(config=model.config)
+    want = [forward(prompt, clean), forward(step, clean)]
+    block = model.model.layers[1].self_attn
+    attend = block.attend
+
+    def failing_attend(*args, **kwargs):
+        raise RuntimeError("injected failure in layer 1")
+
+    cache = DynamicCache(config=model.config)
+    empty = cache_snapshot(cache)
+    monkeypatch.setattr(block, "attend", failing_attend)
+    with pytest.raises(RuntimeError, match="injected"):
+        forward(prompt, cache)  # the first forward: the dsakit caches are made, then dropped again
+    assert_same_snapshot(empty, cache_snapshot(cache))
+    monkeypatch.setattr(block, "attend", attend)
+    assert torch.equal(forward(prompt, cache), want[0])
+    before = cache_snapshot(cache)
+    assert before[0][0] == 40
+    monkeypatch.setattr(block, "attend", failing_attend)
+    with pytest.raises(RuntimeError, match="injected"):
+        forward(step, cache)
+    assert_same_snapshot(before, cache_snapshot(cache))
+    monkeypatch.setattr(block, "attend", attend)
+    assert torch.equal(forward(step, cache), want[1])
+
+
+def test_patch_checks_every_layer_before_patching_any():
+    """A CSA layer with compress rate 8 (dsakit needs 4) is refused with layer 0 left unpatched (before: layer
+    0 was patched and the model still ran)."""
+    config = tiny_v4_config(num_hidden_layers=2, layer_types=["sliding_attention", "compressed_sparse_attention"],
+                            compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 16})
+    model = modeling.DeepseekV4ForCausalLM(config).eval()
+    blocks = [layer.self_attn for layer in model.model.layers]
+    with pytest.raises(ValueError, match="compress rate must be 4"):
+        patch_deepseek_v4(model)
+    assert all(layer.self_attn is block for layer, block in zip(model.model.layers, blocks))
+    assert "forward" not in vars(model.model)
+
+
+def test_patch_refuses_a_model_that_is_not_deepseek_v4():
+    """A Llama model is a ValueError naming what is missing (was AttributeError: no 'layer_type')."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    attn = model.model.layers[0].self_attn
+    with pytest.raises(ValueError, match="not a transformers DeepseekV4 model: layer 0: LlamaAttention"):
+        patch_deepseek_v4(model)
+    assert model.model.layers[0].self_attn is attn
+
+
+def test_second_patch_with_other_arguments_repatches(saved_model):
+    """patch again with the same arguments: nothing changes; with other ones (fp8 keys, top-k 8): every layer
+    runs with them, exactly as a model patched with them once (was: silently ignored)."""
+    path, prompt = saved_model
+    prompt = prompt[:, :96]  # 24 entries per CSA layer: top-k 8 selects
+    model = patch_deepseek_v4(load(path), index_key_format="bf16")
+    params = dict(model.named_parameters())
+    blocks = [layer.self_attn for layer in model.model.layers]
+    patch_deepseek_v4(model, index_key_format="bf16")
+    assert all(layer.self_attn is block for layer, block in zip(model.model.layers, blocks))
+    patch_deepseek_v4(model, "fp8", topk=8)
+    csa = model.model.layers[1].self_attn
+    assert csa is not blocks[1] and csa.index_key_format == KeyFormat.FP8 and csa.index_topk == 8
+    assert all(p is params[name] for name, p in model.named_parameters())
+    once = patch_deepseek_v4(load(path), "fp8", topk=8)
+    with torch.no_grad():
+        assert torch.equal(model(prompt).logits, once(prompt).logits)
+
+
+def test_unpatch_restores_the_exact_modules_of_a_bf16_model(saved_model):
+    """Unpatching a bf16-cast model gives back its own attention modules: the rotary inv_freq buffers stay
+    bf16 with their values (they were rebuilt in fp32: logits off by 8e-3 of the max), logits bitwise equal."""
+    path, prompt = saved_model
+    prompt = prompt[:, :48]
+    model = load(path).to(torch.bfloat16)
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    with torch.no_grad():
+        want = model(prompt).logits
+        patch_deepseek_v4(model, index_key_format="bf16")
+        model(prompt)
+    unpatch_deepseek_v4(model)
+    after = dict(model.named_buffers())
+    assert after.keys() == buffers.keys()
+    for name, b in buffers.items():
+        assert after[name].dtype == b.dtype and torch.equal(after[name], b), name
+    assert "forward" not in vars(model.model)
+    with torch.no_grad():
+        assert torch.equal(model(prompt).logits, want)

@@ -303,3 +303,93 @@ def test_gpu_decode_step_makes_no_device_sync(layer_type):
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert cache.length(seq) == 400
+
+
+# --------------------------------------------------------------------------------------------------
+# A refused or failed call leaves the cache as it was (issue 24 item 3)
+# --------------------------------------------------------------------------------------------------
+
+
+def cache_state(cache, seq) -> dict:
+    """Everything a later call can observe of one sequence: entry counts, live entries (dequantized), pool
+    sizes and free pages, slot maps, compressor rings."""
+    state = {"length": cache.length(seq)}
+    for name, pool in cache.caches().items():
+        sid = cache.id_in(name, seq)
+        state[name] = (pool.num_pages, pool.free_pages, pool.length(sid), pool.slots(sid).tolist(),
+                       pool.gather(sid).clone())
+        slot_map = cache.slot_map(name, seq) if name != "index" else None
+        state[f"{name} map"] = None if slot_map is None else slot_map.clone()
+    for name in ("compressor", "indexer"):
+        if name in cache._states[seq]:
+            ring = cache.state(seq, name)
+            state[f"{name} ring"] = (ring.kv.clone(), ring.gate.clone(), ring.length)
+    return state
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, tuple):
+            assert len(x) == len(y) and all(torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v
+                                            for u, v in zip(x, y)), key
+        elif isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), key
+        else:
+            assert x == y, key
+
+
+def test_refused_backend_stores_nothing(monkeypatch):
+    """backend='triton' on CPU tensors without the interpreter is refused before the first store: the cache
+    length stays 0 (it went 0 -> 3 before) and a later call gives the output of a fresh cache."""
+    pytest.importorskip("triton")
+    layer = random_layer("csa", "triton", "cpu")
+    x = hidden(13, 3)
+    cache = layer.new_cache(16)
+    seq = cache.add_sequence()
+    before = cache_state(cache, seq)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        with torch.no_grad():
+            layer(x, cache, seq)
+    assert_same_state(before, cache_state(cache, seq))
+    assert cache.length(seq) == 0
+
+
+def test_failed_call_rolls_the_cache_back(monkeypatch):
+    """A failure after the stores (here in the attention of the last chunk, after the pools and slot maps grew
+    and the rings moved) puts the sequence back as it was, the other sequence untouched; the retry gives
+    exactly the output of a run that never failed."""
+    layer = random_layer("csa", "reference", "cpu", num_heads=2, o_groups=2, query_chunk=16)
+    x = hidden(14, 120)
+    clean = layer.new_cache(max_tokens=16)
+    clean_seq = clean.add_sequence()
+    cache = layer.new_cache(max_tokens=16)
+    other = cache.add_sequence()
+    seq = cache.add_sequence()
+    with torch.no_grad():
+        want = [layer(x[:50], clean, clean_seq), layer(x[50:], clean, clean_seq)]
+        assert torch.equal(layer(x[:50], cache, seq), want[0])
+        layer(x[:30], cache, other)
+        before, before_other = cache_state(cache, seq), cache_state(cache, other)
+        pages_before = {name: pool.num_pages for name, pool in cache.caches().items()}
+        calls = []
+        attend = layer.attend
+
+        def failing_attend(*args, **kwargs):
+            calls.append({name: pool.num_pages for name, pool in cache.caches().items()})
+            if len(calls) == 4:  # the last query chunk of 70 tokens: everything is stored by then
+                raise RuntimeError("injected failure")
+            return attend(*args, **kwargs)
+
+        monkeypatch.setattr(layer, "attend", failing_attend)
+        with pytest.raises(RuntimeError, match="injected"):
+            layer(x[50:], cache, seq)
+        assert len(calls) == 4 and calls[-1] != pages_before  # the failed call grew pools
+        monkeypatch.setattr(layer, "attend", attend)
+        # the failed call grew pools; the rollback went back to the pools of before
+        assert {name: pool.num_pages for name, pool in cache.caches().items()} == pages_before
+        assert_same_state(before, cache_state(cache, seq))
+        assert_same_state(before_other, cache_state(cache, other))
+        assert torch.equal(layer(x[50:], cache, seq), want[1])
