@@ -199,10 +199,14 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"peers_{commit}.json"
     meta = environment(dev, commit)
-    meta.update({"peers": peer_info, "H": HEADS, "D": DIM, "K": K, "timing": "prefill eager both sides, decode "
+    meta.update({"peers": peer_info, "H": 4 if args.smoke else HEADS, "D": DIM, "K": 16 if args.smoke else K,
+                 "timing": "prefill eager both sides, decode "
                  "CUDA-graph replays both sides; ratios dsakit / peer of the same run"})
     report = {"meta": meta, "select": [], "prefill": [], "decode": []}
     sections = args.sections.split(",")
+    unknown = [name for name in sections if name not in ("select", "prefill", "decode")]
+    if unknown:
+        ap.error(f"unknown sections {unknown}: choose from select, prefill, decode")
     smoke = args.smoke
     k = 16 if smoke else K
     heads = 4 if smoke else HEADS
@@ -217,7 +221,7 @@ def main() -> int:
         print({key: (round(v, 4) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
         write_json(path, report)
 
-    if "select" in sections:
+    def section_select() -> None:
         shapes = [(16, 600, False), (4, 2000, True)] if smoke else [(8192, 65536, False), (64, 131072, True)]
         for rows, n, graph in shapes:
             for kind in SELECT_KINDS:
@@ -230,7 +234,7 @@ def main() -> int:
                 emit("select", row)
                 del scores
 
-    if "prefill" in sections:
+    def section_prefill() -> None:
         t = 16 if smoke else 8192
         for n in ([300, 1200] if smoke else [int(x) for x in args.prefill_n.split(",")]):
             row = {"case": "prefill", "T": t, "N": n, "K": k, "H": heads, "timing": "eager"}
@@ -299,7 +303,7 @@ def main() -> int:
                 torch.cuda.empty_cache()
             emit("prefill", row)
 
-    if "decode" in sections:
+    def section_decode() -> None:
         b = 2 if smoke else 64
         for n in ([300] if smoke else [int(x) for x in args.decode_n.split(",")]):
             pools = {name: timing_pool(KeyFormat.parse(name), [n] * b, dev, seed=11) for name in ("fp8", "fp4")}
@@ -345,6 +349,10 @@ def main() -> int:
                     if got is not None:
                         row["deepgemm_recall_of_dsakit"] = _recall(got, mine)
                         timed = _try(row, "deepgemm_graph", lambda: bench(dg_step, graph=True))
+                        row["deepgemm_timing"] = "graph"
+                        if timed is None:  # not capturable here: time it eager and say so (not the same rule)
+                            timed = bench(dg_step)
+                            row["deepgemm_timing"] = "eager (graph capture failed)"
                         if timed is not None:
                             row["deepgemm_topk_ms"] = timed
                             row["deepgemm_topk_us_per_row"] = 1e3 * timed / rows
@@ -389,6 +397,10 @@ def main() -> int:
             del pools
             if dev == "cuda":
                 torch.cuda.empty_cache()
+
+    runs = {"select": section_select, "prefill": section_prefill, "decode": section_decode}
+    for name in sections:  # in the order given, so the most wanted section runs first
+        runs[name]()
 
     report["meta"]["total_s"] = time.time() - t_start
     write_json(path, report)
