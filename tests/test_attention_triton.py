@@ -338,3 +338,37 @@ def test_kernel_on_gpu(fmt_name, hq):
         assert_flash_close(out, lse, *want, *base)
         again = sparse_attention_triton(ga, **cfg)
         assert torch.equal(again[0], out) and torch.equal(again[1], lse), cfg
+
+
+def test_attention_config_is_checked_and_is_what_the_launcher_reads():
+    """Every launch setting of the launcher comes from an AttentionConfig (per-GPU table; the CPU takes the
+    "default" entry): its fields are checked when it is made, the split rule is its method, and a config
+    passed in runs exactly as the same settings given as overrides."""
+    from dsakit.ops.attention import ATTENTION_DEFAULTS, AttentionConfig
+    from dsakit.ops.attention.triton import sparse_attention_triton
+
+    for bad, match in ((dict(block_n=48), "block_n"), (dict(dv_split=3), "dv_split"),
+                       (dict(num_stages=0), "num_stages"), (dict(stages={("bf16", 64): 1}), "stages"),
+                       (dict(combine_block_h=128), "combine_block_h"), (dict(num_splits=True), "num_splits")):
+        with pytest.raises(ValueError, match=match):
+            AttentionConfig(**bad)
+    config = AttentionConfig.for_device("cpu")
+    assert config is ATTENTION_DEFAULTS["default"] and config.stages_for("bf16", 128) == 2
+    assert config.replace(num_stages=3).stages_for("fp8-rope-bf16", 64) == 3
+    assert config.splits_for(2, 64, 100, sm_count=None) == 1  # not a GPU: one split
+    assert config.splits_for(2, 64, 100, sm_count=132) == 66 and config.splits_for(2, 128, 10, sm_count=132) == 10
+    assert config.splits_for(200, 64, 100, sm_count=132) == 1  # the queries fill the SMs
+    assert config.replace(num_splits=3).splits_for(2, 64, 100, sm_count=132) == 3
+    with pytest.raises(ValueError, match="config must be an AttentionConfig"):
+        sparse_attention_triton(None, {"num_splits": 2})
+    if not triton_interpreted():
+        return
+    gen = torch.Generator().manual_seed(21)
+    fmt = FORMATS["bf16"]
+    pool = make_pool(fmt, 3, gen)
+    q = torch.randn(2, 64, D, generator=gen)
+    indices = torch.randint(0, 3 * 64, (2, 70), generator=gen, dtype=torch.int32)
+    a = ref.check_sparse_attention_inputs(q, pool, indices, kv_format=fmt)
+    by_config = sparse_attention_triton(a, AttentionConfig(num_splits=2))
+    by_override = sparse_attention_triton(a, num_splits=2)
+    assert torch.equal(by_config[0], by_override[0]) and torch.equal(by_config[1], by_override[1])

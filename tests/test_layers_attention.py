@@ -393,3 +393,34 @@ def test_failed_call_rolls_the_cache_back(monkeypatch):
         assert_same_state(before, cache_state(cache, seq))
         assert_same_state(before_other, cache_state(cache, other))
         assert torch.equal(layer(x[50:], cache, seq), want[1])
+
+
+def test_config_object_and_construction_from_transformers():
+    """V4Attention(config) with a frozen V4AttentionConfig is the block V4Attention(layer_type, ...) builds;
+    V4Attention.from_transformers takes a transformers block's own parameters and runs as the block loaded
+    from its state dict."""
+    import dataclasses
+
+    from dsakit.layers import V4AttentionConfig
+
+    config, block = transformers_block("csa", topk=8)
+    loaded = dsakit_block("csa", config, block)
+    settings = loaded.layer_config
+    assert isinstance(settings, V4AttentionConfig) and settings.index_topk == 8 and settings.ratio == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.window = 3
+    with pytest.raises(ValueError, match="window"):
+        settings.replace(window=0)
+    with pytest.raises(ValueError, match="not both"):
+        V4Attention(settings, HIDDEN)
+    with pytest.raises(ValueError, match="unknown V4 attention settings"):
+        V4Attention("csa", HIDDEN, Q_LORA, windw=3)
+    assert V4Attention(settings).layer_config == settings
+    assert V4Attention(layer_type="hca", hidden_size=HIDDEN, q_lora_rank=Q_LORA, num_heads=2, o_groups=2,
+                       o_lora_rank=16, index_key_format="bf16").layer_type == "hca"
+    shared = V4Attention.from_transformers(block, index_key_format="bf16")
+    assert shared.q_a_proj.weight is block.q_a_proj.weight
+    assert shared.compressor.indexer.q_b_proj.weight is block.compressor.indexer.q_b_proj.weight
+    assert shared.layer_config == settings
+    x = hidden(15, 40)
+    assert torch.equal(run(shared, x, split=30)[0], run(loaded, x, split=30)[0])

@@ -148,9 +148,11 @@ class V4Attention(nn.Module):
     o_groups = _config_property("o_groups", "groups of the output projection")
     o_lora_rank = _config_property("o_lora_rank", "rank of each output-projection group")
 
-    def __init__(self, config: "V4AttentionConfig | str", hidden_size: int | None = None,
+    def __init__(self, config: "V4AttentionConfig | str | None" = None, hidden_size: int | None = None,
                  q_lora_rank: int | None = None, **settings):
         super().__init__()
+        if config is None and "layer_type" in settings:  # the first parameter's name before the config
+            config = settings.pop("layer_type")
         if isinstance(config, V4AttentionConfig):
             if hidden_size is not None or q_lora_rank is not None or settings:
                 raise ValueError("pass either a V4AttentionConfig or (layer_type, hidden_size, q_lora_rank, "
