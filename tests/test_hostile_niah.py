@@ -269,3 +269,174 @@ def test_serve_reference_port_out_of_range_is_a_usage_error(port):
     assert "Traceback" not in result.output
     with pytest.raises(ValueError, match="port must be"):
         ReferenceHTTPServer(("127.0.0.1", int(port)), ReferenceService(RetrievalModel(RetrievalConfig())))
+
+
+# -- broken 200 responses, lying usage counts, huge grids and bodies (mocked transport, no sockets) -------
+
+def _mock_endpoint(monkeypatch, handler, **kw) -> EndpointConfig:
+    """An EndpointConfig whose requests go to ``handler(request) -> httpx.Response`` in-process."""
+    import functools
+
+    import httpx
+
+    from dsakit.niah import client as client_module
+
+    monkeypatch.setattr(client_module.httpx, "AsyncClient",
+                        functools.partial(httpx.AsyncClient, transport=httpx.MockTransport(handler)))
+    return EndpointConfig(base_url="http://127.0.0.1:9/v1", model="m", backoff_s=0.0, **kw)
+
+
+def _chat(content: str = "ZEBRA-0000-OMEGA", prompt_tokens: int = 100, **extra) -> dict:
+    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 3}, **extra}
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # deeper than json's recursion limit: RecursionError, not JSONDecodeError
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_deeply_nested_json_in_a_200_is_an_error_row_not_a_crash(monkeypatch, tmp_path, stream):
+    import httpx
+
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        if stream:
+            return httpx.Response(200, content=f"data: {DEEP}\n\ndata: [DONE]\n\n".encode(),
+                                  headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, content=json.dumps(_chat())[:-1].encode() + b', "junk": ' + DEEP.encode() + b"}")
+
+    endpoint = _mock_endpoint(monkeypatch, handler, max_retries=1, stream=stream)
+    config = SweepConfig(lengths=(300,), depths=(0.25, 0.75), concurrency=1)
+    outcome = asyncio.run(run_sweep(config, endpoint, tmp_path, counter=ReferenceCounter(),
+                                    tokenizer_spec="reference"))
+    assert outcome.rows == [] and len(outcome.errors) == 2 and len(calls) == 4  # each cell: retried once
+    assert all("nested too deeply" in e["error"] and e["cell"] for e in outcome.errors)
+    assert len((tmp_path / ERRORS_FILE).read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_bodies_are_capped_while_reading(monkeypatch, tmp_path, stream):
+    import httpx
+
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        if stream:  # 200 events of ~1 KB: each is fine, together they pass the cap
+            event = "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "x" * 1000}}]}) + "\n\n"
+            return httpx.Response(200, content=(event * 200 + "data: [DONE]\n\n").encode(),
+                                  headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json=_chat("x" * 200_000))
+
+    endpoint = _mock_endpoint(monkeypatch, handler, max_retries=3, stream=stream, max_response_bytes=64 << 10)
+    config = SweepConfig(lengths=(300,), depths=(0.5,), concurrency=1)
+    outcome = asyncio.run(run_sweep(config, endpoint, tmp_path, counter=ReferenceCounter(),
+                                    tokenizer_spec="reference"))
+    assert outcome.rows == [] and len(outcome.errors) == 1 and len(calls) == 1  # refused at once, not retried
+    assert f"response body exceeds {64 << 10} bytes" in outcome.errors[0]["error"]
+    with pytest.raises(ValueError, match="max_response_bytes"):
+        EndpointConfig(base_url="http://127.0.0.1:9/v1", model="m", max_response_bytes=0)
+
+
+def _usage_handler(counts, requests):
+    """Chat responses whose usage.prompt_tokens is ``counts(words of the prompt)``."""
+    import httpx
+
+    def handler(request):
+        body = json.loads(request.content)
+        requests.append(body)
+        return httpx.Response(200, json=_chat(prompt_tokens=counts(_words(body))))
+
+    return handler
+
+
+def _plausible(words: int) -> int:
+    return 40 + (4 * words) // 3  # a tokenizer's count: ~1.33 tokens per filler word plus the template
+
+
+@pytest.mark.parametrize("mode", ["1e18", "random", "decreasing"])
+def test_calibration_refuses_implausible_usage_instead_of_running_empty_cells(monkeypatch, tmp_path, mode):
+    """These counts used to end in cells with 0 filler words reported as 0 % found and no error."""
+    import random
+
+    rng = random.Random(0)
+    counts = {"1e18": lambda w: 10 ** 18, "random": lambda w: rng.randint(1, 4000),
+              "decreasing": lambda w: max(1, 3000 - w)}[mode]
+    requests: list[dict] = []
+    endpoint = _mock_endpoint(monkeypatch, _usage_handler(counts, requests), max_retries=0)
+    config = SweepConfig(lengths=(1000,), depths=(0.5,), concurrency=1)
+    outcome = asyncio.run(run_sweep(config, endpoint, tmp_path))
+    assert outcome.rows == [] and [e["stage"] for e in outcome.errors] == ["calibration"]
+    assert "usage.prompt_tokens" in outcome.errors[0]["error"]
+    assert requests and all(body["max_tokens"] == 1 for body in requests)  # probes only: no cell was run
+    assert not (tmp_path / CALIBRATION_FILE).exists()
+
+
+def test_calibration_accepts_a_plausible_server(monkeypatch, tmp_path):
+    requests: list[dict] = []
+    endpoint = _mock_endpoint(monkeypatch, _usage_handler(_plausible, requests), max_retries=0)
+    outcome = asyncio.run(run_sweep(SweepConfig(lengths=(1000, 3000), depths=(0.5,)), endpoint, tmp_path))
+    assert not outcome.errors and len(outcome.rows) == 2
+    assert all(abs(r["prompt_tokens"] - r["length"]) <= 0.01 * r["length"] for r in outcome.rows)
+
+
+def test_huge_trial_counts_are_refused_before_any_cell_exists(tmp_path):
+    with pytest.raises(ValueError, match="1000000000 cells"):
+        SweepConfig(lengths=(1000,), depths=(0.5,), trials=1_000_000_000)
+    assert SweepConfig(lengths=(1000,), depths=(0.5,), multi_needle=True, trials=1000).cell_count == 1000
+    result = _niah(tmp_path, "--out", str(tmp_path / "o"), "--trials", "1000000000")
+    assert result.exit_code == 2 and "more than 100000" in result.output, result.output
+
+
+def test_resume_removes_the_errors_it_resolved(monkeypatch, tmp_path):
+    """A first run fails the calibration of one length and one cell of the other; a resume finishes every
+    cell: errors.jsonl keeps none of those errors. An error of a cell that still has no row stays."""
+    import httpx
+
+    state = {"broken": True, "cells": 0}
+
+    def handler(request):
+        body = json.loads(request.content)
+        words = _words(body)
+        probe = body["max_tokens"] == 1
+        if not probe:
+            state["cells"] += 1
+        if state["broken"] and ((probe and words > 1500) or state["cells"] == 1):
+            return httpx.Response(400, json={"error": {"message": "broken for now"}})
+        return httpx.Response(200, json=_chat(prompt_tokens=_plausible(words)))
+
+    endpoint = _mock_endpoint(monkeypatch, handler, max_retries=0)
+    config = SweepConfig(lengths=(1000, 3000), depths=(0.25, 0.75), concurrency=1)
+    first = asyncio.run(run_sweep(config, endpoint, tmp_path))
+    assert len(first.rows) == 1 and sorted(e.get("stage", "cell") for e in first.errors) == ["calibration", "cell"]
+    assert len((tmp_path / ERRORS_FILE).read_text().splitlines()) == 2
+    with (tmp_path / ERRORS_FILE).open("a") as fh:
+        fh.write(json.dumps({"cell": "L5000-d0.9000-t0", "error": "another grid"}) + "\n")
+    state["broken"] = False
+    second = asyncio.run(run_sweep(config, endpoint, tmp_path, resume=True))
+    assert len(second.rows) == 4 and not second.errors
+    left = [json.loads(line) for line in (tmp_path / ERRORS_FILE).read_text().splitlines()]
+    assert left == [{"cell": "L5000-d0.9000-t0", "error": "another grid"}]
+
+
+def test_partial_run_summary_and_heatmap_show_the_whole_grid(tmp_path):
+    """Nothing listens on port 9: every length fails calibration. The summary and heatmap still have every
+    requested depth and length, each cell 'miss', 'all' counted as not found; exit code 1."""
+    result = _niah(tmp_path, "--out", str(tmp_path), "--lengths", "1k,2k", "--depths", "0.25,0.75")
+    assert result.exit_code == 1, result.output
+    summary = (tmp_path / "summary.txt").read_text()
+    lines = summary.splitlines()
+    for depth in ("0.25", "0.75"):
+        row = next(line for line in lines if line.strip().startswith(depth))
+        assert row.split("|")[1].split() == ["miss", "miss"] and row.split("|")[2].split() == ["miss"]
+    assert "4 cell(s) have no row" in summary and "4 of 4 requested needle(s) have no row" in summary
+    assert (tmp_path / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_extra_body_nested_too_deeply_is_a_usage_error(tmp_path):
+    for body, message in ((DEEP, "nested too deeply"), ('{"a": ' * 40 + "1" + "}" * 40, "nested 40 levels deep")):
+        result = _niah(tmp_path, "--out", str(tmp_path / "o"), "--extra-body", body)
+        assert result.exit_code == 2 and message in result.output, result.output[-500:]
+        assert "Traceback" not in result.output

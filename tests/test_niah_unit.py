@@ -11,7 +11,8 @@ import torch
 
 from dsakit.niah.client import EndpointConfig, backoff_delay, split_reasoning
 from dsakit.niah.grid import parse_depths, parse_lengths, sigmoid_depths
-from dsakit.niah.report import cell_lines, grouped_report, needle_line, summary_table, write_heatmap
+from dsakit.niah.report import (RequestedGrid, cell_lines, found_matrix, grouped_report, needle_line, summary_table,
+                                write_heatmap)
 from dsakit.niah.results import ResultStore, StoreLockedError, read_rows
 from dsakit.niah.retrieval import RetrievalConfig, RetrievalModel, SimpleTokenizer
 from dsakit.niah.server import FaultConfig, ReferenceService, RequestError, check_loopback, render_chat
@@ -207,6 +208,41 @@ def test_summary_table_and_heatmap(tmp_path):
     with pytest.raises(OSError):  # a file where the folder should be: savefig fails ...
         write_heatmap(rows, tmp_path / "file" / "h.png", "t")
     assert plt.get_fignums() == open_before  # ... and the figure is closed anyway (pyplot keeps it otherwise)
+
+
+def test_partial_summary_shows_the_whole_grid_and_counts_missing_cells(tmp_path):
+    """Depth 0.50 failed everywhere, 0.95 at 8000 only: the table keeps every requested depth and length, and
+    'all' counts the missing needles as not found (it read 100 % from the rows that exist)."""
+    rows = [_row(1000, 0.05, True), _row(8000, 0.05, True), _row(1000, 0.95, True)]
+    grid = RequestedGrid(lengths=(1000, 8000), depths=(0.05, 0.5, 0.95), trials=1)
+    lines = summary_table(rows, "t", grid).splitlines()
+
+    def cells(label):
+        row = next(line for line in lines if line.strip().startswith(label))
+        return row.split("|")[1].split() + row.split("|")[2].split()
+
+    assert cells("0.05") == ["100%", "100%", "100%"]
+    assert cells("0.50") == ["miss", "miss", "miss"]
+    assert cells("0.95") == ["100%", "miss", "50%!"]
+    assert cells("all") == ["67%!", "33%!", "50%!"]  # 3 found of 6 requested
+    assert any(line.startswith("! 3 of 6 requested needle(s) have no row") for line in lines)
+    assert summary_table(rows, "t").splitlines()[-1].split("|")[2].split() == ["100%"]  # rows alone: no grid
+    assert summary_table([], "t", grid).count(" miss") == (3 + 1) * (2 + 1)  # no row at all: every cell, "all" too
+
+
+def test_heatmap_marks_cut_and_missing_cells_differently(tmp_path):
+    """A cell cut by max_tokens is grey 'cut'; a cell with no row is hatched white 'miss' (both were grey)."""
+    import matplotlib.image
+
+    grid = RequestedGrid(lengths=(1000,), depths=(0.5,), trials=1)
+    cut = [_row(1000, 0.5, None, finish="length")]
+    assert found_matrix(cut, grid)[2][(0.5, 1000)] == (0, 0, 1, 0)
+    assert found_matrix([], grid)[2][(0.5, 1000)] == (0, 0, 0, 1)
+    grey = []
+    for name, rows in (("cut", cut), ("miss", [])):
+        pixels = matplotlib.image.imread(write_heatmap(rows, tmp_path / f"{name}.png", "t", grid))[..., :3]
+        grey.append(int((abs(pixels - 0xcc / 255) < 0.01).all(-1).sum()))  # the colormap's 'bad' grey
+    assert grey[0] > 1000 and grey[1] < grey[0] // 10, grey
 
 
 # -- retrieval model and service -------------------------------------------------------------------

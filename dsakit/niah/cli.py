@@ -110,7 +110,7 @@ def niah(
 
     from .client import EndpointConfig
     from .grid import parse_depths, parse_lengths
-    from .report import grouped_report, summary_table, write_heatmap
+    from .report import RequestedGrid, grouped_report, summary_table, write_heatmap
     from .results import StoreLockedError
     from .sweep import RESULTS_FILE, SweepConfig, run_sweep
     from .text import Templates
@@ -126,7 +126,10 @@ def niah(
             api_key = os.environ.get(api_key_env)
             if not api_key:
                 fail(f"--api-key-env {api_key_env}: that environment variable is not set")
-        body = json.loads(extra_body) if extra_body else {}
+        try:
+            body = json.loads(extra_body) if extra_body else {}
+        except RecursionError:
+            fail("--extra-body is nested too deeply to parse (request bodies are flat JSON objects)")
         if not isinstance(body, dict):
             fail("--extra-body must be a JSON object")
         defaults = Templates()
@@ -141,7 +144,7 @@ def niah(
                                       extra_body=body)
         counter = load_counter(tokenizer) if tokenizer else None
     except (ValueError, json.JSONDecodeError) as exc:
-        fail(str(exc))
+        fail(f"--extra-body is not JSON: {exc}" if isinstance(exc, json.JSONDecodeError) else str(exc))
 
     console = Console(highlight=False)
     listener = _ConsoleListener(console, console.is_terminal if progress is None else progress)
@@ -161,20 +164,26 @@ def niah(
 
     if title is None:
         title = f"{model} at {base_url} ({endpoint}{', ' + json.dumps(body) if body else ''})"
+    # the whole requested grid, rows or not: failed cells show as missing instead of vanishing from the axes
+    grid = RequestedGrid(config.lengths, config.depths, config.trials)
     report = grouped_report(outcome.rows)
-    table = summary_table(outcome.rows, title)
+    done = {row["cell"] for row in outcome.rows}
+    missing = [cell.key for cell in config.cells() if cell.key not in done]
+    if missing:
+        shown = ", ".join(missing[:20]) + (f", ... ({len(missing) - 20} more)" if len(missing) > 20 else "")
+        report.append(f"=== {len(missing)} of {config.cell_count} cell(s) have no row: {shown} ===")
+    table = summary_table(outcome.rows, title, grid)
     typer.echo("")
     for line in report:
         typer.echo(line)
     typer.echo("")
     typer.echo(table)
     (out / "summary.txt").write_text("\n".join(report) + "\n\n" + table + "\n")
-    if outcome.rows:
-        heatmap = write_heatmap(outcome.rows, out / "heatmap.png", title)
-        typer.echo(f"\nrows: {out / RESULTS_FILE}  summary: {out / 'summary.txt'}  heatmap: {heatmap}")
-    missing = len(config.cells()) - len(outcome.rows)
+    heatmap = write_heatmap(outcome.rows, out / "heatmap.png", title, grid)
+    typer.echo(f"\nrows: {out / RESULTS_FILE}  summary: {out / 'summary.txt'}  heatmap: {heatmap}")
     if missing:
-        typer.echo(f"{missing} cell(s) have no row (errors in {out / 'errors.jsonl'}); rerun with --resume", err=True)
+        typer.echo(f"{len(missing)} cell(s) have no row (errors in {out / 'errors.jsonl'}); rerun with --resume",
+                   err=True)
         raise typer.Exit(1)
 
 

@@ -7,6 +7,10 @@ backoff and jitter (honouring ``Retry-After``), on HTTP 408/409/425/429/5xx, tim
 a server that restarts. When retries run out, the error carries the last HTTP status (None if the last
 attempt got none). Other statuses (400 context overflow, 401, 404 unknown model) raise :class:`EndpointError` at once.
 
+Response bodies are read in chunks and capped at ``max_response_bytes`` (default 64 MiB; a stream counts all
+its events): a larger answer raises :class:`EndpointError` at once, before it can fill the client's memory.
+JSON nested deeper than the parser's recursion limit is a malformed response, like any other.
+
 Reasoning ("thinking") content is separated from the answer: ``reasoning_content`` / ``reasoning`` fields of
 the message or stream deltas, and ``<think>...</think>`` blocks inside the content (an unclosed ``<think>``
 means the whole rest is reasoning; a lone ``</think>`` means everything before it was).
@@ -27,6 +31,12 @@ import httpx
 
 ENDPOINTS = ("chat", "completions")
 RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+#: Default cap on a response body (a stream: all its events together). A 32k-token streamed answer takes a few MB.
+MAX_RESPONSE_BYTES = 64 << 20
+#: Error responses are only read this far (their message is cut to 500 characters anyway).
+ERROR_BODY_BYTES = 64 << 10
+#: Deepest nesting an ``extra_body`` may have (request bodies are flat; the server's parser has limits too).
+MAX_EXTRA_BODY_DEPTH = 32
 
 
 class MalformedResponse(ValueError):
@@ -48,6 +58,31 @@ def usage_count(usage, name: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise MalformedResponse(f"usage.{name} must be an int >= {low}, got {value!r:.80}")
     return value
+
+
+def parse_json(data: "bytes | str"):
+    """json.loads, with nesting deeper than the recursion limit a :class:`MalformedResponse` (not RecursionError)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise MalformedResponse("response JSON is nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise MalformedResponse(f"response is not UTF-8: {exc}") from None
+
+
+def json_depth(value) -> int:
+    """Nesting depth of a JSON value (0 for a scalar), counted without recursion."""
+    depth, stack = 0, [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((v, level + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, level + 1) for v in item)
+        else:
+            continue
+        depth = max(depth, level + 1)
+    return depth
 
 
 class EndpointError(Exception):
@@ -75,6 +110,7 @@ class EndpointConfig:
     backoff_s: float = 0.5  # first retry wait; doubles each attempt (with jitter)
     backoff_max_s: float = 30.0
     extra_body: dict = field(default_factory=dict)
+    max_response_bytes: int = MAX_RESPONSE_BYTES
 
     def __post_init__(self):
         parts = urlsplit(self.base_url)
@@ -88,7 +124,7 @@ class EndpointConfig:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
         if not self.model:
             raise ValueError("model name must not be empty")
-        for name, low in (("max_tokens", 1), ("max_retries", 0)):
+        for name, low in (("max_tokens", 1), ("max_retries", 0), ("max_response_bytes", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -101,7 +137,14 @@ class EndpointConfig:
         if self.backoff_s < 0 or self.backoff_max_s < 0:
             raise ValueError(f"backoff times must be >= 0, got {self.backoff_s}, {self.backoff_max_s}")
         if not isinstance(self.extra_body, dict):
-            raise ValueError(f"extra_body must be a JSON object, got {self.extra_body!r}")
+            raise ValueError(f"extra_body must be a JSON object, got {self.extra_body!r:.200}")
+        depth = json_depth(self.extra_body)
+        if depth > MAX_EXTRA_BODY_DEPTH:
+            raise ValueError(f"extra_body is nested {depth} levels deep, more than {MAX_EXTRA_BODY_DEPTH}")
+        try:
+            json.dumps(self.extra_body, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"extra_body must be plain JSON (no NaN/Inf, str keys): {exc}") from None
 
     @property
     def api_root(self) -> str:
@@ -231,20 +274,56 @@ class OpenAIClient:
         raise EndpointError(f"gave up after {cfg.max_retries + 1} attempts; last error: {last_error}",
                             last_status, cfg.max_retries + 1)
 
+    async def _read_body(self, response: httpx.Response) -> bytes:
+        """The body, at most max_response_bytes of it (EndpointError beyond); error statuses: the first 64 KiB."""
+        limit = self.config.max_response_bytes if response.status_code == 200 else ERROR_BODY_BYTES
+        chunks, size = [], 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > limit:
+                if response.status_code != 200:
+                    chunks.append(chunk[: len(chunk) - (size - limit)])
+                    break
+                self._too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _lines(self, response: httpx.Response):
+        """Lines of a streamed body (str, newline stripped), max_response_bytes in all (EndpointError beyond)."""
+        pending, size = bytearray(), 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > self.config.max_response_bytes:
+                self._too_large()
+            pending += chunk
+            if b"\n" in chunk:  # split (one copy) only when a line ended
+                *lines, rest = bytes(pending).split(b"\n")
+                pending = bytearray(rest)
+                for line in lines:
+                    yield _decode(line)
+        if pending:
+            yield _decode(bytes(pending))
+
+    def _too_large(self):
+        # not retried: the same request would get the same answer
+        raise EndpointError(f"response body exceeds {self.config.max_response_bytes} bytes "
+                            f"(max_response_bytes): not read further", 200)
+
     @staticmethod
-    def _error(response: httpx.Response) -> tuple[int, str, str | None]:
-        text = response.text[:500]
+    def _error(status: int, raw: bytes, headers) -> tuple[int, str, str | None]:
+        text = raw[:500].decode("utf-8", "replace")
         try:
-            text = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
+            text = parse_json(raw)["error"]["message"]
+        except (ValueError, KeyError, TypeError):  # MalformedResponse (deep nesting) is a ValueError
             pass
-        return response.status_code, text, response.headers.get("Retry-After")
+        return status, text, headers.get("Retry-After")
 
     async def _send(self, body: dict) -> "Completion | tuple[int, str, str | None]":
-        response = await self._client.post(self.config.url, json=body)
+        async with self._client.stream("POST", self.config.url, json=body) as response:
+            raw = await self._read_body(response)
         if response.status_code != 200:
-            return self._error(response)
-        data = response.json()
+            return self._error(response.status_code, raw, response.headers)
+        data = parse_json(raw)
         choice = data["choices"][0]
         if self.config.endpoint == "chat":
             message = choice.get("message") or {}
@@ -263,17 +342,16 @@ class OpenAIClient:
         finish, usage = None, {}
         async with self._client.stream("POST", self.config.url, json=body) as response:
             if response.status_code != 200:
-                await response.aread()
-                return self._error(response)
+                return self._error(response.status_code, await self._read_body(response), response.headers)
             done = False
-            async for line in response.aiter_lines():
+            async for line in self._lines(response):
                 if not line.startswith("data:"):
                     continue
                 payload = line[5:].strip()
                 if payload == "[DONE]":
                     done = True
                     break
-                event = json.loads(payload)
+                event = parse_json(payload)
                 if event.get("usage"):
                     usage = event["usage"]
                 for choice in event.get("choices") or []:
@@ -290,3 +368,10 @@ class OpenAIClient:
         text, thought = split_reasoning("".join(content), "".join(reasoning))
         return Completion(text, thought, finish, usage_count(usage, "prompt_tokens"),
                           usage_count(usage, "completion_tokens"), 1, 0.0)
+
+
+def _decode(line: bytes) -> str:
+    try:
+        return line.decode("utf-8").rstrip("\r")
+    except UnicodeDecodeError as exc:
+        raise MalformedResponse(f"stream line is not UTF-8: {exc}") from None

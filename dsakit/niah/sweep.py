@@ -50,6 +50,14 @@ DEFAULT_WORDS_PER_TOKEN = 0.75
 # ratio target / reported on every probe (a prompt of billions of words).
 MAX_WORDS_PER_TOKEN = 4
 MAX_EXTRA_WORDS = 64
+# Plausibility of a reported usage.prompt_tokens (no tokenizer makes more tokens than characters, bar the
+# few special tokens of a chat template, for which TEMPLATE_TOKENS is generous), and how far two probes may
+# disagree with "more words, at least as many tokens" (their cells' needle codes differ a little).
+TEMPLATE_TOKENS = 4096
+MONOTONE_SLACK_TOKENS = 16
+#: Most cells one sweep may have: at a second per request, more than a day of requests. The grid is checked
+#: before any cell exists, so a typo like --trials 1000000000 is refused instead of filling the memory.
+MAX_CELLS = 100_000
 #: Longest context a sweep may ask for (tokens): 16 Mi, far beyond any served model, still a prompt that fits in
 #: memory (about 100 MB of text).
 MAX_LENGTH = 1 << 24
@@ -103,6 +111,17 @@ class SweepConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not 0 < self.tolerance < 0.5:
             raise ValueError(f"tolerance must be in (0, 0.5), got {self.tolerance}")
+        count = self.cell_count
+        if count > MAX_CELLS:
+            per_trial = count // self.trials
+            raise ValueError(f"the sweep would have {count} cells ({self.trials} trials x {per_trial} per trial), "
+                             f"more than {MAX_CELLS}: lower --trials or the number of lengths / depths")
+
+    @property
+    def cell_count(self) -> int:
+        """Cells of the grid, computed without building them."""
+        per_trial = len(self.lengths) * (1 if self.multi_needle else len(self.depths))
+        return per_trial * self.trials
 
     def cells(self) -> list[Cell]:
         if self.multi_needle:
@@ -248,9 +267,39 @@ def _read_json_object(path: Path) -> dict:
     return data
 
 
+class CalibrationError(ValueError):
+    """The server's usage.prompt_tokens cannot be a token count of the probes sent (or never fit the target)."""
+
+
+def check_probe(calibration: Calibration, probe: dict) -> None:
+    """Refuse a probe whose usage.prompt_tokens no tokenizer could report, against itself and earlier probes.
+
+    Plausible: words / MAX_WORDS_PER_TOKEN <= tokens <= chars + TEMPLATE_TOKENS. Monotone: a probe with more
+    filler words than another has at least its tokens (less MONOTONE_SLACK_TOKENS), and gained no more
+    tokens than characters. A constant, random, decreasing or absurd count fails one of these."""
+    words, tokens, chars = probe["words"], probe["prompt_tokens"], probe["chars"]
+    hint = "check the server's token counting or pass --tokenizer to fit prompts locally"
+    if tokens > chars + TEMPLATE_TOKENS:
+        raise CalibrationError(f"usage.prompt_tokens {tokens} for a prompt of {chars} characters ({words} filler "
+                               f"words): more tokens than characters is no token count; {hint}")
+    if tokens < words / MAX_WORDS_PER_TOKEN:
+        raise CalibrationError(f"usage.prompt_tokens {tokens} for a prompt of {words} filler words: fewer than one "
+                               f"token per {MAX_WORDS_PER_TOKEN} words is no token count; {hint}")
+    for other in calibration.probes:
+        low, high = (other, probe) if other["words"] <= probe["words"] else (probe, other)
+        if low["words"] == high["words"]:
+            continue
+        gained = high["prompt_tokens"] - low["prompt_tokens"]
+        if gained < -MONOTONE_SLACK_TOKENS or gained > high["chars"] - low["chars"] + MONOTONE_SLACK_TOKENS:
+            raise CalibrationError(f"usage.prompt_tokens {low['prompt_tokens']} for {low['words']} filler words but "
+                                   f"{high['prompt_tokens']} for {high['words']}: counts must grow with the prompt, "
+                                   f"by at most its characters; {hint}")
+
+
 async def calibrate_length(cell: Cell, builder: PromptBuilder, client: OpenAIClient, calibration: Calibration,
                            config: SweepConfig) -> int:
-    """Word budget that puts ``cell.length`` within tolerance/2 of the server's prompt_tokens (best effort)."""
+    """Word budget that puts ``cell.length`` within tolerance/2 of the server's prompt_tokens (aimed at), within
+    the tolerance (required, else :class:`CalibrationError`). Every probe is checked by :func:`check_probe`."""
     target = cell.length
     best: tuple[float, int] | None = None
     tried: set[int] = set()
@@ -275,15 +324,22 @@ async def calibrate_length(cell: Cell, builder: PromptBuilder, client: OpenAICli
         if completion.prompt_tokens is None:
             raise EndpointError("the server's response has no usage.prompt_tokens: pass --tokenizer to fit "
                                 "prompt lengths locally")
-        calibration.probes.append({"length": target, "words": words, "chars": len(prompt.text),
-                                   "prompt_tokens": completion.prompt_tokens})
+        probe = {"length": target, "words": words, "chars": len(prompt.text),
+                 "prompt_tokens": completion.prompt_tokens}
+        check_probe(calibration, probe)
+        calibration.probes.append(probe)
         error = abs(completion.prompt_tokens - target) / target
         if best is None or error < best[0]:
             best = (error, words)
             calibration.chars_per_token[target] = len(prompt.text) / completion.prompt_tokens
         if error <= config.tolerance / 2:
             break
-    assert best is not None
+    if best is None or best[0] > config.tolerance:
+        seen = [(p["words"], p["prompt_tokens"]) for p in calibration.probes if p["length"] == target]
+        got = "no probe" if best is None else f"{best[0]:.1%} at best"
+        raise CalibrationError(f"calibrating {target} tokens: no word budget within the tolerance of "
+                               f"{config.tolerance:.1%} ({got}; probes as (filler words, usage.prompt_tokens): "
+                               f"{seen}); check the server's token counting, raise --tolerance or pass --tokenizer")
     calibration.words[target] = best[1]
     return best[1]
 
@@ -380,7 +436,8 @@ async def run_sweep(config: SweepConfig, endpoint: EndpointConfig, out_dir: "str
     ``counter`` fits prompts locally (else lengths are calibrated against the server); ``tokenizer_spec``
     names it in ``run.json``. Cells that already have a row are skipped when ``resume`` is set; a fresh run
     refuses a directory that holds results. Failed cells, and lengths whose calibration failed, go to
-    ``errors.jsonl`` and get no row.
+    ``errors.jsonl`` and get no row; errors of cells that now have a row (a resume finished them) are removed
+    from it at the end of the run.
     """
     listener = listener or SweepListener()
     out = Path(out_dir)
@@ -433,42 +490,75 @@ async def run_sweep(config: SweepConfig, endpoint: EndpointConfig, out_dir: "str
                                   f"({cpt:.2f} chars/token from usage.prompt_tokens)")
                     _write_json_atomic(cal_path, calibration.to_json())
 
-            semaphore = asyncio.Semaphore(config.concurrency)
             fit_hints: dict[tuple[int, int], int] = {}
 
             async def run_cell(cell: Cell) -> None:
                 nonlocal new_rows
-                async with semaphore:
-                    try:
-                        if counter is not None:
-                            hint = fit_hints.get((cell.length, cell.trial))
-                            prompt, local_tokens = builder.fit(cell, counter, hint)
-                            fit_hints[(cell.length, cell.trial)] = prompt.words
-                        else:
-                            if calibration is None or cell.length not in calibration.words:
-                                return  # calibration failed for this length: already reported
-                            prompt, local_tokens = builder.build(cell, calibration.words[cell.length]), None
-                        completion = await client.complete(prompt.text)
-                    except (EndpointError, ValueError) as exc:
-                        errors.append({"cell": cell.key, "length": cell.length, "depths": list(cell.depths),
-                                       "trial": cell.trial, "error": str(exc), "time": _now()})
-                        _append_error(out / ERRORS_FILE, errors[-1])
-                        listener.error(errors[-1])
-                        return
+                try:
+                    if counter is not None:
+                        hint = fit_hints.get((cell.length, cell.trial))
+                        prompt, local_tokens = builder.fit(cell, counter, hint)
+                        fit_hints[(cell.length, cell.trial)] = prompt.words
+                    else:
+                        if calibration is None or cell.length not in calibration.words:
+                            return  # calibration failed for this length: already reported
+                        prompt, local_tokens = builder.build(cell, calibration.words[cell.length]), None
+                    completion = await client.complete(prompt.text)
+                except (EndpointError, ValueError) as exc:
+                    errors.append({"cell": cell.key, "length": cell.length, "depths": list(cell.depths),
+                                   "trial": cell.trial, "error": str(exc), "time": _now()})
+                    _append_error(out / ERRORS_FILE, errors[-1])
+                    listener.error(errors[-1])
+                    return
                 row = make_row(cell, prompt, completion, local_tokens, counter, calibration, endpoint)
                 store.append(row)  # synchronous, one write: a cancellation cannot split it
                 new_rows += 1
                 listener.row(row)
 
-            tasks = [asyncio.ensure_future(run_cell(c)) for c in pending]
+            queue = iter(pending)  # shared by the workers: each cell is taken once, no task per cell
+
+            async def worker() -> None:
+                for cell in queue:
+                    await run_cell(cell)
+
+            tasks = [asyncio.ensure_future(worker()) for _ in range(min(config.concurrency, len(pending)))]
             try:
                 await asyncio.gather(*tasks)
             finally:
                 for task in tasks:
                     task.cancel()
+        prune_errors(out / ERRORS_FILE, store, cells)
         rows = [store.rows[c.key] for c in cells if c.key in store]
         outcome = SweepOutcome(rows, new_rows, skipped, errors, store.duplicates, store.repaired_bytes, calibration)
     return outcome
+
+
+def prune_errors(path: Path, store: ResultStore, cells: list[Cell]) -> None:
+    """Drop from ``errors.jsonl`` the errors a later run resolved: a cell's error once the cell has a row, a
+    length's calibration error once every cell of that length in the grid has one. Other lines stay as they are."""
+    if not path.exists():
+        return
+    open_lengths = {c.length for c in cells if c.key not in store}
+    grid_lengths = {c.length for c in cells}
+    keep, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
+        try:
+            error = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            error = None
+        if isinstance(error, dict):
+            cell, length = error.get("cell"), error.get("length")
+            resolved = (isinstance(cell, str) and cell in store) or (
+                cell is None and error.get("stage") == "calibration" and length in grid_lengths
+                and length not in open_lengths)
+            if resolved:
+                dropped += 1
+                continue
+        keep.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text("".join(keep), encoding="utf-8")
+        os.replace(tmp, path)
 
 
 def _append_error(path: Path, error: dict) -> None:
