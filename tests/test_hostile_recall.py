@@ -158,3 +158,49 @@ def test_topk_beyond_what_the_ops_select_is_refused_up_front():
     cap = _planted(n=MAX_K + 8, t=1, h=1)
     with pytest.raises(ValueError, match=f"at most {MAX_K}"):
         run_captured(cap, ["bf16"], [MAX_K + 1])
+
+
+# -- flags that overflow fp32, and --captured naming no regular file ---------------------------------
+
+@pytest.mark.parametrize("flag,value", [("--shared-ratio", "1e308"), ("--needle-strength", "1e40"),
+                                        ("--outlier-scale", "1e30"), ("--query-noise", "1e300"),
+                                        ("--head-weight-spread", "1000")])
+def test_flags_that_overflow_are_refused_before_any_row(tmp_path, monkeypatch, flag, value):
+    """They ran to completion and recorded NaN rows; now a usage error naming the value, and no rows."""
+    def no_sweep(*args, **kwargs):
+        raise AssertionError("the sweep started with a setting that overflows")
+
+    monkeypatch.setattr(recall_cli, "run_sweep", no_sweep)
+    result = CliRunner().invoke(app, SMALL + ["--out", str(tmp_path), flag, value])
+    assert result.exit_code == 2, result.output
+    assert "overflow" in _flat(result.output) and "Traceback" not in result.output
+    assert not (tmp_path / report.JSONL_NAME).exists()
+
+
+def test_settings_at_the_bounds_give_finite_rows():
+    """At the largest accepted magnitudes every format's rows are free of NaN (the bound is not too loose)."""
+    from dsakit.recall.settings import ALL_FORMATS, SYNTHETIC_MAXIMA, RecallSettings
+    from dsakit.recall.sweep import run_sweep
+    from dsakit.recall.synthetic import SyntheticConfig
+
+    config = SyntheticConfig(outlier_channels=8, **SYNTHETIC_MAXIMA)
+    settings = RecallSettings(config=config, formats=ALL_FORMATS, topks=(64,), contexts=(1024,), depths=(0.5,),
+                              horizon=False, faults=())
+    rows = run_sweep(settings, lambda row: None)
+    assert len(rows) == len(ALL_FORMATS) and all(r["nan_fraction"] == 0.0 for r in rows)
+    assert all(r["exact_margin"] is not None for r in rows)
+
+
+def test_captured_that_is_no_regular_file_says_so(tmp_path):
+    for path, kind in (("/dev/null", "a character device"),):
+        result = CliRunner().invoke(app, ["recall", "--captured", path, "--out", str(tmp_path)])
+        assert result.exit_code == 2, result.output
+        assert f"is{kind}".replace(" ", "") in _flat(result.output) and "doesnotexist" not in _flat(result.output)
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    result = CliRunner().invoke(app, ["recall", "--captured", str(fifo), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "isaFIFO" in _flat(result.output), result.output
+    missing = CliRunner().invoke(app, ["recall", "--captured", str(tmp_path / "none"), "--out", str(tmp_path)])
+    assert missing.exit_code == 2 and "doesnotexist" in _flat(missing.output)

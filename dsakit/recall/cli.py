@@ -1,5 +1,6 @@
 """``dsakit recall``: the needle-in-a-haystack recall lab on the command line (a thin layer over dsakit.recall)."""
 
+import stat
 import time
 from pathlib import Path
 from typing import Optional
@@ -99,6 +100,7 @@ def recall(
         sweep_formats = _formats(formats)
         topks = _numbers(topk, "--topk")
         if captured is not None:
+            _check_captured_path(captured)
             _run_captured_cli(console, captured, sweep_formats, topks, backend, seed, out, quiet)
             return
         config = SyntheticConfig(preset=preset, shared_ratio=shared_ratio, needle_strength=needle_strength,
@@ -171,6 +173,21 @@ def _run_synthetic(console: Console, settings: RecallSettings, topks: tuple, wri
     console.print(f"runs: {writer.path}")
     if plot:
         console.print(f"heatmap: {report.plot_heatmap(records, out / report.HEATMAP_NAME)}")
+
+
+def _check_captured_path(path: Path) -> None:
+    """ValueError saying what ``--captured`` names when it exists but is no regular file (a device, a FIFO):
+    it is not missing, and reading /dev/zero or a FIFO would never end."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # missing or unreadable: load_captured says which
+    if stat.S_ISDIR(mode) or stat.S_ISREG(mode):
+        return
+    kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    raise ValueError(f"--captured {str(path)!r} is {kind}, not a captured tensor file: pass a .safetensors file "
+                     f"holding q [T,H,D], k [N,D] and weights [T,H]")
 
 
 def _run_captured_cli(console: Console, path: Path, formats: tuple, topks: tuple, backend: str, seed: int,

@@ -40,6 +40,13 @@ def _is_number(x) -> bool:
 # draws) and the pooling's intermediates, measured at 64 Ki tokens with D = 128 (about 8 KiB).
 HAYSTACK_BYTES_PER_TOKEN = 8 << 10
 
+# Largest magnitudes the synthetic haystack accepts (SyntheticConfig field -> bound). Far beyond any trained
+# model (shared ratios of 10..1000, needles a few sigma strong), and the keys, scores and norms built from them
+# stay finite in fp32 at these bounds in every format (tested); a flag like --shared-ratio 1e308 or
+# --needle-strength 1e40 overflows to Inf / NaN and would record NaN rows.
+SYNTHETIC_MAXIMA = {"shared_ratio": 1e6, "needle_strength": 1e6, "outlier_scale": 1e6, "query_noise": 1e6,
+                    "head_weight_spread": 10.0}
+
 
 def physical_memory_bytes() -> int | None:
     """Installed memory of this machine (None where the OS does not say)."""
@@ -88,6 +95,11 @@ class RecallSettings:
     def __post_init__(self):
         if not isinstance(self.config, SyntheticConfig):
             raise ValueError(f"config must be a SyntheticConfig, got {type(self.config).__name__}")
+        for name, bound in SYNTHETIC_MAXIMA.items():
+            value = getattr(self.config, name)
+            if value > bound:
+                raise ValueError(f"{name} {value!r} exceeds {bound:g}: beyond it the synthetic keys and scores "
+                                 f"overflow fp32 (Inf / NaN), so the runs would measure nothing")
         for name in ("formats", "topks", "contexts", "depths", "horizon_topks", "faults", "fault_contexts",
                      "fault_depths"):
             value = getattr(self, name)
