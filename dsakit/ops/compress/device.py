@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from ...checks import check_int, is_int
+
 __all__ = ["CompressorState", "compress_step", "compress_device", "pool_blocks"]
 
 
@@ -29,9 +31,8 @@ def _describe(x) -> str:
     return f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def _check_ratio(ratio) -> None:
-    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
-        raise ValueError(f"ratio must be a positive int, got {ratio!r}")
+def _check_ratio(ratio) -> int:
+    return check_int("ratio", ratio, 1, message="ratio must be a positive int")
 
 
 class CompressorState:
@@ -45,9 +46,10 @@ class CompressorState:
         _check_ratio(ratio)
         self.ratio = ratio
         self.overlap = ratio == 4
-        if not isinstance(width, int) or isinstance(width, bool) or width < 1 or (self.overlap and width % 2):
-            raise ValueError(f"width must be a positive int{' (even: ratio 4 overlaps)' if self.overlap else ''}, "
-                             f"got {width!r}")
+        check_int("width", width, 1, message=f"width must be a positive int"
+                                              f"{' (even: ratio 4 overlaps)' if self.overlap else ''}")
+        if self.overlap and width % 2:
+            raise ValueError(f"width must be a positive int (even: ratio 4 overlaps), got {width!r}")
         self.width = width
         self.dim = width // 2 if self.overlap else width
         self.rows = 2 * ratio if self.overlap else ratio
@@ -180,8 +182,7 @@ def compress_device(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape
     if x.dim() != 2 or wkv.dim() != 2 or wkv.shape[1] != x.shape[1] or wgate.shape != wkv.shape:
         raise ValueError(f"need x [S, hidden] and wkv, wgate [W, hidden]; got {list(x.shape)}, "
                          f"{list(wkv.shape)}, {list(wgate.shape)}")
-    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool)
-                                     or chunk_tokens < ratio or chunk_tokens % ratio):
+    if chunk_tokens is not None and (not is_int(chunk_tokens) or chunk_tokens < ratio or chunk_tokens % ratio):
         raise ValueError(f"chunk_tokens must be a positive multiple of ratio {ratio}, got {chunk_tokens!r}")
     state = CompressorState(ratio, wkv.shape[0], device=x.device)
     step = x.shape[0] if chunk_tokens is None else chunk_tokens

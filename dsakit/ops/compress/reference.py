@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from ...checks import check_int
+
 
 def compress_projected(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int) -> torch.Tensor:
     """Pool projected rows: kv, gate [S, c*d], ape [ratio, c*d] -> fp32 [S // ratio, d]."""
-    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
-        raise ValueError(f"ratio must be a positive int, got {ratio!r}")
+    check_int("ratio", ratio, 1, message="ratio must be a positive int")
     for what, t in (("kv", kv), ("gate", gate), ("ape", ape)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise ValueError(f"{what} must be a floating tensor, got "
