@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         del stored, cache
     result["total_s"] = time.perf_counter() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report._clean(result), indent=1, sort_keys=True))
+    args.out.write_text(json.dumps(report.json_safe(result), indent=1, sort_keys=True))
     print(f"wrote {args.out} ({result['total_s']:.0f} s)")
     return result
 

@@ -35,7 +35,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from dsakit.formats.codes import KEY_CODECS, KeyCode  # noqa: E402
-from dsakit.ops.scores import _kernels  # noqa: E402
+from dsakit.ops.scores import index_scores_kernels  # noqa: E402
 from dsakit.ops.scores.config import ScoresConfig  # noqa: E402
 
 INT_ARGS = ("width", "ratio", "num_pages", "num_seqs", "max_pages", "stride_qt", "stride_qh", "stride_wt",
@@ -134,7 +134,7 @@ def main() -> int:
     for fmt in formats:
         if fmt not in KEY_CODECS:
             raise SystemExit(f"unknown key format {fmt!r}; known: {', '.join(KEY_CODECS)}")
-    kernels = {"group": _kernels._index_scores_group_kernel, "tile": _kernels._index_scores_tile_kernel}
+    kernels = index_scores_kernels()
     rows = []
     for name, fmt, q_dtype, consts, warps, stages in cases(formats, args.quick):
         row = {"kernel": name, "format": fmt, "q_dtype": q_dtype, "warps": warps, "stages": stages,

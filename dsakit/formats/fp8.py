@@ -106,11 +106,6 @@ if triton is not None:
         return e4m3_u8(tl.minimum(tl.maximum(sanitize_tl(x) * inv_scale, -448.0), 448.0), NATIVE)
 
     @triton.jit
-    def fp8_amax_tl(x, AXIS: tl.constexpr):
-        """Largest finite |x| along AXIS."""
-        return tl.max(finite_abs_tl(x), axis=AXIS)
-
-    @triton.jit
     def load_fp8_tile(values_ptr, pages, slot, valid, FP8_DOT: tl.constexpr, D: tl.constexpr,
                       PAGE_EXTRA: tl.constexpr = 0):
         """Key tile [BLOCK_N, D] of entries (pages[n], slot[n]) as e4m3 (FP8_DOT) or bf16 (exact upcast);

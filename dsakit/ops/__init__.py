@@ -4,3 +4,7 @@ the tensors' own device) and an ``__init__.py`` exporting one dispatching functi
 ``backend="auto" | "reference" | <fast path>``. The dispatcher checks the inputs once (into a frozen record
 where the op has one: ``PagedBatch``, ``SparseAttentionInputs``, ``DecodeTopkPlan``, ``IndexKeyStore``);
 the reference and the launchers trust it."""
+
+from ._backend import BACKENDS, resolve_backend, triton_available, triton_interpreted
+
+__all__ = ["BACKENDS", "resolve_backend", "triton_available", "triton_interpreted"]

@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 
+from ..batch import visible_counts
 from ..cache import PagedCache
+from ..checks import is_int
 from ..formats import KeyFormat
 from ..ops import scores as scores_ops
 from ..ops import topk as topk_ops
-from ..ops._backend import resolve_backend
-from ..ops.scores.reference import visible_counts
+from ..ops import resolve_backend
 from ..ops.topk.config import MAX_K
 from ..transforms import hadamard_transform
 from . import metrics
@@ -159,8 +160,8 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
     needle entry (every such row must find it). A k above the number of entries N selects what k = N does
     (the rest is -1 padding, which no metric counts), so it runs as N: a huge k costs nothing.
     """
-    from .haystack import _finite_or_none, _pages_for
-    from .settings import _is_int, lab_device
+    from .haystack import finite_or_none, pages_for
+    from .settings import lab_device
 
     if not isinstance(captured, CapturedTensors):
         raise ValueError(f"captured must be CapturedTensors (see load_captured), got {type(captured).__name__}")
@@ -168,7 +169,7 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
         raise ValueError(f"formats and topks must be sequences like ['bf16', 'fp8'] and [512], got {formats!r}, "
                          f"{topks!r}")
     formats = [KeyFormat.parse(name).name for name in formats]  # every name checked before any work
-    if any(not _is_int(k) or k < 1 for k in topks):
+    if any(not is_int(k) or k < 1 for k in topks):
         raise ValueError(f"topks must be positive ints, got {list(topks)!r}")
     if any(min(k, captured.k.shape[0]) > MAX_K for k in topks):  # k > N runs as N (below)
         raise ValueError(f"topks: the top-k ops select at most {MAX_K} entries, got {list(topks)!r} over "
@@ -187,7 +188,7 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
     records = []
     for name in formats:
         fmt = KeyFormat.parse(name)
-        cache = PagedCache(fmt, _pages_for(n), device=device)
+        cache = PagedCache(fmt, pages_for(n), device=device)
         seq = cache.add_sequence()
         cache.write(cache.append(seq, n), k)  # the format's reference codec: the keys are already transformed
         common = dict(q=q.to(device), weights=captured.weights.to(device),
@@ -219,8 +220,8 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
                     "exact_rank": None if worst is None else exact_ranks[worst],
                     "found": bool(rows) and all(found),
                     "exact_found": bool(rows) and all(metrics.topk_contains(exact_topk[i], needle) for i in rows),
-                    "margin": None if worst is None else _finite_or_none(metrics.score_margin(scores[rows[worst]], needle)),
-                    "exact_margin": None if worst is None else _finite_or_none(
+                    "margin": None if worst is None else finite_or_none(metrics.score_margin(scores[rows[worst]], needle)),
+                    "exact_margin": None if worst is None else finite_or_none(
                         metrics.score_margin(exact_scores[rows[worst]], needle)),
                 })
             else:

@@ -51,7 +51,7 @@ def key_transform_for(config: SyntheticConfig, fault: Fault) -> KeyTransform:
     return tr
 
 
-def _pages_for(entries: int) -> int:
+def pages_for(entries: int) -> int:
     return max(1, (entries + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE)
 
 
@@ -74,7 +74,7 @@ def with_needle(keys: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor, n
     return out
 
 
-def _finite_or_none(x: float | None) -> float | None:
+def finite_or_none(x: float | None) -> float | None:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return None
     return float(x)
@@ -102,7 +102,7 @@ class StoredHaystack:
         self.caches: dict[str, tuple[PagedCache, int, torch.Tensor]] = {}
         for name in formats:
             fmt = KeyFormat.parse(name)
-            cache = PagedCache(fmt, _pages_for(n), device=device)
+            cache = PagedCache(fmt, pages_for(n), device=device)
             seq = cache.add_sequence()
             slots = cache.append(seq, n)
             self.caches[fmt.name] = (cache, seq, slots)
@@ -191,11 +191,11 @@ class StoredHaystack:
                     "found": metrics.topk_contains(topk[k][-1], needle.entries),
                     "exact_found": metrics.topk_contains(exact_topk[k][-1], needle.entries),
                     "set_recall": metrics.set_recall(topk[k], exact_topk[k]),
-                    "margin": _finite_or_none(metrics.score_margin(scores[-1], needle.entries)),
-                    "exact_margin": _finite_or_none(metrics.score_margin(exact_scores[-1], needle.entries)),
+                    "margin": finite_or_none(metrics.score_margin(scores[-1], needle.entries)),
+                    "exact_margin": finite_or_none(metrics.score_margin(exact_scores[-1], needle.entries)),
                     "nan_fraction": metrics.nan_fraction(scores[-1]),
                     "leaked": metrics.future_selected(topk[k], correct_visible),
-                    "needle_score_ratio": _finite_or_none(
+                    "needle_score_ratio": finite_or_none(
                         metrics.needle_score_ratio(scores[-1], exact_scores[-1], needle.entries)),
                     "query_tokens": int(qpos.numel()),
                 })

@@ -20,7 +20,7 @@ from ..formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
 from ..ops import scores as scores_ops
 from ..ops import store as store_ops
 from . import metrics
-from .haystack import _pages_for, needle_rows, with_needle
+from .haystack import pages_for, needle_rows, with_needle
 from .settings import ProgressFn, RecallSettings, generator_for, lab_device, rope_table
 from .synthetic import (Haystack, make_haystack, make_queries, model_weights, needle_direction, needle_entry_for_depth,
                         place_needles, prepare_queries, query_positions)
@@ -75,7 +75,7 @@ class HorizonHaystack:
 
     def _stored(self, fmt: KeyFormat, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Store rows through the store op into a fresh cache of ``fmt`` and read them back, fp32 [rows, D]."""
-        cache = PagedCache(fmt, _pages_for(keys.shape[0]), device=self.device)
+        cache = PagedCache(fmt, pages_for(keys.shape[0]), device=self.device)
         seq = cache.add_sequence()
         slots = cache.append(seq, keys.shape[0])
         store_ops.store_index_keys(keys=keys.to(self.device), positions=positions.to(self.device),

@@ -173,14 +173,14 @@ def fault_signatures(records: Sequence[dict]) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _clean(value):
+def json_safe(value):
     """JSON-safe copy: non-finite floats become null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -207,7 +207,7 @@ class RunWriter:
         self.count = 0
 
     def write(self, record: dict) -> None:
-        self._fh.write(json.dumps(_clean({**record, **self.common}), sort_keys=True) + "\n")
+        self._fh.write(json.dumps(json_safe({**record, **self.common}), sort_keys=True) + "\n")
         self._fh.flush()
         self.count += 1
 

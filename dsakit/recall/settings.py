@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import is_int
 from ..formats import KeyFormat
 from ..ops._backend import resolve_backend, triton_available
 from ..ops.topk.config import MAX_K
@@ -26,10 +27,6 @@ DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 ProgressFn = Callable[[dict], None]
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_number(x) -> bool:
@@ -111,12 +108,12 @@ class RecallSettings:
         if not self.formats:
             raise ValueError("formats must name at least one key format")
         for what, ks in (("topks", self.topks), ("horizon_topks", self.horizon_topks)):
-            if not ks or any(not _is_int(k) or not 1 <= k <= MAX_K for k in ks):  # MAX_K: every top-k op's limit
+            if not ks or any(not is_int(k) or not 1 <= k <= MAX_K for k in ks):  # MAX_K: every top-k op's limit
                 raise ValueError(f"{what} must be positive ints, got {ks!r}")
         ratio = self.config.ratio
         for what, ctxs in (("contexts", self.contexts), ("fault_contexts", self.fault_contexts)):
             for c in ctxs:
-                if not _is_int(c) or c < ratio or c % ratio or c < self.config.query_tokens:
+                if not is_int(c) or c < ratio or c % ratio or c < self.config.query_tokens:
                     raise ValueError(f"{what}: context {c!r} must be a positive multiple of the compression "
                                      f"ratio {ratio} and at least query_tokens={self.config.query_tokens}")
         for what, ds in (("depths", self.depths), ("fault_depths", self.fault_depths)):
@@ -125,14 +122,14 @@ class RecallSettings:
                     raise ValueError(f"{what}: depth {d!r} must be a number in [0, 1]")
         for what, n in (("trials", self.trials), ("horizon_trials", self.horizon_trials),
                         ("fault_trials", self.fault_trials), ("horizon_steps_per_octave", self.horizon_steps_per_octave)):
-            if not _is_int(n) or n < 1:
+            if not is_int(n) or n < 1:
                 raise ValueError(f"{what} must be a positive int, got {n!r}")
         if not _is_number(self.horizon_quantile) or not 0.0 < self.horizon_quantile <= 1.0:
             raise ValueError(f"horizon_quantile must be in (0, 1], got {self.horizon_quantile!r}")
-        if not (_is_int(self.horizon_min) and _is_int(self.horizon_max)
+        if not (is_int(self.horizon_min) and is_int(self.horizon_max)
                 and ratio <= self.horizon_min <= self.horizon_max):
             raise ValueError(f"need ratio <= horizon_min <= horizon_max, got {self.horizon_min!r}, {self.horizon_max!r}")
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         for name in self.faults:
             if name not in FAULTS:

@@ -34,4 +34,12 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, *, b
     return index_scores_reference(q, weights, batch)
 
 
-__all__ = ["index_scores", "index_scores_dense", "index_scores_reference", "ScoresConfig"]
+def index_scores_kernels() -> dict:
+    """The Triton kernels behind ``index_scores`` by name ({"group": ..., "tile": ...}), for tools that
+    inspect their compiled code (benchmarks/sm90_registers.py). Needs triton."""
+    from . import _kernels
+
+    return {"group": _kernels._index_scores_group_kernel, "tile": _kernels._index_scores_tile_kernel}
+
+
+__all__ = ["index_scores", "index_scores_dense", "index_scores_reference", "index_scores_kernels", "ScoresConfig"]

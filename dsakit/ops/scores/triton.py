@@ -58,7 +58,6 @@ tuning: :class:`dsakit.ops.scores.config.ScoresConfig`.
 from __future__ import annotations
 
 import functools
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,6 +67,7 @@ import triton
 
 from ...batch import PagedBatch, check_batch_queries, check_same_device, upload
 from ...formats import INDEX_HEAD_DIM, KeyFormat, key_codec
+from .._backend import triton_interpreted
 from ...formats.codes import KeyCode
 from ._kernels import _index_scores_group_kernel, _index_scores_group_tma_kernel, _index_scores_tile_kernel
 from .config import ScoresConfig
@@ -204,11 +204,6 @@ def plan_decode_tiles(batch: int, next_n: int, num_heads: int, device: "torch.de
                       tile_seq * next_n + first_row_in_seq, torch.clamp(next_n - first_row_in_seq, max=size))
 
 
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (the kernels then avoid constructs the interpreter mishandles)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def tiles_from_lens(lens: Sequence[int], num_heads: int, device: torch.device, config: ScoresConfig,
                     rows: torch.Tensor | None = None) -> QueryTiles:
     """Tile plan from host queries-per-sequence ``lens`` [B] (rows grouped by sequence in order unless ``rows``,
@@ -300,7 +295,7 @@ def _tma_pages(codec, fp8_dot: bool, pool: torch.Tensor, config: ScoresConfig) -
     row_bytes = _tma_row_bytes(codec)
     if pool.shape[1] % row_bytes or pool.shape[0] * (pool.shape[1] // row_bytes) >= 2 ** 31:
         return False
-    if interpreting():
+    if triton_interpreted():
         return True
     return pool.is_cuda and _has_tma(pool.device.index if pool.device.index is not None else
                                      torch.cuda.current_device())
@@ -313,7 +308,7 @@ def _tma_row_bytes(codec) -> int:
 
 def _register_cap(cap: int | None) -> dict:
     """The launch's maxnreg option for a register cap (None: the compiler's choice; none under the interpreter)."""
-    return {} if cap is None or interpreting() else {"maxnreg": cap}
+    return {} if cap is None or triton_interpreted() else {"maxnreg": cap}
 
 
 @functools.lru_cache(maxsize=None)
@@ -350,7 +345,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
             q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), *qs_strides,
             table.stride(0), out.stride(0))
     common = dict(HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, CODE=int(codec.code), FP8_DOT=fp8_dot,
-                  H=num_heads, D=d, INTERPRET=interpreting(), PAGE_TERM=codec.page_term)
+                  H=num_heads, D=d, INTERPRET=triton_interpreted(), PAGE_TERM=codec.page_term)
     if codec.page_term and (config.prefill_block_n % 64 or (config.decode_block_n or 64) % 64):
         # the per-page term is computed for whole pages of a key tile
         raise ValueError(f"{fmt.name} needs key tiles of whole pages (block_n a multiple of 64), got {config}")
@@ -387,7 +382,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
                 max_registers = 128
         _index_scores_group_tma_kernel[grid](
             *tma_args, HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, H=num_heads, GROUP=tiles.size,
-            PAGES_PER_PROGRAM=per_program, PAGE_ROWS=fmt.page_bytes // row_bytes, D=d, INTERPRET=interpreting(),
+            PAGES_PER_PROGRAM=per_program, PAGE_ROWS=fmt.page_bytes // row_bytes, D=d, INTERPRET=triton_interpreted(),
             CODE=int(codec.code), num_warps=warps, num_stages=stages, **_register_cap(max_registers))
         return out
     if tiles.kernel == "group":
