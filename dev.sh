@@ -16,10 +16,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ dev.sh -nt "$stamp"
   # Exact pins live here, not in pyproject (which keeps ranges so dsakit installs beside a user's CUDA
   # torch). torch 2.13.0 is the CPU build on our machines; triton 3.6.0 matches the H200 image.
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.6.0"
-  # transformers is a test-only dependency (conformance with its DeepseekV4Indexer): pinned so that CI does
-  # not drift with its releases.
+  # transformers: tests (conformance with its DeepseekV4Indexer) and the optional `serve` extra (dsakit serve,
+  # the tiny model's training); pinned so that CI does not drift with its releases.
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "transformers==5.24.0"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,serve]"
   touch "$stamp"
 fi
 

@@ -45,10 +45,12 @@ def env() -> None:
 # Subcommands that live in their own packages.
 from .niah.cli import niah, serve_reference  # noqa: E402
 from .recall.cli import recall  # noqa: E402
+from .serve import serve_command  # noqa: E402
 
 app.command("recall")(recall)
 app.command("niah")(niah)
 app.command("serve-reference")(serve_reference)
+app.command("serve")(serve_command)
 
 
 def main() -> None:
