@@ -185,12 +185,58 @@ def store_checked_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Ten
     write_checked_entries(pool, fmt, slots, values, scales)
 
 
+def check_centre_order(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor, in_row_order: bool = False) -> None:
+    """Page-centred formats: every entry e > 0 to be stored needs its page's centre, which entry 0 brings, so
+    the page's entry 0 must be stored in an earlier call or in this one; ValueError otherwise (nothing written).
+
+    slots: checked CPU int64 [N] (< 0 = padding). A page counts as started when its entry 0's scale bytes are
+    not all 0 (a stored entry's scale never is; a zeroed pool's are: dsakit.formats.CentredKeyFormat).
+    ``in_row_order`` (the store op, whose one-launch kernel looks for entry 0 at a fixed row): when entry 0 is in
+    this call, the row of entry e must come e rows after it, i.e. the page's rows run in order from its entry
+    0 without padding between them, as a sequence's append gives them. Other formats: nothing to check.
+    """
+    if not is_centred(fmt) or slots.numel() == 0:
+        return
+    per_page = fmt.entries_per_page
+    live = slots >= 0
+    entry = torch.where(live, slots % per_page, torch.zeros_like(slots))
+    page = torch.where(live, slots // per_page, torch.full_like(slots, -1))
+    later = live & (entry > 0)
+    if not bool(later.any()):
+        return
+    started_here = torch.unique(page[live & (entry == 0)])
+    in_call = later & torch.isin(page, started_here)
+    if in_row_order:
+        src = torch.arange(slots.numel()) - entry
+        at_src = slots[src.clamp(min=0)] == slots - entry
+        bad = in_call & ~((src >= 0) & at_src)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"slot {int(slots[i])} (row {i}) is entry {int(entry[i])} of page {int(page[i])}, whose "
+                             f"entry 0 is in the same call but not {int(entry[i])} rows before it: the store op "
+                             f"takes a page-centred page's centre from entry 0's row, so a page's rows must run in "
+                             f"order from its entry 0, without padding rows between them (as an append gives them)")
+    pending = later & ~in_call
+    if not bool(pending.any()):
+        return
+    pages = torch.unique(page[pending])
+    marker = pages.unsqueeze(1) * fmt.page_bytes + fmt.scale_offset_in_page + torch.arange(fmt.scale_bytes)
+    started = pool.view(-1)[marker.to(pool.device)].cpu().ne(0).any(dim=1)
+    if not bool(started.all()):
+        p = int(pages[~started][0])
+        i = int((pending & (page == p)).nonzero()[0])
+        raise ValueError(f"slot {int(slots[i])} is entry {int(entry[i])} of page {p}, whose entry 0 was never "
+                         f"stored: a page of {fmt.name} takes its centre from its entry 0, so store entry 0 first "
+                         f"(in this call or an earlier one); nothing was written")
+
+
 def store_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor, x: torch.Tensor) -> None:
     """Reference store of fp32 entries x [N, head_dim] at slots [N] (< 0 = padding): check everything, then
     :func:`store_checked_entries` (quantize, the page-centre rule for centred formats, write)."""
     check_pool(pool, fmt)
     x = fmt.check_entries(x)
     slots = check_slots(slots, num_slots(pool), length=x.shape[0])
+    check_centre_order(pool, fmt, slots)
     store_checked_entries(pool, fmt, slots, x)
 
 
@@ -212,6 +258,6 @@ def sequence_slots(block_table_row: torch.Tensor, length: int) -> torch.Tensor:
     return row[i // ENTRIES_PER_PAGE] * ENTRIES_PER_PAGE + i % ENTRIES_PER_PAGE
 
 
-__all__ = ["check_pool", "check_pool_alignment", "check_slots", "dequantize_entries", "num_slots", "read_centres",
+__all__ = ["check_centre_order", "check_pool", "check_pool_alignment", "check_slots", "dequantize_entries", "num_slots", "read_centres",
            "read_entries", "sequence_slots", "store_checked_entries", "store_entries", "write_checked_entries",
            "write_entries"]

@@ -348,6 +348,135 @@ def test_triton_store_matches_reference_bulk_and_appends(name):
     assert ref[2, fmt.centre_offset_in_page:].any()
 
 
+class _LaunchCounter:
+    """Stands in for a Triton kernel object: counts the launches (``kernel[grid](...)``), then runs them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def _store_calls(fmt, pool, calls, transform, table, weight, launcher=False):
+    """Run the Triton store (the public op, or the launcher without any check) for each (keys, positions, slots)."""
+    from dsakit.ops.store.triton import launch_store_index_keys
+
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    for keys, positions, slots in calls:
+        if launcher:
+            pairing, placement = transform.rope_layout.name.rsplit("-", 1)
+            launch_store_index_keys(dev(keys), dev(positions), dev(slots), pool, dev(table), dev(weight), None, fmt,
+                                    transform.norm, pairing, placement, transform.hadamard, transform.eps)
+        else:
+            store_ops.store_index_keys(dev(keys), dev(positions), dev(slots), pool, fmt, dev(table), dev(weight),
+                                       None, transform, backend="triton")
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device")
+@pytest.mark.parametrize("name", CENTRED)
+@pytest.mark.parametrize("rope_dim", [64, 32], ids=["fast-kernel", "generic-kernel"])
+def test_triton_store_one_launch_decode_appends_equal_bulk(name, rope_dim, monkeypatch):
+    """Random keys, Hadamard on: three sequences (one resuming mid-page) stored token by token, all three
+    sequences in each call as a decode step does, take one launch per call, and write the bytes of one bulk
+    store, of chunked stores and of the reference's centres (the centres are bf16 of the same fp32 rows)."""
+    from dsakit.ops.store import triton as store_triton
+
+    fmt = KeyFormat.parse(name)
+    g = torch.Generator().manual_seed(30 + rope_dim)
+    table = get_preset("deepseek-v4-flash").rope.cos_sin_table(160)[:, :rope_dim].contiguous() if rope_dim == 64 \
+        else torch.cat([torch.cos(torch.outer(torch.arange(160.0), torch.rand(16, generator=g))),
+                        torch.sin(torch.outer(torch.arange(160.0), torch.rand(16, generator=g)))], dim=1)
+    transform = KeyTransform(rope_dim=rope_dim, hadamard=True)
+    weight = torch.rand(128, generator=g) + 0.5
+    lengths, start = [70, 40, 66], [0, 0, 10]  # sequence 2 resumes at entry 10 of its first page
+    keys = [shared_keys(n, 20.0, seed=40 + i) * 3 for i, n in enumerate(lengths)]
+    pages = [[4, 1], [0], [3, 5]]  # pages out of order
+    slots = [torch.tensor([pages[i][(start[i] + j) // 64] * 64 + (start[i] + j) % 64 for j in range(n)])
+             for i, n in enumerate(lengths)]
+    positions = [torch.arange(n) + start[i] for i, n in enumerate(lengths)]
+    # sequence 2's first 10 entries, stored beforehand (entry 0 of page 3 included)
+    head = (shared_keys(10, 20.0, seed=49), torch.arange(10), torch.arange(3 * 64, 3 * 64 + 10))
+
+    def fresh():
+        pool = torch.zeros(6, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
+        _store_calls(fmt, pool, [head], transform, table, weight)
+        return pool
+
+    bulk = fresh()
+    _store_calls(fmt, bulk, [(torch.cat(keys), torch.cat(positions), torch.cat(slots))], transform, table, weight)
+    chunked = fresh()
+    for i in range(3):
+        for lo, hi in ((0, 1), (1, 30), (30, lengths[i])):
+            _store_calls(fmt, chunked, [(keys[i][lo:hi], positions[i][lo:hi], slots[i][lo:hi])], transform, table,
+                         weight)
+    appended = fresh()
+    counter = _LaunchCounter(store_triton._store_index_keys_kernel if rope_dim == 64
+                             else store_triton._store_index_keys_generic_kernel)
+    monkeypatch.setattr(store_triton, "_store_index_keys_kernel" if rope_dim == 64
+                        else "_store_index_keys_generic_kernel", counter)
+    steps = max(lengths)
+    for t in range(steps):
+        live = [i for i in range(3) if t < lengths[i]]
+        pad = torch.tensor([-1])  # a padding row, as a decode batch with a finished sequence has
+        _store_calls(fmt, appended, [(torch.stack([keys[i][t] for i in live] + [keys[0][0]]),
+                                      torch.stack([positions[i][t] for i in live] + [positions[0][0]]),
+                                      torch.cat([slots[i][t:t + 1] for i in live] + [pad]))], transform, table,
+                     weight)
+    assert counter.launches == steps, "a decode step of a centred format must be one launch"
+    assert torch.equal(bulk.cpu(), chunked.cpu()) and torch.equal(bulk.cpu(), appended.cpu())
+    # the centres are those of entry 0's transformed key
+    x = store_ops.prepare_index_keys(keys[0], positions[0], table, weight, None, transform)
+    for p, first in ((4, 0), (1, 64)):
+        assert torch.equal(bulk[p, fmt.centre_offset_in_page:].cpu(), centre_of(x[first:first + 1])[0][0])
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device")
+@pytest.mark.parametrize("name", CENTRED)
+def test_entries_before_their_page_entry_zero_are_refused(name, v4):
+    """Issue 24: a page whose entry 0 was never stored has no centre. Storing its other entries is a ValueError
+    before anything is written (reference and Triton store, PagedCache.write); the store op also refuses a
+    page's rows out of order in one call (its kernel takes the centre from entry 0's row); the launcher, which
+    checks nothing (CUDA-graph capture), drops such rows instead of coding them against a zero centre."""
+    table, transform = v4
+    fmt = KeyFormat.parse(name)
+    keys = shared_keys(8, 20.0, seed=7)
+    for backend in ("reference", "triton"):
+        pool = torch.zeros(2, fmt.page_bytes, dtype=torch.uint8, device=DEVICE if backend == "triton" else "cpu")
+        dev = lambda t: t.to(pool.device)  # noqa: E731
+        with pytest.raises(ValueError, match="slot 3 is entry 3 of page 0, whose entry 0 was never stored"):
+            store_ops.store_index_keys(dev(keys[:3]), dev(torch.arange(3)), dev(torch.tensor([67, 68, 3])), pool, fmt,
+                                       dev(table), dev(torch.ones(128)), None, transform, backend=backend)
+        with pytest.raises(ValueError, match="entry 1 of page 0, whose entry 0 is in the same call but not 1 rows"):
+            store_ops.store_index_keys(dev(keys[:2]), dev(torch.arange(2)), dev(torch.tensor([1, 0])), pool, fmt,
+                                       dev(table), dev(torch.ones(128)), None, transform, backend=backend)
+        with pytest.raises(ValueError, match="without padding rows"):
+            store_ops.store_index_keys(dev(keys[:3]), dev(torch.arange(3)), dev(torch.tensor([0, -1, 1])), pool, fmt,
+                                       dev(table), dev(torch.ones(128)), None, transform, backend=backend)
+        assert not bool(pool.any())
+        # entry 0 first (in the same call, in order, or in an earlier call): accepted
+        store_ops.store_index_keys(dev(keys[:2]), dev(torch.arange(2)), dev(torch.tensor([64, 65])), pool, fmt,
+                                   dev(table), dev(torch.ones(128)), None, transform, backend=backend)
+        store_ops.store_index_keys(dev(keys[2:4]), dev(torch.arange(2)), dev(torch.tensor([67, 66])), pool, fmt,
+                                   dev(table), dev(torch.ones(128)), None, transform, backend=backend)
+        assert bool(pool[1].any()) and not bool(pool[0].any())
+    cache = PagedCache(fmt, 2)
+    seq = cache.add_sequence()
+    slots = cache.append(seq, 8)
+    with pytest.raises(ValueError, match="never stored"):
+        cache.write(slots[1:], keys[1:])
+    assert not bool(cache.pool.any())
+    cache.write(slots.flip(0), keys.flip(0))  # PagedCache.write takes a call's rows in any order
+    assert torch.equal(cache.gather(seq), fmt.dequantize_pages(fmt.quantize_pages(
+        torch.cat([keys, torch.zeros(56, 128)])))[:8])
+    # no checks (the launcher, as under CUDA-graph capture): rows of a page never started are not written
+    pool = torch.zeros(2, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
+    _store_calls(fmt, pool, [(keys[:3], torch.arange(3), torch.tensor([67, 68, 0]))], transform, table,
+                 torch.ones(128), launcher=True)
+    assert not bool(pool[1].any()) and bool(pool[0].any())
+
+
 @pytest.mark.skipif(not TRITON_OK, reason="Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device")
 @pytest.mark.parametrize("name", CENTRED)
 def test_triton_scores_and_topk_match_reference(name):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dsakit.pool
-from dsakit.formats import AttentionKVFormat, KeyFormat
+from dsakit.formats import AttentionKVFormat, KeyFormat, is_centred
 from dsakit.ops.store import AttentionKVStore, IndexKeyStore, store_checked, store_index_keys
 from dsakit.presets import KeyTransform
 from dsakit.transforms import ROPE_V4
@@ -15,11 +15,12 @@ from dsakit.transforms import ROPE_V4
 BACKENDS = ["reference"] + (["triton"] if __import__("os").environ.get("TRITON_INTERPRET") == "1" else [])
 
 
-def _inputs(n: int, dim: int, rope_dim: int, pages: int, page_bytes: int):
+def _inputs(n: int, dim: int, rope_dim: int, pages: int, page_bytes: int, in_order: bool = False):
+    """in_order: slots 0..n-1 (a page-centred page is stored from its entry 0 on), else scattered."""
     g = torch.Generator().manual_seed(n * 7 + dim)
     rows = torch.randn(n, dim, generator=g)
     positions = torch.randint(0, 32, (n,), generator=g)
-    slots = torch.randperm(pages * 64, generator=g)[:n]
+    slots = torch.arange(n) if in_order else torch.randperm(pages * 64, generator=g)[:n]
     slots[1] = -1  # padding
     table = torch.randn(32, rope_dim, generator=g)
     return rows, positions, slots, torch.zeros(pages, page_bytes, dtype=torch.uint8), table
@@ -29,7 +30,7 @@ def _inputs(n: int, dim: int, rope_dim: int, pages: int, page_bytes: int):
 @pytest.mark.parametrize("fmt", ["fp8", "fp4-centred"])
 def test_trusted_path_writes_the_public_ops_bytes(backend, fmt):
     fmt = KeyFormat.parse(fmt)
-    keys, positions, slots, pool, table = _inputs(70, 128, 64, 3, fmt.page_bytes)
+    keys, positions, slots, pool, table = _inputs(70, 128, 64, 3, fmt.page_bytes, in_order=is_centred(fmt))
     weight = torch.rand(128) + 0.5
     public = pool.clone()
     store_index_keys(keys, positions, slots, public, fmt, table, weight, backend=backend)

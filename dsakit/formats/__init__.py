@@ -363,6 +363,11 @@ class CentredKeyFormat(KeyFormat):
     page's entry 0 must be stored no later than its other entries (always true for a sequence that appends
     in order, one at a time or in bulk). A bulk store of entries 0..n gives the same bytes as n + 1
     one-at-a-time appends, because each entry depends only on its own key and on entry 0's key.
+
+    Started pages: a page whose entry 0 was stored has a non-zero scale at entry 0 (a stored entry's scale is
+    never 0: fp32 >= 1e-4 / 448, or ue8m0 bytes of scales >= 2^-15), a zeroed page has 0 there. The stores
+    refuse an entry e > 0 of a page that is not started and whose entry 0 is not in the same call
+    (:func:`dsakit.pool.check_centre_order`), so a page is never coded against a centre nobody wrote.
     """
 
     centre_bytes: int = CENTRE_BYTES

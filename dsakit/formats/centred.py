@@ -9,9 +9,9 @@ are what the dispatching codec functions of :mod:`dsakit.formats.triton` call fo
   kernel) and :func:`load_centre_entries` each entry's page centre as a [BLOCK_N, D] bf16 tile (decode
   kernel), for the kernels' per-page term q . c (the residual tile itself is the plain format's loader with
   the page's extra 256 bytes);
-* store: :func:`store_centre_rows` / :func:`store_centre_halves` write a page's centre from its entry 0 (the
-  first of the store kernel's two launches); :func:`load_centre_rows` / :func:`load_centre_halves` read it
-  back for the residual x - c (the second launch).
+* store (one launch, docs/formats-centred.md): :func:`centre_u16` makes a page's centre from its entry 0's
+  transformed key, :func:`store_centre_bits` writes it, :func:`load_centre_bits` reads the centre of a page
+  stored by an earlier call and :func:`centre_started` tells whether that page's entry 0 was ever stored.
 """
 
 from __future__ import annotations
@@ -58,27 +58,27 @@ if triton is not None:
         return tl.load(ptr + dims[None, :], mask=valid[:, None], other=0.0)
 
     @triton.jit
-    def load_centre_rows(pool_ptr, page_base, cols, live, CENTRE_OFFSET: tl.constexpr):
-        """fp32 centre of each row's page at dims ``cols``: page_base [BLOCK_N] byte offsets, x [BLOCK_N, D]."""
-        ptr = pool_ptr.to(tl.pointer_type(tl.uint16)) + ((page_base + CENTRE_OFFSET) // 2)[:, None] + cols[None, :]
-        bits = tl.load(ptr, mask=live[:, None], other=0)
+    def centre_float(bits):
+        """Centre bits (uint16, bf16) -> fp32, exactly."""
         return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def load_centre_halves(pool_ptr, page_base, cols, live, CENTRE_OFFSET: tl.constexpr):
-        """fp32 centre of each row's page at dims ``cols`` [2, 1, 8, 8]; page_base / live [1, BLOCK_N, 1, 1]."""
+    def load_centre_bits(pool_ptr, page_base, cols, mask, CENTRE_OFFSET: tl.constexpr):
+        """Centre bits (uint16) of each row's page at dims ``cols``: page_base (byte offset of the row's page),
+        cols and mask broadcast together ([BLOCK_N, 1] x [1, D] rows or [1, BLOCK_N, 1, 1] x [2, 1, 8, 8]
+        halves); masked elements read 0."""
         ptr = pool_ptr.to(tl.pointer_type(tl.uint16)) + (page_base + CENTRE_OFFSET) // 2 + cols
-        bits = tl.load(ptr, mask=live, other=0)
-        return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        return tl.load(ptr, mask=mask, other=0)
 
     @triton.jit
-    def store_centre_rows(x, pool_ptr, page_base, cols, live, CENTRE_OFFSET: tl.constexpr):
-        """Write rows x fp32 [BLOCK_N, D] (entry 0 of their pages) as their pages' centres."""
-        ptr = pool_ptr.to(tl.pointer_type(tl.uint16)) + ((page_base + CENTRE_OFFSET) // 2)[:, None] + cols[None, :]
-        tl.store(ptr, centre_u16(x, False), mask=live[:, None])
+    def store_centre_bits(bits, pool_ptr, page_base, cols, mask, CENTRE_OFFSET: tl.constexpr):
+        """Write centre bits (uint16, broadcast like :func:`load_centre_bits`) as their pages' centres."""
+        ptr = pool_ptr.to(tl.pointer_type(tl.uint16)) + (page_base + CENTRE_OFFSET) // 2 + cols
+        tl.store(ptr, bits, mask=mask)
 
     @triton.jit
-    def store_centre_halves(x, pool_ptr, page_base, cols, live, CENTRE_OFFSET: tl.constexpr, NATIVE: tl.constexpr):
-        """Write x fp32 [2, BLOCK_N, 8, 8] (entry 0 of their pages) as their pages' centres."""
-        ptr = pool_ptr.to(tl.pointer_type(tl.uint16)) + (page_base + CENTRE_OFFSET) // 2 + cols
-        tl.store(ptr, centre_u16(x, NATIVE), mask=live)
+    def centre_started(pool_ptr, page_base, mask, SCALE_OFFSET: tl.constexpr):
+        """Whether each row's page has its entry 0 stored: that entry's 4 scale bytes are not all 0 (a stored
+        entry's scale never is: fp32 >= 1e-4 / 448, or four ue8m0 bytes of scales >= 2^-15; a zeroed pool's are)."""
+        ptr = pool_ptr.to(tl.pointer_type(tl.int32)) + (page_base + SCALE_OFFSET) // 4
+        return tl.load(ptr, mask=mask, other=0) != 0

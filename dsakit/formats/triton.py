@@ -15,8 +15,10 @@ Formats with a per-page term (``KeyCodec.page_term``: the page-centred formats) 
 :func:`load_key_page_tile` / :func:`load_key_page_rows` (the pages' side values as a [16, D] tile, or per entry
 as a [BLOCK_N, D] tile, for the per-page logit term q . c),
 :func:`load_logit_scales` / :func:`scale_key_logits` (a per-entry scale applied to each head's logits before
-the relu, since relu(s a + b) != s relu(a + b / s)) and :func:`store_key_page_rows` /
-:func:`store_key_page_halves` (the store kernel's first launch: a page's side value from its entry 0).
+the relu, since relu(s a + b) != s relu(a + b / s)), and in the store kernel :func:`key_page_value` (a page's
+side value from its entry 0's key), :func:`load_key_page_value` / :func:`key_page_started` (the side value a
+page got from an earlier call, and whether it has one) and :func:`store_key_page_rows` /
+:func:`store_key_page_halves` (an entry against its page's side value; entry 0 also writes it).
 
 Every function takes the page base of each entry, so a format with a per-page side value (a page centre
 stored after the scales) can read or write it here without the kernels changing.
@@ -28,8 +30,8 @@ import triton
 import triton.language as tl
 
 from .bf16 import load_bf16_tile, store_bf16_halves, store_bf16_rows
-from .centred import (CENTRE_EXTRA, load_centre_entries, load_centre_halves, load_centre_rows, load_centre_tile,
-                      store_centre_halves, store_centre_rows)
+from .centred import (CENTRE_EXTRA, centre_float, centre_started, centre_u16, load_centre_bits, load_centre_entries,
+                      load_centre_tile, store_centre_bits)
 from .codes import KeyCode
 from .fp4 import (fp4_block_scale, fp4_bytes_e4m3, load_fp4_block_e4m3, load_fp4_block_scales, load_fp4_tile,
                   store_fp4_halves, store_fp4_rows)
@@ -172,14 +174,8 @@ def store_key_rows(x, pool_ptr, page_base, value_base, scale_base, cols, live, C
     of each row's page, values and scales; live [BLOCK_N] masks every store."""
     if CODE == BF16:
         store_bf16_rows(x, pool_ptr, value_base, cols, live)
-    elif CODE == FP8:
+    elif (CODE == FP8) or (CODE == FP8_CENTRED):  # centred: x is the residual (store_key_page_rows)
         store_fp8_rows(x, pool_ptr, value_base, scale_base, cols, live, UE8M0)
-    elif CODE == FP8_CENTRED:  # the residual from the page's centre (written by the first launch)
-        x = x - load_centre_rows(pool_ptr, page_base, cols, live, FP8_CENTRE_OFFSET)
-        store_fp8_rows(x, pool_ptr, value_base, scale_base, cols, live, UE8M0)
-    elif CODE == FP4_CENTRED:
-        x = x - load_centre_rows(pool_ptr, page_base, cols, live, FP4_CENTRE_OFFSET)
-        store_fp4_rows(x, pool_ptr, value_base, scale_base, live, FP4_RNE, BLOCK_N)
     else:
         store_fp4_rows(x, pool_ptr, value_base, scale_base, live, FP4_RNE, BLOCK_N)
 
@@ -191,32 +187,68 @@ def store_key_halves(x, pool_ptr, page_base, value_base, scale_base, cols, half,
     page_base / value_base / scale_base / live [1, BLOCK_N, 1, 1]. NATIVE: the GPU's own rounding casts."""
     if CODE == BF16:
         store_bf16_halves(x, pool_ptr, value_base, cols, live, NATIVE)
-    elif CODE == FP8:
+    elif (CODE == FP8) or (CODE == FP8_CENTRED):  # centred: x is the residual (store_key_page_halves)
         store_fp8_halves(x, pool_ptr, value_base, scale_base, cols, live, UE8M0, NATIVE)
-    elif CODE == FP8_CENTRED:  # the residual from the page's centre (written by the first launch)
-        x = x - load_centre_halves(pool_ptr, page_base, cols, live, FP8_CENTRE_OFFSET)
-        store_fp8_halves(x, pool_ptr, value_base, scale_base, cols, live, UE8M0, NATIVE)
-    elif CODE == FP4_CENTRED:
-        x = x - load_centre_halves(pool_ptr, page_base, cols, live, FP4_CENTRE_OFFSET)
-        store_fp4_halves(x, pool_ptr, value_base, scale_base, half, live, FP4_RNE, BLOCK_N)
     else:
         store_fp4_halves(x, pool_ptr, value_base, scale_base, half, live, FP4_RNE, BLOCK_N)
 
 
 @triton.jit
-def store_key_page_rows(x, pool_ptr, page_base, cols, live, CODE: tl.constexpr):
-    """First store launch of a page-term format: rows x fp32 [BLOCK_N, 128] that are entry 0 of their page
-    (``live``) write the page's side value (page-centred: the centre, bf16 of the row)."""
-    if CODE == FP8_CENTRED:
-        store_centre_rows(x, pool_ptr, page_base, cols, live, FP8_CENTRE_OFFSET)
-    elif CODE == FP4_CENTRED:
-        store_centre_rows(x, pool_ptr, page_base, cols, live, FP4_CENTRE_OFFSET)
+def key_page_value(x, CODE: tl.constexpr, NATIVE: tl.constexpr):
+    """The per-page side value (uint16 bits, the shape of x) that a page takes from its entry 0's transformed
+    key x fp32 (page-centred: the centre, bf16 of x with non-finite elements 0)."""
+    tl.static_assert((CODE == FP8_CENTRED) or (CODE == FP4_CENTRED), "only page-term codes have a side value")
+    return centre_u16(x, NATIVE)
 
 
 @triton.jit
-def store_key_page_halves(x, pool_ptr, page_base, cols, live, CODE: tl.constexpr, NATIVE: tl.constexpr):
-    """:func:`store_key_page_rows` for the [2, BLOCK_N, 8, 8] layout of the fast store kernel."""
+def load_key_page_value(pool_ptr, page_base, cols, mask, CODE: tl.constexpr):
+    """The side value (uint16 bits) of each row's page as stored in the pool: page_base, cols and mask broadcast
+    together ([BLOCK_N, 1] x [1, 128] or [1, BLOCK_N, 1, 1] x [2, 1, 8, 8]); masked elements 0."""
     if CODE == FP8_CENTRED:
-        store_centre_halves(x, pool_ptr, page_base, cols, live, FP8_CENTRE_OFFSET, NATIVE)
-    elif CODE == FP4_CENTRED:
-        store_centre_halves(x, pool_ptr, page_base, cols, live, FP4_CENTRE_OFFSET, NATIVE)
+        bits = load_centre_bits(pool_ptr, page_base, cols, mask, FP8_CENTRE_OFFSET)
+    else:
+        bits = load_centre_bits(pool_ptr, page_base, cols, mask, FP4_CENTRE_OFFSET)
+    return bits
+
+
+@triton.jit
+def key_page_started(pool_ptr, page_base, mask, CODE: tl.constexpr, D: tl.constexpr):
+    """Whether each row's page (page_base byte offsets) has its entry 0 stored, i.e. holds a side value
+    (entry 0's scale bytes are not all 0). Masked rows: False."""
+    if CODE == FP8_CENTRED:
+        started = centre_started(pool_ptr, page_base, mask, 64 * D)
+    else:
+        started = centre_started(pool_ptr, page_base, mask, 64 * (D // 2))
+    return started
+
+
+@triton.jit
+def _store_key_page_value(bits, pool_ptr, page_base, cols, mask, CODE: tl.constexpr):
+    if CODE == FP8_CENTRED:
+        store_centre_bits(bits, pool_ptr, page_base, cols, mask, FP8_CENTRE_OFFSET)
+    else:
+        store_centre_bits(bits, pool_ptr, page_base, cols, mask, FP4_CENTRE_OFFSET)
+
+
+@triton.jit
+def store_key_page_rows(x, page_value, first, pool_ptr, page_base, value_base, scale_base, cols, live,
+                        CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store rows x fp32 [BLOCK_N, 128] of a page-term format against their pages' side values page_value
+    (uint16 bits [BLOCK_N, 128], from :func:`key_page_value` or :func:`load_key_page_value`); rows at entry 0
+    of their page (``first`` [BLOCK_N]) also write the side value. Page-centred: the entry is the residual
+    x - c coded like the plain format, c the page's centre."""
+    _store_key_page_value(page_value, pool_ptr, page_base[:, None], cols[None, :], (live & first)[:, None], CODE)
+    store_key_rows(x - centre_float(page_value), pool_ptr, page_base, value_base, scale_base, cols, live, CODE,
+                   UE8M0, FP4_RNE, BLOCK_N)
+
+
+@triton.jit
+def store_key_page_halves(x, page_value, first, pool_ptr, page_base, value_base, scale_base, cols, half, live,
+                          CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr, NATIVE: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """:func:`store_key_page_rows` for the [2, BLOCK_N, 8, 8] layout of the fast store kernel (page_value the
+    shape of x; first / live / page_base [1, BLOCK_N, 1, 1])."""
+    _store_key_page_value(page_value, pool_ptr, page_base, cols, live & first, CODE)
+    store_key_halves(x - centre_float(page_value), pool_ptr, page_base, value_base, scale_base, cols, half, live,
+                     CODE, UE8M0, FP4_RNE, NATIVE, BLOCK_N)

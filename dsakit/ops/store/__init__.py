@@ -28,7 +28,7 @@ import torch
 from dataclasses import dataclass
 
 from ...checks import FLOAT_DTYPES, INDEX_DTYPES, check_bool, check_choice, check_instance, check_tensor
-from ...pool import check_pool, check_slots, num_slots
+from ...pool import check_centre_order, check_pool, check_slots, num_slots
 from ...formats import ATTENTION_HEAD_DIM, INDEX_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ...presets import KeyTransform
 from ...transforms import NORMS, ROPE_V4, RopeLayout
@@ -114,6 +114,8 @@ class IndexKeyStore:
         # the same checks for both backends, so they accept and refuse the same inputs
         checked = _check_common(keys, INDEX_HEAD_DIM, positions, slots, pool, rope_cos_sin, transform.rope_dim,
                                 "keys", chosen, check_values)
+        if checked is not None:  # page-centred pages: entry 0 first (the kernel drops rows that break it)
+            check_centre_order(pool, fmt, checked, in_row_order=True)
         check_tensor("norm_weight", norm_weight, shape=(INDEX_HEAD_DIM,), dtypes=FLOAT_DTYPES, device=pool.device,
                      owner="the pool")
         if norm_bias is not None:

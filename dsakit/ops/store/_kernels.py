@@ -14,7 +14,8 @@ import triton.language as tl
 from ...formats.bf16 import bf16_bits, bf16_u16
 from ...formats.common import finite_abs_tl, pow2_tl, sanitize_tl, ue8m0_ceil_tl
 from ...formats.fp8 import e4m3_bits, e4m3_u8
-from ...formats.triton import store_key_halves, store_key_page_halves, store_key_page_rows, store_key_rows
+from ...formats.triton import (key_page_started, key_page_value, load_key_page_value, store_key_halves,
+                               store_key_page_halves, store_key_page_rows, store_key_rows)
 
 # 128^-0.5 as the fp32 constant hadamard_matrix() scales by (dsakit.transforms), applied as 2^-4 before the
 # butterfly (exact) and sqrt(2) after it: fl(sqrt(2)) / 16 = fl(128^-0.5), so the bits are the same, and the
@@ -147,41 +148,82 @@ def _hadamard128(x, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _transform_rows(keys_ptr, rows, pos, live, w_ptr, b_ptr, table_ptr, keys_row_stride, eps, cols, in_rope,
+                    is_second, partner_cols, pair, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    ROPE_DIM: tl.constexpr, HADAMARD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Index-key rows [BLOCK_N] (row indices, their positions and live mask) -> transformed keys fp32
+    [BLOCK_N, 128]: norm, rope, optional Hadamard (dead rows read 0)."""
+    row_base = keys_ptr + rows[:, None] * keys_row_stride
+    rope_mask = live[:, None] & in_rope[None, :]
+    table_row = table_ptr + pos[:, None] * ROPE_DIM + pair[None, :]
+    x = _norm_rope(row_base + cols[None, :], row_base + partner_cols[None, :], live[:, None], w_ptr, b_ptr,
+                   table_row, table_row + ROPE_DIM // 2, rope_mask, is_second[None, :], partner_cols[None, :],
+                   cols, eps, 128, NORM, HAS_BIAS)  # [BLOCK_N, 128]
+    if HADAMARD:
+        x = _hadamard128(x * HADAMARD_PRE_SCALE, BLOCK_N) * HADAMARD_POST_SCALE
+    return x
+
+
+@triton.jit
+def _page_sources(rows, slot, entry, live, slots_ptr, positions_ptr, n_rows, num_slots, max_position):
+    """Where each row of a page-term format (page-centred keys) gets its page's side value from.
+
+    Returns (source row, its position, in_call, from_pool), shaped like ``rows``: ``in_call`` rows (entry > 0)
+    take it from the row of this call that holds their page's entry 0, which is ``rows - entry`` when the
+    rows of a page run in order from its entry 0 (every sequence append does; the public store refuses
+    other orders); ``from_pool`` rows (entry > 0, entry 0 not in the call) read the one an earlier call
+    stored. Entry 0 rows make their own.
+    """
+    src = rows - entry
+    src_slot, src_pos, src_live = _live_rows(tl.where(src >= 0, src, n_rows), slots_ptr, positions_ptr, n_rows,
+                                             num_slots, max_position)
+    in_call = live & (entry > 0) & src_live & (src_slot == slot - entry)
+    from_pool = live & (entry > 0) & ~in_call
+    return src, src_pos, in_call, from_pool
+
+
+@triton.jit
 def _store_index_keys_generic_kernel(
         keys_ptr, positions_ptr, slots_ptr, pool_ptr, table_ptr, w_ptr, b_ptr,
         n_rows, keys_row_stride, num_slots, max_position, eps,
         NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ROPE_DIM: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
         HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
-        VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE_PASS: tl.constexpr = False):
+        VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr, PAGE_TERM: tl.constexpr,
+        BLOCK_N: tl.constexpr):
     D: tl.constexpr = 128
     PAGE: tl.constexpr = 64
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     cols = tl.arange(0, D)  # [D]
     slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
-    if PAGE_PASS:  # first launch of a page-term format: only rows at entry 0 of a page (the others load nothing)
-        live = live & (slot % PAGE == 0)
-
     in_rope, is_second, partner_cols, pair = _rope_geometry(cols, D, ROPE_DIM, PAIRING, PLACEMENT)
-    row_base = keys_ptr + rows[:, None] * keys_row_stride
-    rope_mask = live[:, None] & in_rope[None, :]
-    table_row = table_ptr + pos[:, None] * ROPE_DIM + pair[None, :]
-    x = _norm_rope(row_base + cols[None, :], row_base + partner_cols[None, :], live[:, None], w_ptr, b_ptr,
-                   table_row, table_row + ROPE_DIM // 2, rope_mask, is_second[None, :], partner_cols[None, :],
-                   cols, eps, D, NORM, HAS_BIAS)  # [BLOCK_N, D]
-    if HADAMARD:
-        x = _hadamard128(x * HADAMARD_PRE_SCALE, BLOCK_N) * HADAMARD_POST_SCALE
-
     page = slot // PAGE
     entry = slot % PAGE
-    value_base = page * PAGE_BYTES + entry * VALUE_BYTES  # [BLOCK_N] byte offsets
-    scale_base = page * PAGE_BYTES + PAGE * VALUE_BYTES + entry * SCALE_BYTES
-    if PAGE_PASS:
-        store_key_page_rows(x, pool_ptr, page * PAGE_BYTES, cols, live, CODE)
+    page_base = page * PAGE_BYTES
+    value_base = page_base + entry * VALUE_BYTES  # [BLOCK_N] byte offsets
+    scale_base = page_base + PAGE * VALUE_BYTES + entry * SCALE_BYTES
+    if PAGE_TERM:  # one launch: entry 0 rows make their page's side value, the others take it (_page_sources)
+        src, src_pos, in_call, from_pool = _page_sources(rows, slot, entry, live, slots_ptr, positions_ptr, n_rows,
+                                                         num_slots, max_position)
+        # a page never started (entry 0 never stored) has no side value: its rows are dropped, not coded
+        # against zeros (the public store refuses them before launching)
+        live = live & (~from_pool | key_page_started(pool_ptr, page_base, from_pool, CODE, D))
+        value = load_key_page_value(pool_ptr, page_base[:, None], cols[None, :], (from_pool & live)[:, None], CODE)
+        need = in_call & live
+        # bulk stores: entry 0's key again, with the same arithmetic (before x, so the two are never both live)
+        if tl.max(need.to(tl.int32), axis=0) > 0:
+            x0 = _transform_rows(keys_ptr, src, src_pos, need, w_ptr, b_ptr, table_ptr, keys_row_stride, eps, cols,
+                                 in_rope, is_second, partner_cols, pair, NORM, HAS_BIAS, ROPE_DIM, HADAMARD, BLOCK_N)
+            value = tl.where(need[:, None], key_page_value(x0, CODE, False), value)
+    x = _transform_rows(keys_ptr, rows, pos, live, w_ptr, b_ptr, table_ptr, keys_row_stride, eps, cols, in_rope,
+                        is_second, partner_cols, pair, NORM, HAS_BIAS, ROPE_DIM, HADAMARD, BLOCK_N)
+    if PAGE_TERM:
+        first = entry == 0
+        value = tl.where(first[:, None], key_page_value(x, CODE, False), value)
+        store_key_page_rows(x, value, first, pool_ptr, page_base, value_base, scale_base, cols, live, CODE, UE8M0,
+                            FP4_RNE, BLOCK_N)
     else:
-        store_key_rows(x, pool_ptr, page * PAGE_BYTES, value_base, scale_base, cols, live, CODE, UE8M0, FP4_RNE,
-                       BLOCK_N)
+        store_key_rows(x, pool_ptr, page_base, value_base, scale_base, cols, live, CODE, UE8M0, FP4_RNE, BLOCK_N)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -306,28 +348,11 @@ def _rope_half(x, half, table_row, PAIRING: tl.constexpr, PLACEMENT: tl.constexp
 
 
 @triton.jit
-def _store_index_keys_kernel(
-        keys_ptr, positions_ptr, slots_ptr, pool_ptr, table_ptr, w_ptr, b_ptr,
-        n_rows, keys_row_stride, num_slots, max_position, eps,
-        NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
-        HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
-        VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr,
-        BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, PAGE_PASS: tl.constexpr = False):
-    """Index keys with rope_dim 64: x [2, BLOCK_N, 8, 8] (half, row, piece, e), two lanes per row.
-
-    Per-row values (slot, position, validity) are kept as [1, BLOCK_N, 1, 1] tensors from the start:
-    1-D row vectors used in several layouts trip a Triton 3.6 layout pass (RemoveLayoutConversions).
-    PAGE_PASS (formats with a per-page side value, the first of their two launches): only rows at entry 0 of
-    a page are read, and they write their page's side value instead of an entry.
-    """
-    PAGE: tl.constexpr = 64
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None]  # [1, BLOCK_N, 1, 1]
-    slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
-    if PAGE_PASS:
-        live = live & (slot % PAGE == 0)
-    half = tl.arange(0, 2)[:, None, None, None]
-    cols = half * 64 + tl.arange(0, 8)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
+def _transform_halves(keys_ptr, rows, pos, live, half, cols, w_ptr, b_ptr, table_ptr, keys_row_stride, eps,
+                      NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
+                      HADAMARD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows / positions / live [1, BLOCK_N, 1, 1] -> transformed keys x fp32 [2, BLOCK_N, 8, 8] (half, row, piece,
+    e): norm, rope on 64 dims, optional Hadamard (dead rows read 0)."""
     x = tl.load(keys_ptr + rows * keys_row_stride + cols, mask=live, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols + rows * 0).to(tl.float32)  # broadcast over rows, in the tile's layout
 
@@ -346,16 +371,54 @@ def _store_index_keys_kernel(
     x = _rope_half(x, half, table_ptr + pos * 64 + half * 0, PAIRING, PLACEMENT, BLOCK_N)
     if HADAMARD:
         x = _wht128_halves(x * HADAMARD_PRE_SCALE, half, BLOCK_N) * HADAMARD_POST_SCALE
+    return x
 
+
+@triton.jit
+def _store_index_keys_kernel(
+        keys_ptr, positions_ptr, slots_ptr, pool_ptr, table_ptr, w_ptr, b_ptr,
+        n_rows, keys_row_stride, num_slots, max_position, eps,
+        NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
+        HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
+        VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr, PAGE_TERM: tl.constexpr,
+        BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
+    """Index keys with rope_dim 64: x [2, BLOCK_N, 8, 8] (half, row, piece, e), two lanes per row.
+
+    Per-row values (slot, position, validity) are kept as [1, BLOCK_N, 1, 1] tensors from the start:
+    1-D row vectors used in several layouts trip a Triton 3.6 layout pass (RemoveLayoutConversions).
+    PAGE_TERM (formats with a per-page side value: the page-centred keys): rows at entry 0 of a page make
+    and write their page's side value, the others code against it (see ``_page_sources``), in this launch.
+    """
+    PAGE: tl.constexpr = 64
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None]  # [1, BLOCK_N, 1, 1]
+    slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
+    half = tl.arange(0, 2)[:, None, None, None]
+    cols = half * 64 + tl.arange(0, 8)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
     page = slot // PAGE
     entry = slot % PAGE
-    value_base = page * PAGE_BYTES + entry * VALUE_BYTES  # [1, BLOCK_N, 1, 1] byte offsets
-    scale_base = page * PAGE_BYTES + PAGE * VALUE_BYTES + entry * SCALE_BYTES
-    if PAGE_PASS:
-        store_key_page_halves(x, pool_ptr, page * PAGE_BYTES, cols, live, CODE, NATIVE)
+    page_base = page * PAGE_BYTES
+    value_base = page_base + entry * VALUE_BYTES  # [1, BLOCK_N, 1, 1] byte offsets
+    scale_base = page_base + PAGE * VALUE_BYTES + entry * SCALE_BYTES
+    x = _transform_halves(keys_ptr, rows, pos, live, half, cols, w_ptr, b_ptr, table_ptr, keys_row_stride, eps,
+                          NORM, HAS_BIAS, PAIRING, PLACEMENT, HADAMARD, BLOCK_N)
+    if PAGE_TERM:  # as in the generic kernel
+        src, src_pos, in_call, from_pool = _page_sources(rows, slot, entry, live, slots_ptr, positions_ptr, n_rows,
+                                                         num_slots, max_position)
+        live = live & (~from_pool | key_page_started(pool_ptr, page_base, from_pool, CODE, 128))
+        need = in_call & live
+        first = entry == 0
+        value = tl.where(first, key_page_value(x, CODE, NATIVE),
+                         load_key_page_value(pool_ptr, page_base, cols, from_pool & live, CODE))
+        if tl.max(need.to(tl.int32)) > 0:  # bulk stores: entry 0's key again, the same arithmetic and layout
+            x0 = _transform_halves(keys_ptr, src, src_pos, need, half, cols, w_ptr, b_ptr, table_ptr, keys_row_stride,
+                                   eps, NORM, HAS_BIAS, PAIRING, PLACEMENT, HADAMARD, BLOCK_N)
+            value = tl.where(need, key_page_value(x0, CODE, NATIVE), value)
+        store_key_page_halves(x, value, first, pool_ptr, page_base, value_base, scale_base, cols, half, live, CODE,
+                              UE8M0, FP4_RNE, NATIVE, BLOCK_N)
     else:
-        store_key_halves(x, pool_ptr, page * PAGE_BYTES, value_base, scale_base, cols, half, live, CODE, UE8M0,
-                         FP4_RNE, NATIVE, BLOCK_N)
+        store_key_halves(x, pool_ptr, page_base, value_base, scale_base, cols, half, live, CODE, UE8M0, FP4_RNE,
+                         NATIVE, BLOCK_N)
 
 
 @triton.jit

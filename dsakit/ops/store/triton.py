@@ -125,20 +125,17 @@ def launch_store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: 
                   SCALE_BYTES=fmt.scale_bytes, PAGE_BYTES=fmt.page_bytes, **_launch_options(pool.device))
     args = (keys, positions, slots, pool, table, norm_weight, norm_weight if norm_bias is None else norm_bias,
             n, keys.stride(0), pool.shape[0] * ENTRIES_PER_PAGE, table.shape[0], float(eps))
-    # A format with a per-page side value (page-centred: the centre) takes two launches: the first writes the
-    # side value of every page whose entry 0 is among the rows (reading only those rows), the second every
-    # entry against it. A page's centre is then in place before any of its entries is coded, in a bulk store
-    # as in appends, with no ordering needed between the programs of one launch.
-    passes = ({"PAGE_PASS": True}, {}) if codec.page_term else ({},)
-    for extra in passes:
-        if index_fast_path(table.shape[1]) and not generic:
-            _store_index_keys_kernel[(triton.cdiv(n, config.index_block_n),)](
-                *args, NATIVE=_native_casts(pool), BLOCK_N=config.index_block_n, num_warps=config.index_warps,
-                **common, **extra)
-        else:
-            _store_index_keys_generic_kernel[(triton.cdiv(n, config.generic_index_block_n),)](
-                *args, ROPE_DIM=table.shape[1], BLOCK_N=config.generic_index_block_n,
-                num_warps=config.generic_warps, **common, **extra)
+    # A format with a per-page side value (page-centred: the centre) stores in the same single launch: rows at
+    # entry 0 of a page write its side value, the others take it from entry 0's row of the same call or from
+    # the pool (_kernels._page_sources), so no ordering between the programs of the launch is needed.
+    common["PAGE_TERM"] = codec.page_term
+    if index_fast_path(table.shape[1]) and not generic:
+        _store_index_keys_kernel[(triton.cdiv(n, config.index_block_n),)](
+            *args, NATIVE=_native_casts(pool), BLOCK_N=config.index_block_n, num_warps=config.index_warps, **common)
+    else:
+        _store_index_keys_generic_kernel[(triton.cdiv(n, config.generic_index_block_n),)](
+            *args, ROPE_DIM=table.shape[1], BLOCK_N=config.generic_index_block_n, num_warps=config.generic_warps,
+            **common)
 
 
 def launch_store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
