@@ -256,6 +256,17 @@ def test_launch_settings_unchanged_by_the_move_into_select_config():
     assert fixed.stream_for(8192, 300, 7) is fixed.stream  # a fixed launch overrides the rule
     assert select.uses_stream(4096) and not select.uses_stream(4097)
     assert SelectConfig(algorithm="stream").uses_stream(8192) and not SelectConfig(algorithm="multipass").uses_stream(1)
+    for rows in (1, 511, 512, 8192):  # the chunking of index_topk_triton, as it was in its launcher
+        for columns in (64, 65536, 262144, 1 << 20):
+            for overlap in (False, True):
+                config = TopkConfig(overlap=overlap, workspace_bytes=256 << 20)
+                plain = max(1, min(rows, (256 << 20) // (4 * columns)))
+                assert config.overlaps(rows, columns) == (overlap and plain < rows)
+                halved = max(1, min(rows, (128 << 20) // (4 * columns)))
+                want = halved if config.overlaps(rows, columns) else plain
+                assert config.chunk_rows(rows, columns, config.overlaps(rows, columns)) == want
+    assert select.stream_for(8, 4096, 16).reads_directly(4096)
+    assert not select.stream_for(8, 65536, 16).reads_directly(65536)
     with pytest.raises(ValueError, match="stream must be"):
         SelectConfig(stream="fast")
     with pytest.raises(ValueError, match="visible_block"):

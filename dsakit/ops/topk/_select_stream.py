@@ -107,7 +107,7 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
         return
     cfg = buffers.config
     # rows that fit the candidate buffer whole need no threshold: the final kernel reads them directly
-    direct = cfg.splits == 1 and width <= cfg.cap
+    direct = cfg.reads_directly(width)
     if not direct:
         _launch_filter(scores, counts, k, buffers)
     if stages == "filter":
@@ -209,7 +209,8 @@ def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
 
     row_counts int [T] (optional): row t considers only its first row_counts[t] entries. sort=False returns
     each row's set in a deterministic order (the index order of the candidate buffer), skipping the sort.
-    config: launch parameters (default: :meth:`SelectConfig.stream_for` of the device's select config); buffers: reusable scratch
+    config: launch parameters (default: :meth:`SelectConfig.stream_for` of the device's select config);
+    buffers: reusable scratch
     (:meth:`SelectBuffers.allocate`), else allocated here. k <= STREAM_MAX_K.
     """
     check_scores_matrix(scores)

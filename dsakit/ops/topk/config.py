@@ -36,6 +36,13 @@ def _next_pow2(x: int) -> int:
     return 1 << (max(1, x) - 1).bit_length()
 
 
+def rows_per_chunk(t: int, width: int, workspace_bytes: int) -> int:
+    """Query rows scored at once so that the fp32 workspace [rows, width] fits ``workspace_bytes``."""
+    if width <= 0:
+        return max(1, t)
+    return int(max(1, min(t, workspace_bytes // (4 * width))))
+
+
 def _power_of_two(name: str, value, low: int, high: int | None = None) -> None:
     if value is None:
         return
@@ -90,6 +97,11 @@ class StreamConfig:
         if self.margin is not None:
             return self.margin
         return 5.0 if self.splits > 1 else 4.0
+
+    def reads_directly(self, width: int) -> bool:
+        """Whether rows of ``width`` entries fit the candidate buffer whole: then no threshold (no filter
+        kernel) is needed and the final kernel reads the scores directly."""
+        return self.splits == 1 and width <= self.cap
 
     def sort_chunks(self, k: int) -> int:
         """Programs per row of the sort of k winners: order_chunks, cut so each chunk keeps >= 16 entries."""
@@ -255,6 +267,16 @@ class TopkConfig:
             raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
         if not isinstance(self.scores, ScoresConfig) or not isinstance(self.select, SelectConfig):
             raise ValueError("scores / select must be a ScoresConfig / SelectConfig")
+
+    def overlaps(self, rows: int, columns: int) -> bool:
+        """Whether ``overlap`` applies to ``rows`` query rows over a workspace of ``columns``: they need
+        several chunks (on CUDA; the launcher checks the device)."""
+        return self.overlap and rows_per_chunk(rows, columns, self.workspace_bytes) < rows
+
+    def chunk_rows(self, rows: int, columns: int, overlap: bool) -> int:
+        """Query rows per chunk: the fp32 workspace [chunk, columns] fits workspace_bytes, or half of it for
+        each of the two workspaces of an overlapped launch."""
+        return rows_per_chunk(rows, columns, self.workspace_bytes // 2 if overlap else self.workspace_bytes)
 
     @staticmethod
     def for_device(device: "torch.device | str | None" = None) -> "TopkConfig":

@@ -32,7 +32,7 @@ The plan owns the workspace and the outputs. Memory (bytes, fixed at plan time):
 
     4 * R * W (scores workspace) + 8 * R * 2048 (candidate buffer) + 4 * R * K (indices)
     [+ 4 * R * K (slots)] + 8 * R (visible counts, tile rows) + 12 * B (tile plan),  R = B * next_n
-    + the streaming select's buffers for k <= 4096 (``plan.stream.nbytes``, see ``SelectBuffers`` in dsakit.ops.topk.triton)
+    + the streaming select's buffers for k <= 4096 (``plan.stream.nbytes``, see ``SelectBuffers``)
 
 e.g. B = 64, next_n = 1, W = 128K, K = 2048: 32 MiB + 1 MiB + 0.5 MiB + 9 MiB.
 

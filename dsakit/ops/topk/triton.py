@@ -74,7 +74,8 @@ from ._inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
 from ._kernels import _radix_select_kernel, _visible_kernel
 from ._select_stream import (SelectBuffers, launch_stream_select, launch_stream_select_cached,
                              release_select_buffers, select_topk_stream)
-from .config import DEFAULT_WORKSPACE_BYTES, MAX_K, STREAM_MAX_K, SelectConfig, StreamConfig, TopkConfig
+from .config import (DEFAULT_WORKSPACE_BYTES, MAX_K, STREAM_MAX_K, SelectConfig, StreamConfig, TopkConfig,
+                     rows_per_chunk)
 
 # Buffers reused across calls, keyed by (role, device, shape); bounded so that a long-running process that
 # sees many shapes keeps only the latest few.
@@ -163,13 +164,6 @@ def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
     out = torch.empty((t, k), dtype=torch.int32, device=scores.device)
     launch_select(scores, counts, out, k, sort, config=config)
     return out
-
-
-def rows_per_chunk(t: int, width: int, workspace_bytes: int) -> int:
-    """Query rows scored at once so that the fp32 workspace [rows, width] fits ``workspace_bytes``."""
-    if width <= 0:
-        return max(1, t)
-    return int(max(1, min(t, workspace_bytes // (4 * width))))
 
 
 def workspace_width(max_entries: int) -> int:
@@ -329,10 +323,8 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
         return (indices, slots) if return_slots else indices
 
     columns = workspace_width(width)
-    chunk = rows_per_chunk(t, columns, config.workspace_bytes)
-    overlap = config.overlap and chunk < t and _has_streams(device)
-    if overlap:
-        chunk = rows_per_chunk(t, columns, config.workspace_bytes // 2)
+    overlap = config.overlaps(t, columns) and _has_streams(device)
+    chunk = config.chunk_rows(t, columns, overlap)
     plans = plan_chunks(batch, chunk, num_heads, config)
     visible = cached_buffer("visible", (t,), torch.int32, device)
     launch_visible(batch, visible, min(width, batch.block_table.shape[1] * 64), config.select)
