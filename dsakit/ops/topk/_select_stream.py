@@ -210,8 +210,7 @@ def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
     row_counts int [T] (optional): row t considers only its first row_counts[t] entries. sort=False returns
     each row's set in a deterministic order (the index order of the candidate buffer), skipping the sort.
     config: launch parameters (default: :meth:`SelectConfig.stream_for` of the device's select config);
-    buffers: reusable scratch
-    (:meth:`SelectBuffers.allocate`), else allocated here. k <= STREAM_MAX_K.
+    buffers: reusable scratch (:meth:`SelectBuffers.allocate`), else allocated here. k <= STREAM_MAX_K.
     """
     check_scores_matrix(scores)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= STREAM_MAX_K:
