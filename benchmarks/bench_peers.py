@@ -182,6 +182,13 @@ def bf16_keys(pool: torch.Tensor, entries_per_seq: int, seqs: int = 1) -> torch.
     return values[:, :entries_per_seq].contiguous()
 
 
+def bf16_keys_paged(pool: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    """bf16 pool + block table [B, pages] (every sequence n entries) -> the same keys gathered into
+    StreamIndex's contiguous k_idx [B, n, 128]."""
+    pages = pool[table.long().clamp(min=0)]  # [B, pages, page_bytes]
+    return pages.reshape(table.shape[0], -1).view(torch.bfloat16).reshape(table.shape[0], -1, DIM)[:, :n].contiguous()
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main() -> int:
     ap = bench_parser(commit_default=None)
@@ -373,9 +380,7 @@ def main() -> int:
                     row["dsakit_bf16_ms"] = bench(ours_bf16, graph=True)
                     if "streamindex" in peers:
                         si = peers["streamindex"]
-                        # the same keys per sequence, gathered into StreamIndex's contiguous [B, n, 128]
-                        pages = pool[table.long().clamp(min=0)].reshape(b, -1, 64 * 2 * DIM)
-                        keys = pages.view(torch.bfloat16).reshape(b, -1, DIM)[:, :n].contiguous()
+                        keys = bf16_keys_paged(pool, table, n)
                         q4, w3 = qb.reshape(b, 1, heads, DIM).contiguous(), wb.reshape(b, 1, heads).contiguous()
 
                         def si_step():
@@ -391,7 +396,7 @@ def main() -> int:
                                 row["streamindex_timing"] = "eager (graph capture failed)"
                             row["streamindex_ms"] = timed
                             _ratio(row, "dsakit_bf16_ms", "streamindex_ms")
-                        del keys, pages
+                        del keys
                     del pool, batch, plan
                 emit("decode", row)
             del pools
