@@ -165,6 +165,9 @@ def test_store_is_single_writer_and_reports_duplicates_and_bad_lines(tmp_path):
         read_rows(path)
     with pytest.raises(ValueError, match=":2"):
         ResultStore(path).open()
+    path.write_text('{"cell": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")  # was an uncaught RecursionError
+    with pytest.raises(ValueError, match=":2 is not a JSON row \\(nested too deeply\\)"):
+        read_rows(path)
     path.write_text('{"cell": "a"}\n')  # fixed by hand: the failed open above must not hold the lock
     with ResultStore(path) as store:
         assert list(store.rows) == ["a"]

@@ -19,6 +19,7 @@ means the whole rest is reasoning; a lone ``</think>`` means everything before i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -344,24 +345,25 @@ class OpenAIClient:
             if response.status_code != 200:
                 return self._error(response.status_code, await self._read_body(response), response.headers)
             done = False
-            async for line in self._lines(response):
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    done = True
-                    break
-                event = parse_json(payload)
-                if event.get("usage"):
-                    usage = event["usage"]
-                for choice in event.get("choices") or []:
-                    if self.config.endpoint == "chat":
-                        delta = choice.get("delta") or {}
-                        content.append(delta.get("content") or "")
-                        reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
-                    else:
-                        content.append(choice.get("text") or "")
-                    finish = choice.get("finish_reason") or finish
+            async with contextlib.aclosing(self._lines(response)) as lines:  # closed here, even on a break
+                async for line in lines:
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        done = True
+                        break
+                    event = parse_json(payload)
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    for choice in event.get("choices") or []:
+                        if self.config.endpoint == "chat":
+                            delta = choice.get("delta") or {}
+                            content.append(delta.get("content") or "")
+                            reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
+                        else:
+                            content.append(choice.get("text") or "")
+                        finish = choice.get("finish_reason") or finish
             if not done and finish is None:
                 # the server went away mid-stream: treat like a dropped connection (retried)
                 raise httpx.RemoteProtocolError("stream ended before [DONE] and without a finish_reason")

@@ -126,8 +126,9 @@ def read_rows(path: "str | Path") -> tuple[dict[str, dict], int]:
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number} is not a JSON row ({exc}); fix or remove that line") from None
+        except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested deeper than json reads
+            reason = exc if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+            raise ValueError(f"{path}:{number} is not a JSON row ({reason}); fix or remove that line") from None
         cell = row.get("cell") if isinstance(row, dict) else None
         if not isinstance(cell, str):
             raise ValueError(f"{path}:{number} has no 'cell' key")
