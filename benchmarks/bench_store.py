@@ -13,7 +13,19 @@ One run does everything and writes DIR/store_bench.json:
    slots + rope-table rows read, against the 4.27 TB/s copy ceiling (docs/performance.md §1), plus a copy measured here;
 3. peak memory of storing a 22K-token and a 128K-token prefill: index keys (tokens / 4 entries, V4) and
    attention KV (tokens entries), fused versus the unfused torch-op sequence on the GPU (norm, rope,
-   Hadamard matmul, quantize, scatter), above a baseline of cache + inputs.
+   Hadamard matmul, quantize, scatter), above a baseline of cache + inputs;
+4. ``--centred``: the page-centred store against the plain store of the same residual encoding, in the same
+   process (fp8-centred vs fp8, fp4-centred vs fp4; V4 key transform; one launch each): a prefill chunk of
+   N entries of one sequence (from entry 0 of its first page, pages shuffled, so every page's centre comes
+   from a row of the same call) and a decode append (one row for each of B sequences at random fill levels,
+   pages already started), timed through the launcher (eager do_bench and CUDA-graph replay) and through the
+   public op (eager, with its host checks); ratio centred / plain per row (target <= 1.10). Its check: on
+   the GPU, a bulk store, chunked stores and token-by-token appends write the same bytes, and the bulk bytes
+   against the CPU reference (fraction equal, max code distance).
+
+Only the centred section (what the issue 21 target needs):
+
+    PYTHONPATH=. python3 benchmarks/bench_store.py --out DIR --commit SHA --skip check,bandwidth,memory --centred
 """
 
 from __future__ import annotations
@@ -388,6 +400,127 @@ def memory_rows(tokens: int, table: torch.Tensor) -> list[dict]:
 # --------------------------------------------------------------------------------------------------
 
 
+# --------------------------------------------------------------------------------------------------
+# 4. page-centred store vs the plain store (--centred)
+# --------------------------------------------------------------------------------------------------
+
+CENTRED_PAIRS = [("fp8", "fp8-centred"), ("fp4", "fp4-centred")]
+
+
+def _launch_v4(fmt, rows, positions, slots, pool, table, w):
+    launch_store_index_keys(rows, positions, slots, pool, table, w, None, fmt, "rmsnorm", "interleaved", "trailing",
+                            True, 1e-6)
+
+
+def centred_identity_check(fmt_name: str, table: torch.Tensor, seed: int) -> dict:
+    """On the device: bulk = chunks = token-by-token appends (3 sequences, one resuming mid-page), byte for
+    byte; bulk vs the CPU reference (bytes equal fraction, centres equal, largest residual code distance)."""
+    fmt = KeyFormat.parse(fmt_name)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    # (the CPU smoke run under the interpreter: shorter sequences, the same page patterns)
+    lengths, starts, pages = ([300, 130, 200] if DEVICE == "cuda" else [70, 40, 66]), [0, 0, 17], 16
+    order = torch.randperm(pages, generator=g, device=DEVICE)
+    first_page = [0, 5, 8]
+    keys = [torch.randn(n, 128, generator=g, device=DEVICE).to(torch.bfloat16) * 2 + 3 for n in lengths]
+    slots = [order[first_page[i] + (starts[i] + torch.arange(n, device=DEVICE)) // 64] * 64
+             + (starts[i] + torch.arange(n, device=DEVICE)) % 64 for i, n in enumerate(lengths)]
+    positions = [(starts[i] + torch.arange(n, device=DEVICE)) * 4 for i, n in enumerate(lengths)]
+    head_slots = order[first_page[2]] * 64 + torch.arange(starts[2], device=DEVICE)
+    head = (torch.randn(starts[2], 128, generator=g, device=DEVICE).to(torch.bfloat16),
+            torch.arange(starts[2], device=DEVICE) * 4, head_slots)
+    w = torch.rand(128, generator=g, device=DEVICE) + 0.5
+
+    def fresh():
+        pool = torch.zeros(pages, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
+        _launch_v4(fmt, *head, pool, table, w)
+        return pool
+
+    bulk = fresh()
+    _launch_v4(fmt, torch.cat(keys), torch.cat(positions), torch.cat(slots), bulk, table, w)
+    chunked = fresh()
+    for i, n in enumerate(lengths):
+        for lo, hi in ((0, 1), (1, 100), (100, n)):
+            _launch_v4(fmt, keys[i][lo:hi], positions[i][lo:hi], slots[i][lo:hi], chunked, table, w)
+    appended = fresh()
+    for t in range(max(lengths)):
+        live = [i for i in range(3) if t < lengths[i]]
+        _launch_v4(fmt, torch.stack([keys[i][t] for i in live]), torch.stack([positions[i][t] for i in live]),
+                   torch.stack([slots[i][t] for i in live]), appended, table, w)
+    ref = fresh().cpu()
+    store_reference.store_index_keys(torch.cat(keys).cpu(), torch.cat(positions).cpu(), torch.cat(slots).cpu(),
+                                     ref, fmt, table.cpu(), w.cpu(), None, V4_TRANSFORM)
+    out = bulk.cpu()
+    centre = slice(fmt.centre_offset_in_page, fmt.page_bytes)
+    all_slots = torch.cat(slots).cpu()
+    distance = code_distance(fmt.residual_format, read_entries(ref, fmt, all_slots)[0],
+                             read_entries(out, fmt, all_slots)[0])
+    row = {"format": fmt_name, "rows": sum(lengths),
+           "bulk_equals_chunked": bool(torch.equal(bulk, chunked)),
+           "bulk_equals_token_by_token": bool(torch.equal(bulk, appended)),
+           "bytes_equal_fraction_vs_reference": float((out == ref).float().mean()),
+           "centre_bytes_equal_fraction_vs_reference": float((out[:, centre] == ref[:, centre]).float().mean()),
+           "residual_code_max_distance_vs_reference": int(distance.max()),
+           # entry 0 codes x - bf16(x), its own bf16 rounding error: one fp32 ulp of x (sum order of the
+           # Hadamard) is several of its small codes there, so the other entries are reported apart
+           "residual_code_max_distance_vs_reference_entries_after_0": int(distance[all_slots % 64 != 0].max())}
+    row["ok"] = row["bulk_equals_chunked"] and row["bulk_equals_token_by_token"]
+    return row
+
+
+def centred_timing_rows(table: torch.Tensor, prefill_sizes: list[int], decode_batches: list[int]) -> list[dict]:
+    """Plain and centred store of the same rows, same slots, timed in turn (launcher eager / CUDA graph, and
+    the public op eager): prefill chunks of n entries, decode appends of B rows."""
+    from dsakit.ops.store import store_index_keys
+
+    rows_out = []
+    w = torch.rand(128, device=DEVICE) + 0.5
+    for case, sizes in (("prefill", prefill_sizes), ("decode", decode_batches)):
+        for size in sizes:
+            g = torch.Generator(device=DEVICE).manual_seed(size)
+            if case == "prefill":  # one sequence's chunk from entry 0 of its first page, pages shuffled
+                pages = math.ceil(size / 64)
+                slots = scattered_slots(size, pages, g)
+                positions = torch.arange(size, device=DEVICE) * 4
+                prior = None
+            else:  # B sequences, one page each in use, filled to a random level; the new row at that level
+                pages = size
+                fill = torch.randint(1, 64, (size,), generator=g, device=DEVICE)
+                fill[:: 16] = 0  # one sequence in 16 starts a page with this token
+                page_ids = torch.randperm(pages, generator=g, device=DEVICE)
+                slots = page_ids * 64 + fill
+                positions = fill * 4
+                # the sequences' earlier entries 0..fill-1 (entry 0 included), stored before timing
+                prior_slots = (page_ids[:, None] * 64 + torch.arange(64, device=DEVICE)[None, :])
+                prior_slots = torch.where(torch.arange(64, device=DEVICE)[None, :] < fill[:, None], prior_slots, -1)
+                prior = prior_slots.reshape(-1)
+            keys = torch.randn(size, 128, generator=g, device=DEVICE).to(torch.bfloat16)
+            row = {"case": case, "rows": size}
+            for plain_name, centred_name in CENTRED_PAIRS:
+                for name in (plain_name, centred_name):
+                    fmt = KeyFormat.parse(name)
+                    pool = torch.zeros(pages, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
+                    if prior is not None:
+                        _launch_v4(fmt, torch.randn(prior.numel(), 128, device=DEVICE).to(torch.bfloat16),
+                                   torch.zeros_like(prior), prior, pool, table, w)
+
+                    def launch(fmt=fmt, pool=pool):
+                        _launch_v4(fmt, keys, positions, slots, pool, table, w)
+
+                    def public(fmt=fmt, pool=pool):
+                        store_index_keys(keys, positions, slots, pool, fmt, table, w, None, V4_TRANSFORM,
+                                         backend="triton")
+
+                    launch()
+                    row[f"{name}_us"] = bench_ms(launch) * 1e3
+                    row[f"{name}_us_cudagraph"] = bench_ms(launch, graph=True) * 1e3
+                    row[f"{name}_op_eager_us"] = bench_ms(public) * 1e3
+                for key in ("us", "us_cudagraph", "op_eager_us"):
+                    row[f"{centred_name}_over_{plain_name}_{key}"] = row[f"{centred_name}_{key}"] / row[f"{plain_name}_{key}"]
+            print(row, flush=True)
+            rows_out.append(row)
+    return rows_out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -397,6 +530,9 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also sweep BLOCK_N x num_warps at N = 1M")
     parser.add_argument("--device", default="cuda", help="cpu: correctness only, under TRITON_INTERPRET=1")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: check,bandwidth,memory")
+    parser.add_argument("--centred", action="store_true", help="also the page-centred store vs the plain store")
+    parser.add_argument("--centred-prefill", default="2048,16384", help="entries per prefill chunk (--centred)")
+    parser.add_argument("--centred-decode", default="1,64,256", help="sequences per decode append (--centred)")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -478,8 +614,23 @@ def main() -> int:
     def run_memory():
         result["memory"] = memory_rows(22 * 1024, table) + memory_rows(128 * 1024, table)
 
+    def run_centred():
+        result["centred_check"] = [centred_identity_check(name, table, seed=7 + i)
+                                   for i, (_, name) in enumerate(CENTRED_PAIRS)]
+        print(result["centred_check"], flush=True)
+        if DEVICE == "cuda":
+            result["centred_timing_method"] = (
+                "launcher (no host checks): do_bench median (eager) and do_bench_cudagraph median (graph); public "
+                "op store_index_keys(backend='triton') eager with its host checks; plain and centred in turn, "
+                "same rows / slots / positions, same process")
+            result["centred"] = centred_timing_rows(
+                table, [int(v) for v in args.centred_prefill.split(",")],
+                [int(v) for v in args.centred_decode.split(",")])
+
     if "check" not in skip:
         section("check", run_checks)
+    if args.centred:
+        section("centred", run_centred)
     if args.sweep:
         section("sweep", run_sweep)
     if "bandwidth" not in skip:
@@ -516,7 +667,16 @@ def main() -> int:
             print(f"  {r['tokens']:>6} tokens {r['kind']:<9} {r['format']:<14} cache {r['cache_bytes'] / 2**20:8.1f} "
                   f"input {r['input_bytes'] / 2**20:7.1f} fused +{r['fused_peak_extra_bytes'] / 2**20:.2f} unfused "
                   f"+{r['unfused_peak_extra_bytes'] / 2**20:.1f} ({r['fused_ms']:.3f} vs {r['unfused_ms']:.3f} ms)")
-    failures = [c for c in result.get("correctness", []) if not c["ok"]]
+    if "centred" in result:
+        print("\ncentred / plain store (target <= 1.10):")
+        for r in result["centred"]:
+            for plain, centred in CENTRED_PAIRS:
+                print(f"  {r['case']:<8} rows={r['rows']:<6} {centred:<12} launcher {r[centred + '_us']:8.2f} / "
+                      f"{r[plain + '_us']:8.2f} us = {r[f'{centred}_over_{plain}_us']:.2f}x   graph "
+                      f"{r[centred + '_us_cudagraph']:7.2f} / {r[plain + '_us_cudagraph']:7.2f} us = "
+                      f"{r[f'{centred}_over_{plain}_us_cudagraph']:.2f}x   op eager "
+                      f"{r[f'{centred}_over_{plain}_op_eager_us']:.2f}x")
+    failures = [c for c in result.get("correctness", []) + result.get("centred_check", []) if not c["ok"]]
     print(f"wall {result['wall_s']:.0f} s; check failures: {len(failures)}; section errors: "
           f"{sorted(result.get('errors', {}))}")
     sys.stdout.flush()
