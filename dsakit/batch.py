@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from ._memory import check_fits
-from .checks import (INDEX_DTYPES, check_bool, check_int, check_int_list, check_positive_int,  # noqa: F401
-                     check_same_device, describe)
+from .checks import (INDEX_DTYPES, check_bool, check_instance, check_int, check_int_list,  # noqa: F401
+                     check_positive_int, check_same_device, check_tensor, describe)
 from .formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from .pool import check_pool, check_pool_alignment  # noqa: F401  (importable from here as before)
 
@@ -69,25 +69,24 @@ def check_k(k, limit: int | None = None) -> int:
     return k
 
 
+def check_batch(batch) -> "PagedBatch":
+    """``batch`` if it is a :class:`PagedBatch`, else the one ValueError every op raises for it."""
+    return check_instance("batch", batch, PagedBatch, "PagedBatch.build or PagedCache.batch", label="dsakit.PagedBatch")
+
+
 def check_queries(q: torch.Tensor, weights: torch.Tensor, d: int = INDEX_HEAD_DIM) -> None:
     """q floating [T, H, d] and weights [T, H], else ValueError (shapes and dtypes only: no sync)."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != d:
-        raise ValueError(f"q must be [T, H, {d}], got "
-                         f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    check_tensor("q", q, shape=(None, None, d), message=f"q must be [T, H, {d}]")
     if q.dtype not in QUERY_DTYPES:
         raise ValueError(f"q dtype must be one of {[str(d) for d in QUERY_DTYPES]}, got {q.dtype}")
-    if not isinstance(weights, torch.Tensor) or weights.shape != q.shape[:2]:
-        raise ValueError(f"weights must be [T, H] = {list(q.shape[:2])}, got "
-                         f"{list(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__}")
+    check_tensor("weights", weights, shape=tuple(q.shape[:2]), message=f"weights must be [T, H] = {list(q.shape[:2])}")
     if weights.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weights must be one of {[str(d) for d in WEIGHT_DTYPES]}, got {weights.dtype}")
 
 
 def check_batch_queries(q: torch.Tensor, weights: torch.Tensor, batch: "PagedBatch") -> None:
     """q [T, H, 128] and weights [T, H] for the T queries of ``batch`` (no sync)."""
-    if not isinstance(batch, PagedBatch):
-        raise ValueError(f"batch must be a dsakit.PagedBatch (PagedBatch.build or PagedCache.batch), got "
-                         f"{type(batch).__name__}")
+    check_batch(batch)
     check_queries(q, weights)
     if q.shape[0] != batch.num_queries:
         raise ValueError(f"q has {q.shape[0]} rows but the batch has {batch.num_queries} queries")
@@ -133,9 +132,8 @@ def _int32(value: torch.Tensor) -> torch.Tensor:
 
 def _as_positions(query_positions, t: int) -> torch.Tensor:
     """query_positions as int64 [T] (same device), else ValueError naming it."""
-    if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (t,) \
-            or query_positions.dtype not in INDEX_DTYPES:
-        raise ValueError(f"query_positions must be int [T] = [{t}] or None, got {describe(query_positions)}")
+    check_tensor("query_positions", query_positions, shape=(t,), dtypes=INDEX_DTYPES,
+                 message=f"query_positions must be int [T] = [{t}] or None")
     return query_positions.to(torch.int64)
 
 
@@ -206,8 +204,7 @@ class PagedBatch:
         table = _as_int_tensor("block_table", block_table, 2)
         b, width = table.shape
         counts = _as_int_tensor("entry_counts", entry_counts, 1)
-        if counts.shape != (b,):
-            raise ValueError(f"entry_counts must be int [B] = [{b}], got {describe(entry_counts)}")
+        check_tensor("entry_counts", counts, shape=(b,), message=f"entry_counts must be int [B] = [{b}]")
         seq = _as_int_tensor("query_seq", query_seq, 1)
         t = seq.shape[0]
         positions = None
@@ -287,8 +284,7 @@ class PagedBatch:
         check_pool(pool, fmt)
         check_ratio(ratio)
         b = len(pages)
-        if len(lengths) != b:
-            raise ValueError(f"lengths must have one entry per sequence ({b}), got {len(lengths)}")
+        check_int_list("lengths", lengths, 0, length=b, message=f"lengths must be {b} ints >= 0 (one per sequence)")
         query_lens = [1] * b if query_lens is None else query_lens
         query_lens = check_int_list("query_lens", query_lens, 0, length=b,
                                     message=f"query_lens must be {b} non-negative ints (queries per sequence)")
@@ -330,5 +326,5 @@ class PagedBatch:
                 f"device={self.device})")
 
 
-__all__ = ["PagedBatch", "upload", "check_batch_queries", "check_pool", "check_queries", "check_same_device",
+__all__ = ["PagedBatch", "upload", "check_batch", "check_batch_queries", "check_pool", "check_queries", "check_same_device",
            "check_positive_int", "check_ratio", "check_k", "visible_counts"]

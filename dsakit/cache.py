@@ -18,7 +18,7 @@ import torch
 
 from ._memory import check_fits, parse_device
 from .batch import PagedBatch, check_table_size
-from .checks import check_int, check_int_list, is_int
+from .checks import check_int
 from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat
 # the raw pool access lives one floor down (dsakit.pool); these names stay importable from here
 from .pool import (check_pool, check_slots, dequantize_entries, num_slots, read_entries, sequence_slots,  # noqa: F401
@@ -41,8 +41,7 @@ class PagedCache:
 
     def __init__(self, fmt: "EntryFormat | str", num_pages: int, device: "str | torch.device" = "cpu"):
         fmt = _entry_format(fmt)
-        if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages <= 0:
-            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        check_int("num_pages", num_pages, 1, message="num_pages must be a positive int")
         device = parse_device(device)
         check_fits(num_pages * fmt.page_bytes, device, f"a {fmt.name} cache of {num_pages:,} pages")
         self.fmt = fmt
@@ -77,8 +76,7 @@ class PagedCache:
         return seq_id
 
     def _check_seq(self, seq_id: int) -> None:
-        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
-            raise ValueError(f"a sequence id is an int from add_sequence(), got {seq_id!r}")
+        check_int("seq_id", seq_id, message="a sequence id is an int from add_sequence()")
         if seq_id not in self._tables:
             raise ValueError(f"unknown sequence id {seq_id!r}; live sequences: {sorted(self._tables)}")
 
@@ -104,8 +102,7 @@ class PagedCache:
     def append(self, seq_id: int, n: int) -> torch.Tensor:
         """Reserve n more entries for a sequence; returns their slots int64 [n]. All or nothing."""
         self._check_seq(seq_id)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"number of entries to append must be a non-negative int, got {n!r}")
+        check_int("n", n, 0, message="number of entries to append must be a non-negative int")
         old = self._lengths[seq_id]
         new = old + n
         table = self._tables[seq_id]
@@ -124,8 +121,7 @@ class PagedCache:
         Undoes an :meth:`append` whose entries could not be written (their bytes are left as they are)."""
         self._check_seq(seq_id)
         current = self._lengths[seq_id]
-        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= current:
-            raise ValueError(f"truncate length must be an int in 0..{current} (sequence {seq_id}), got {length!r}")
+        check_int("length", length, 0, current, message=f"truncate length must be an int in 0..{current} (sequence {seq_id})")
         table = self._tables[seq_id]
         keep = (length + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
         self._table_rows.pop(seq_id, None)
@@ -145,8 +141,7 @@ class PagedCache:
         length = self._lengths[seq_id]
         end = length if end is None else end
         for what, value in (("start", start), ("end", end)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{what} must be an int entry index, got {value!r}")
+            check_int(what, value, message=f"{what} must be an int entry index")
         if not 0 <= start <= end <= length:
             raise ValueError(f"entry range {start}..{end} outside sequence {seq_id} of length {length}")
         # only the pages of start..end-1 (an append to a long sequence costs O(appended), not O(length)),
@@ -223,8 +218,7 @@ class PagedCache:
 
 
 def _check_compress_ratio(compress_ratio: int) -> None:
-    if not isinstance(compress_ratio, int) or isinstance(compress_ratio, bool) or compress_ratio < 1:
-        raise ValueError(f"compress_ratio must be a positive int, got {compress_ratio!r}")
+    check_int("compress_ratio", compress_ratio, 1, message="compress_ratio must be a positive int")
 
 
 def _entry_format(fmt) -> EntryFormat:
@@ -255,7 +249,6 @@ def bytes_per_token(fmt: "EntryFormat | str", compress_ratio: int = 1) -> float:
 def tokens_that_fit(fmt: "EntryFormat | str", nbytes: int, compress_ratio: int = 1) -> int:
     """Context tokens whose entries fit in ``nbytes`` of whole pages (one layer)."""
     fmt = _entry_format(fmt)
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+    check_int("nbytes", nbytes, 0)
     _check_compress_ratio(compress_ratio)
     return (int(nbytes) // fmt.page_bytes) * ENTRIES_PER_PAGE * compress_ratio

@@ -42,23 +42,38 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None, *,
-              message: str | None = None) -> int:
-    """``value`` as an int in minimum..maximum (either bound optional; bools refused), else ValueError.
+def _int_wording(name: str, minimum, maximum, noun: str = "an int") -> str:
+    if minimum is not None and maximum is not None:
+        return f"{name} must be {noun} in {minimum}..{maximum}"
+    if minimum is not None:
+        return f"{name} must be {noun} >= {minimum}"
+    if maximum is not None:
+        return f"{name} must be {noun} <= {maximum}"
+    return f"{name} must be {noun}"
 
-    ``message`` replaces the standard wording ("{name} must be an int >= 1, got 0") where a boundary says more
-    (what the value means); ``{value!r}`` is appended as "got ..."."""
+
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None, *,
+              message: str | None = None, allow_none: bool = False) -> int | None:
+    """``value`` as an int in minimum..maximum (either bound optional; bools refused; None passes when
+    ``allow_none``), else ValueError.
+
+    ``message`` replaces the standard wording ("{name} must be an int >= 1") where a boundary says more
+    (what the value means); ", got {value!r}" is appended."""
+    if allow_none and value is None:
+        return None
     if not is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        if message is None:
-            if minimum is not None and maximum is not None:
-                message = f"{name} must be an int in {minimum}..{maximum}"
-            elif minimum is not None:
-                message = f"{name} must be an int >= {minimum}"
-            elif maximum is not None:
-                message = f"{name} must be an int <= {maximum}"
-            else:
-                message = f"{name} must be an int"
-        raise ValueError(f"{message}, got {value!r}")
+        raise ValueError(f"{message or _int_wording(name, minimum, maximum)}, got {value!r}")
+    return value
+
+
+def check_power_of_two(name: str, value, minimum: int = 1, maximum: int | None = None, *,
+                       message: str | None = None, allow_none: bool = False) -> int | None:
+    """``value`` as a power-of-two int in minimum..maximum (None passes when ``allow_none``), else ValueError
+    ("{name} must be a power of two >= 16, got 24")."""
+    if allow_none and value is None:
+        return None
+    if not is_int(value) or value < minimum or value & (value - 1) or (maximum is not None and value > maximum):
+        raise ValueError(f"{message or _int_wording(name, minimum, maximum, 'a power of two')}, got {value!r}")
     return value
 
 
@@ -92,9 +107,11 @@ def check_bool(name: str, value) -> bool:
 
 
 def check_float(name: str, value, minimum: float | None = None, *, positive: bool = False,
-                message: str | None = None) -> float:
+                message: str | None = None, allow_none: bool = False) -> float | None:
     """``value`` as a finite float (an int is fine, a bool is not), > 0 when ``positive``, >= minimum when
-    given, else ValueError."""
+    given (None passes when ``allow_none``), else ValueError."""
+    if allow_none and value is None:
+        return None
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
         and not (positive and value <= 0) and not (minimum is not None and value < minimum)
     if not ok:
@@ -126,22 +143,34 @@ def check_instance(name: str, value, cls: type, hint: str = "", label: str | Non
 
 
 def check_tensor(name: str, x, *, dims: int | None = None, shape: tuple | None = None, dtypes=None,
-                 device: torch.device | None = None, contiguous: bool = False,
-                 owner: str = "the batch") -> torch.Tensor:
+                 device: torch.device | None = None, contiguous: bool = False, owner: str = "the batch",
+                 message: str | None = None, floating: bool = False) -> torch.Tensor:
     """``x`` if it is a tensor with the given rank / shape (None entries = any size) / dtype / device.
 
     Messages: "{name} must be a torch.Tensor, got list", "{name} must have shape [*, 128], got [4, 64]",
     "{name} must have dtype in ['torch.int32', 'torch.int64'], got torch.float32", "{name} is on cpu but ...".
+    ``message`` ("q must be [T, H, 128]") replaces the first two with "{message}, got [4, 64]" (or the type);
+    ``floating``: a floating dtype, any width ("{name} must be a floating tensor, got torch.int64").
     """
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise ValueError(f"{message}, got {type(x).__name__}" if message
+                         else f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if shape is not None:
-        if x.dim() != len(shape) or any(want is not None and got != want for got, want in zip(x.shape, shape)):
-            want = ", ".join("*" if s is None else str(s) for s in shape)
-            raise ValueError(f"{name} must have shape [{want}], got {list(x.shape)}")
-    elif dims is not None and x.dim() != dims:
-        raise ValueError(f"{name} must be a {dims}-D tensor, got {list(x.shape)}")
+        bad = x.dim() != len(shape) or any(want is not None and got != want for got, want in zip(x.shape, shape))
+    else:
+        bad = dims is not None and x.dim() != dims
+    if bad:
+        if message:
+            raise ValueError(f"{message}, got {list(x.shape)}")
+        if shape is None:
+            raise ValueError(f"{name} must be a {dims}-D tensor, got {list(x.shape)}")
+        want = ", ".join("*" if s is None else str(s) for s in shape)
+        raise ValueError(f"{name} must have shape [{want}], got {list(x.shape)}")
+    if floating and not x.is_floating_point():
+        raise ValueError(f"{message or f'{name} must be a floating tensor'}, got {x.dtype}")
     if dtypes is not None:
+        if message and x.dtype not in ((dtypes,) if isinstance(dtypes, torch.dtype) else tuple(dtypes)):
+            raise ValueError(f"{message}, got {x.dtype} {list(x.shape)}")
         check_dtype(name, x, dtypes)
     if device is not None:
         check_device(name, x, device, owner)
@@ -174,5 +203,5 @@ def check_same_device(device: torch.device, **tensors) -> None:
 
 
 __all__ = ["FLOAT_DTYPES", "INDEX_DTYPES", "check_bool", "check_choice", "check_device", "check_dtype",
-           "check_float", "check_instance", "check_int", "check_int_list", "check_positive_int",
+           "check_float", "check_instance", "check_int", "check_int_list", "check_positive_int", "check_power_of_two",
            "check_same_device", "check_tensor", "describe", "is_int", "shape_of"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import INDEX_DTYPES, check_int, check_tensor, shape_of
+from .checks import INDEX_DTYPES, check_int, check_tensor
 from .formats import ENTRIES_PER_PAGE, EntryFormat, centre_of, decode_centres, is_centred
 
 
@@ -56,11 +56,8 @@ def check_slots(slots: torch.Tensor, num_slots: int, what: str = "slots", allow_
 
     ``length``: the N the caller needs (one slot per row). Returns the slots as a CPU int64 tensor: the one
     host copy of a call path, which the writers taking checked slots reuse."""
-    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or (length is not None and slots.shape[0] != length):
-        need = "a 1-D integer tensor" if length is None else f"an int tensor [N] with N = {length} (one per row)"
-        raise ValueError(f"{what} must be {need}, got {shape_of(slots)}")
-    if slots.dtype not in INDEX_DTYPES:
-        raise ValueError(f"{what} must be int32 or int64, got {slots.dtype}")
+    need = "a 1-D integer tensor" if length is None else f"an int tensor [N] with N = {length} (one per row)"
+    check_tensor(what, slots, shape=(length,), dtypes=INDEX_DTYPES, message=f"{what} must be {need}")
     cpu = slots.detach().cpu().long()
     if cpu.numel():
         bad = cpu >= num_slots
@@ -78,14 +75,9 @@ def check_slots(slots: torch.Tensor, num_slots: int, what: str = "slots", allow_
 
 
 def _check_encoded_rows(fmt: EntryFormat, n: int, values: torch.Tensor, scales: torch.Tensor) -> None:
-    if not isinstance(values, torch.Tensor) or not isinstance(scales, torch.Tensor) \
-            or values.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"values/scales must be uint8 tensors of encoded bytes, got "
-                         f"{getattr(values, 'dtype', type(values).__name__)} / "
-                         f"{getattr(scales, 'dtype', type(scales).__name__)}")
-    if values.shape != (n, fmt.value_bytes) or scales.shape != (n, fmt.scale_bytes):
-        raise ValueError(f"values/scales must be [{n}, {fmt.value_bytes}] / [{n}, {fmt.scale_bytes}], "
-                         f"got {list(values.shape)} / {list(scales.shape)}")
+    for name, x, width in (("values", values, fmt.value_bytes), ("scales", scales, fmt.scale_bytes)):
+        check_tensor(name, x, shape=(n, width), dtypes=torch.uint8,
+                     message=f"{name} must be uint8 [{n}, {width}] (encoded bytes, one row per slot)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,11 +234,8 @@ def store_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor, x: 
 
 def sequence_slots(block_table_row: torch.Tensor, length: int) -> torch.Tensor:
     """Slots int64 [length] of a sequence's first ``length`` entries, from its block-table row [max_pages]."""
-    if not isinstance(block_table_row, torch.Tensor) or block_table_row.dim() != 1 \
-            or block_table_row.dtype not in INDEX_DTYPES:
-        got = (block_table_row.dtype, list(block_table_row.shape)) if isinstance(block_table_row, torch.Tensor) \
-            else type(block_table_row).__name__
-        raise ValueError(f"block_table_row must be a 1-D int32/int64 tensor, got {got}")
+    check_tensor("block_table_row", block_table_row, dims=1, dtypes=INDEX_DTYPES,
+                 message="block_table_row must be a 1-D int32/int64 tensor")
     check_int("sequence length", length, 0, message="sequence length must be a non-negative int")
     pages_needed = (length + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
     row = block_table_row.detach().cpu().long()

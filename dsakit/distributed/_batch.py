@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import PagedBatch
-
-
-def check_batch(batch) -> PagedBatch:
-    if not isinstance(batch, PagedBatch):
-        raise ValueError(f"batch must be a dsakit.PagedBatch (PagedCache.batch or PagedBatch.build), got "
-                         f"{type(batch).__name__}")
-    return batch
+from ..batch import PagedBatch, check_batch  # noqa: F401  (the distributed entry points check through it)
 
 
 def select_queries(batch: PagedBatch, rows: torch.Tensor) -> PagedBatch:

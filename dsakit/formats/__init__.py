@@ -67,6 +67,7 @@ from typing import ClassVar
 
 import torch
 
+from ..checks import INDEX_DTYPES, check_tensor
 from .bf16 import dequantize_bf16, quantize_bf16
 from .codes import KEY_CODECS, KeyCode, KeyCodec
 from .common import SCALE_FLOOR, finite_amax, sanitize, ue8m0_exponent_ceil, ue8m0_to_float
@@ -131,22 +132,17 @@ class EntryFormat(ABC):
 
     # -- shared ---------------------------------------------------------------------------------------
     def check_entries(self, x: torch.Tensor, what: str = "x") -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 2 or x.shape[1] != self.head_dim:
-            raise ValueError(f"{what} must have shape [N, {self.head_dim}] for format {self.name}, "
-                             f"got {list(x.shape)}")
-        if not x.is_floating_point():
-            raise ValueError(f"{what} must be a floating tensor, got {x.dtype}")
+        check_tensor(what, x)
+        check_tensor(what, x, shape=(None, self.head_dim), floating=True,
+                     message=f"{what} must have shape [N, {self.head_dim}] for format {self.name}")
         return x.detach().to("cpu", torch.float32)
 
     def check_encoded(self, values: torch.Tensor, scales: torch.Tensor) -> None:
         """values uint8 [N, value_bytes] and scales uint8 [N, scale_bytes], else ValueError (a wrong width
         would otherwise decode silently into the wrong number of elements)."""
         for what, t, width in (("values", values, self.value_bytes), ("scales", scales, self.scale_bytes)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != width:
-                raise ValueError(f"{what} must be uint8 [N, {width}] for format {self.name}, got "
-                                 f"{(t.dtype, list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            check_tensor(what, t, shape=(None, width), dtypes=torch.uint8,
+                         message=f"{what} must be uint8 [N, {width}] for format {self.name}")
         if values.shape[0] != scales.shape[0]:
             raise ValueError(f"values and scales must have the same N, got {values.shape[0]} and {scales.shape[0]}")
 
@@ -194,9 +190,7 @@ class EntryFormat(ABC):
 
         Slots must be >= 0: a padding slot (-1) has no bytes, and floor division would map it to the last
         entry of page -1, a negative offset that indexes from the end of a flat pool."""
-        if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"slots must be an int32/int64 tensor, got "
-                             f"{slots.dtype if isinstance(slots, torch.Tensor) else type(slots).__name__}")
+        check_tensor("slots", slots, dtypes=INDEX_DTYPES, message="slots must be an int32/int64 tensor")
         slots = slots.long()
         if slots.numel() and bool((slots < 0).any()):
             raise ValueError(f"slots must be >= 0 (padding has no bytes), got {int(slots.min())}")
@@ -336,9 +330,8 @@ def centre_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def decode_centres(raw: torch.Tensor) -> torch.Tensor:
     """Centre bytes uint8 [N, 256] (128 x bf16 little endian) -> fp32 [N, 128]."""
-    if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != CENTRE_BYTES:
-        raise ValueError(f"centre bytes must be uint8 [N, {CENTRE_BYTES}], got "
-                         f"{(raw.dtype, list(raw.shape)) if isinstance(raw, torch.Tensor) else type(raw).__name__}")
+    check_tensor("centre bytes", raw, shape=(None, CENTRE_BYTES), dtypes=torch.uint8,
+                 message=f"centre bytes must be uint8 [N, {CENTRE_BYTES}]")
     return raw.cpu().contiguous().view(torch.bfloat16).float().reshape(raw.shape[0], INDEX_HEAD_DIM)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...checks import check_int, check_power_of_two
 from .._tuning import gpu_key
 
 # head counts the kernel takes: programs own HEAD_BLOCK heads of one query, and one program's [64, 512] fp32
@@ -48,12 +49,10 @@ class AttentionConfig:
     def __post_init__(self):
         for name in ("block_n", "num_warps", "combine_block_h", "combine_warps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 1, got {value!r}")
+            check_power_of_two(name, value)
         for name in ("num_stages", "num_splits"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            check_int(name, value, 1, message=f"{name} must be a positive int or None", allow_none=True)
         if isinstance(self.dv_split, bool) or self.dv_split not in (1, 2):
             raise ValueError(f"dv_split must be 1 or 2, got {self.dv_split!r}")
         if HEAD_BLOCK % self.combine_block_h:

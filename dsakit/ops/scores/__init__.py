@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ...batch import PagedBatch
+from ...batch import PagedBatch, check_batch
 from .._backend import resolve_backend
 from .config import ScoresConfig
 from .reference import index_scores as index_scores_reference
@@ -23,9 +23,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, *, b
     ``PagedBatch.build``). ``backend`` picks the implementation; ``config`` tunes the Triton kernels (ignored
     by the reference). The reference returns a CPU tensor; Triton returns one on the batch's device.
     """
-    if not isinstance(batch, PagedBatch):
-        raise ValueError(f"batch must be a dsakit.PagedBatch (PagedCache.batch or PagedBatch.build), got "
-                         f"{type(batch).__name__}")
+    check_batch(batch)
     chosen = resolve_backend(backend, q, batch.pool)
     if chosen == "triton":
         from .triton import index_scores_triton  # imported lazily: triton is an optional dependency

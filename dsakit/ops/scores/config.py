@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...checks import check_int, check_power_of_two
 from .._tuning import gpu_key
 
 KERNELS = ("auto", "tile", "group")
@@ -60,17 +61,13 @@ class ScoresConfig:
         if self.decode_loads not in DECODE_LOADS:
             raise ValueError(f"decode_loads must be 'gather' or 'tma', got {self.decode_loads!r}")
         bt = self.prefill_block_t
-        if isinstance(bt, bool) or not isinstance(bt, int) or bt < 16 or bt & (bt - 1):
-            raise ValueError(f"block_t (prefill_block_t) must be a power of two >= 16, got {bt!r}")
+        check_power_of_two("block_t (prefill_block_t)", bt, 16)
         for name in ("prefill_block_n", "decode_block_n"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 16
-                                      or value & (value - 1)):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
+            check_power_of_two(name, value, 16, allow_none=True)
         for name in ("prefill_warps", "decode_warps", "decode_tiles_per_program", "prefill_stages", "decode_stages"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value, 1, message=f"{name} must be a positive int", allow_none=True)
 
         for name in ("decode_maxnreg", "prefill_maxnreg"):
             reg = getattr(self, name)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ...checks import check_tensor
 from ...batch import PagedBatch, check_batch_queries, check_queries, check_ratio, visible_counts
 from ...pool import dequantize_entries, read_centres, read_entries, sequence_slots
 from ...formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
@@ -38,10 +39,8 @@ def index_scores_dense(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     once per (query, head, page) and added before the relu.
     """
     check_queries(q, weights, q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 3 else 128)
-    if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.shape[1] != q.shape[2] \
-            or not keys.is_floating_point():
-        raise ValueError(f"keys must be a floating [N, {q.shape[2]}] tensor, got "
-                         f"{(keys.dtype, list(keys.shape)) if isinstance(keys, torch.Tensor) else type(keys).__name__}")
+    check_tensor("keys", keys, shape=(None, q.shape[2]), floating=True,
+                 message=f"keys must be a floating [N, {q.shape[2]}] tensor")
     check_ratio(ratio)
     t, h, _ = q.shape
     n = keys.shape[0]
@@ -49,10 +48,9 @@ def index_scores_dense(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     page_of = None
     if centres is not None:
         pages = (n + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
-        if not isinstance(centres, torch.Tensor) or centres.shape != (pages, q.shape[2]) \
-                or not centres.is_floating_point():
-            raise ValueError(f"centres must be a floating [{pages}, {q.shape[2]}] tensor (one per page of the N = "
-                             f"{n} keys), got {(centres.dtype, list(centres.shape)) if isinstance(centres, torch.Tensor) else centres!r}")
+        check_tensor("centres", centres, shape=(pages, q.shape[2]), floating=True,
+                     message=f"centres must be a floating [{pages}, {q.shape[2]}] tensor (one per page of the N = "
+                             f"{n} keys)")
         cf = centres.detach().cpu().float()
         page_of = torch.arange(n) // ENTRIES_PER_PAGE
     out = torch.empty(t, n)

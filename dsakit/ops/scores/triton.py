@@ -65,7 +65,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ...batch import PagedBatch, check_batch_queries, check_same_device, upload
+from ...batch import PagedBatch, check_batch, check_batch_queries, check_same_device, upload
 from ...formats import INDEX_HEAD_DIM, KeyFormat, key_codec
 from .._backend import triton_interpreted
 from ...formats.codes import KeyCode
@@ -495,8 +495,7 @@ def index_scores_decode(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
     for name, value in (("weights", weights), ("q_scale", q_scale)):
         if value is not None and not isinstance(value, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if not isinstance(batch, PagedBatch):
-        raise ValueError(f"batch must be a dsakit.PagedBatch, got {type(batch).__name__}")
+    check_batch(batch)
     if next_n < 1:
         raise ValueError(f"next_n must be >= 1, got q of shape {list(q.shape)}")
     if batch.num_seqs != b or (batch.next_n is not None and batch.next_n != next_n):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...checks import check_power_of_two
 from .._tuning import gpu_key
 
 
@@ -27,8 +28,7 @@ class StoreConfig:
 
     def __post_init__(self):
         for name, value in self.__dict__.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 1, got {value!r}")
+            check_power_of_two(name, value)
 
     @staticmethod
     def for_device(device: "torch.device | str | None" = None) -> "StoreConfig":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import INDEX_DTYPES, check_dtype
+from ...checks import FLOAT_DTYPES, INDEX_DTYPES, check_float, check_instance, check_tensor
 from ...formats import AttentionKVFormat, KeyFormat
 from ...pool import check_pool, check_slots, num_slots, store_checked_entries
 from ...presets import KeyTransform
@@ -22,21 +22,20 @@ from ...transforms import ROPE_V4, RopeLayout, apply_norm, apply_rope, hadamard_
 
 
 def _check_rows(x: torch.Tensor, dim: int, what: str) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != dim:
-        raise ValueError(f"{what} must be a [N, {dim}] tensor, got "
-                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{what} must be fp32, bf16 or fp16, got {x.dtype}")
+    check_tensor(what, x, shape=(None, dim), message=f"{what} must be a [N, {dim}] tensor")
+    _check_float_dtype(x, what)
 
 
 def _check_vector(v: torch.Tensor | None, dim: int, what: str) -> None:
     if v is None:
         return
-    if not isinstance(v, torch.Tensor) or v.shape != (dim,):
-        raise ValueError(f"{what} must be a [{dim}] tensor, got "
-                         f"{list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
-    if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{what} must be fp32, bf16 or fp16, got {v.dtype}")
+    check_tensor(what, v, shape=(dim,), message=f"{what} must be a [{dim}] tensor")
+    _check_float_dtype(v, what)
+
+
+def _check_float_dtype(x: torch.Tensor, what: str) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{what} must be fp32, bf16 or fp16, got {x.dtype}")
 
 
 def check_rope_dim(rope_dim: int, dim: int) -> None:
@@ -56,18 +55,13 @@ def _check_store_target(rows: torch.Tensor, dim: int, what: str, slots: torch.Te
 def check_eps(eps: float) -> None:
     """The norm's epsilon: a finite number >= 0 (a negative one turns small rows into NaN, inf every row
     into zeros)."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    check_float("eps", eps, 0)
 
 
 def check_rope_inputs(positions: torch.Tensor, rope_cos_sin: torch.Tensor, n: int, rope_dim: int) -> None:
-    if not isinstance(positions, torch.Tensor) or positions.shape != (n,) or positions.dtype not in INDEX_DTYPES:
-        raise ValueError(f"positions must be int32/int64 [{n}], got "
-                         f"{(positions.dtype, list(positions.shape)) if isinstance(positions, torch.Tensor) else positions!r}")
-    if not isinstance(rope_cos_sin, torch.Tensor) or rope_cos_sin.dim() != 2 or rope_cos_sin.shape[1] != rope_dim:
-        raise ValueError(f"rope_cos_sin must be [max_position, {rope_dim}] (cos then sin), got "
-                         f"{list(rope_cos_sin.shape) if isinstance(rope_cos_sin, torch.Tensor) else rope_cos_sin!r}")
-    check_dtype("rope_cos_sin", rope_cos_sin, torch.float32)
+    check_tensor("positions", positions, shape=(n,), dtypes=INDEX_DTYPES, message=f"positions must be int32/int64 [{n}]")
+    check_tensor("rope_cos_sin", rope_cos_sin, shape=(None, rope_dim), dtypes=torch.float32,
+                 message=f"rope_cos_sin must be [max_position, {rope_dim}] (cos then sin)")
     check_rope_positions(positions, rope_cos_sin)
 
 
@@ -92,8 +86,7 @@ def prepare_index_keys(keys: torch.Tensor, positions: torch.Tensor, rope_cos_sin
                        transform: KeyTransform = KeyTransform()) -> torch.Tensor:
     """Pre-norm keys [N, 128] -> fp32 [N, 128] after norm, rope and (optional) Hadamard; not quantized."""
     d = 128
-    if not isinstance(transform, KeyTransform):
-        raise ValueError(f"transform must be a KeyTransform, got {type(transform).__name__}")
+    check_instance("transform", transform, KeyTransform)
     _check_rows(keys, d, "keys")
     _check_vector(norm_weight, d, "norm_weight")
     _check_vector(norm_bias, d, "norm_bias")

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ...batch import PagedBatch
+from ...batch import PagedBatch, check_batch
+from ...checks import check_bool, check_instance
 from .._backend import resolve_backend
 from .config import SelectConfig, TopkConfig
 from .reference import index_topk as index_topk_reference
@@ -44,13 +45,10 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int
     (:class:`TopkConfig`: workspace bound, kernel tuning) is used by Triton; the reference ignores it.
     The reference returns CPU tensors; Triton returns them on the batch's device.
     """
-    if not isinstance(return_slots, bool):
-        raise ValueError(f"return_slots must be a bool, got {return_slots!r}")
-    if config is not None and not isinstance(config, TopkConfig):
-        raise ValueError(f"config must be a TopkConfig or None, got {type(config).__name__}")
-    if not isinstance(batch, PagedBatch):
-        raise ValueError(f"batch must be a dsakit.PagedBatch (PagedCache.batch or PagedBatch.build), got "
-                         f"{type(batch).__name__}")
+    check_bool("return_slots", return_slots)
+    if config is not None:
+        check_instance("config", config, TopkConfig, label="TopkConfig or None")
+    check_batch(batch)
     chosen = resolve_backend(backend, q, batch.pool)
     if chosen == "triton":
         from .triton import index_topk_triton

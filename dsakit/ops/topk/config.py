@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...checks import check_bool, check_float, check_instance, check_int, check_power_of_two
 from .._tuning import gpu_key
 from ..scores.config import ScoresConfig
 
@@ -44,12 +45,8 @@ def rows_per_chunk(t: int, width: int, workspace_bytes: int) -> int:
 
 
 def _power_of_two(name: str, value, low: int, high: int | None = None) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or value & (value - 1) \
-            or (high is not None and value > high):
-        bound = f"{low}..{high}" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be a power of two in {bound}, got {value!r}")
+    bound = f"{low}..{high}" if high is not None else f">= {low}"
+    check_power_of_two(name, value, low, high, message=f"{name} must be a power of two in {bound}", allow_none=True)
 
 
 @dataclass(frozen=True)
@@ -115,22 +112,19 @@ class StreamConfig:
     def validate(self) -> None:
         for name in ("splits", "cap", "lanes", "v", "tie_cap", "sample", "bins"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {value!r}")
+            check_power_of_two(name, value, message=f"{name} must be a power of two")
         if self.sample < 32 or self.bins < 32 or self.lane_cap < 1 or self.cap > MAX_SELECT_BLOCK \
                 or self.block < 16 or self.splits * self.lanes * self.tie_cap > MAX_SELECT_BLOCK:
             raise ValueError(f"config out of range (sample >= 32, bins >= 32, cap <= 16384 and >= splits * lanes, "
                              f"lanes * v >= 16, splits * lanes * tie_cap <= 16384): {self}")
         oc = self.order_chunks
-        if isinstance(oc, bool) or not isinstance(oc, int) or oc < 1 or oc & (oc - 1) or oc > 64:
-            raise ValueError(f"order_chunks must be a power of two in 1..64, got {oc!r}")
+        check_power_of_two("order_chunks", oc, 1, 64)
         for name in ("num_warps", "final_warps", "order_warps"):
             value = getattr(self, name)
             if isinstance(value, bool) or value not in (1, 2, 4, 8, 16, 32):
                 raise ValueError(f"{name} must be 1..32 (power of two), got {value!r}")
-        if self.margin is not None and (isinstance(self.margin, bool) or not isinstance(self.margin, (int, float))
-                                        or not self.margin > 0):
-            raise ValueError(f"margin must be a positive number or None, got {self.margin!r}")
+        check_float("margin", self.margin, positive=True, allow_none=True,
+                    message="margin must be a positive number or None")
 
 
 @dataclass(frozen=True)
@@ -185,16 +179,13 @@ class SelectConfig:
         _power_of_two("block", self.block, 16, MAX_SELECT_BLOCK)
         _power_of_two("bins", self.bins, 32, 1024)
         _power_of_two("cap", self.cap, 32)
-        if self.num_warps is not None and (isinstance(self.num_warps, bool) or not isinstance(self.num_warps, int)
-                                           or self.num_warps < 1):
-            raise ValueError(f"num_warps must be a positive int, got {self.num_warps!r}")
-        if self.stream is not None and not isinstance(self.stream, StreamConfig):
-            raise ValueError(f"stream must be a StreamConfig or None, got {type(self.stream).__name__}")
+        check_int("num_warps", self.num_warps, 1, message="num_warps must be a positive int", allow_none=True)
+        if self.stream is not None:
+            check_instance("stream", self.stream, StreamConfig, label="StreamConfig or None")
         for name in ("visible_block", "stream_target_programs", "stream_min_split", "stream_max_splits",
                      "stream_lane_entries", "cached_bytes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value, 1, message=f"{name} must be a positive int")
 
     def resolve(self, rows: int) -> tuple[int, int, int]:
         """(block, num_warps, bins) of the multi-pass select for a launch over ``rows`` rows."""
@@ -259,12 +250,9 @@ class TopkConfig:
 
     def __post_init__(self):
         wb = self.workspace_bytes
-        if isinstance(wb, bool) or not isinstance(wb, int) or wb < 1:
-            raise ValueError(f"workspace_bytes must be a positive int, got {wb!r}")
-        if not isinstance(self.sort, bool):
-            raise ValueError(f"sort must be a bool, got {self.sort!r}")
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
+        check_int("workspace_bytes", wb, 1, message="workspace_bytes must be a positive int")
+        check_bool("sort", self.sort)
+        check_bool("overlap", self.overlap)
         if not isinstance(self.scores, ScoresConfig) or not isinstance(self.select, SelectConfig):
             raise ValueError("scores / select must be a ScoresConfig / SelectConfig")
 

@@ -50,7 +50,8 @@ from dataclasses import dataclass
 import torch
 
 from ..._memory import check_fits, parse_device
-from ...batch import PagedBatch, check_k, check_positive_int
+from ...batch import PagedBatch, check_batch, check_k, check_positive_int
+from ...checks import check_bool
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from ..scores.config import ScoresConfig
 from ..scores.triton import QueryTiles, check_q_inputs, launch_index_scores, plan_decode_tiles, prepare_q
@@ -123,8 +124,8 @@ def plan_decode_topk(batch: int, next_n: int, max_entries: int, k: int, fmt: "Ke
     num_heads = check_positive_int("num_heads", num_heads, 1)
     check_k(k, MAX_K)
     fmt = KeyFormat.parse(fmt)
-    if not isinstance(return_slots, bool) or not isinstance(sort, bool):
-        raise ValueError(f"return_slots and sort must be bools, got {return_slots!r}, {sort!r}")
+    check_bool("return_slots", return_slots)
+    check_bool("sort", sort)
     device = parse_device(device)
     select = select or SelectConfig()
     if not isinstance(select, SelectConfig):
@@ -150,8 +151,7 @@ def _check_plan(q, weights, batch, k, plan, q_scale) -> tuple[torch.Tensor, torc
     """Host-only checks of q / weights / q_scale against the plan and the batch; returns them as [R, ...]."""
     if not isinstance(plan, DecodeTopkPlan):
         raise ValueError(f"plan must be a DecodeTopkPlan from plan_decode_topk, got {type(plan).__name__}")
-    if not isinstance(batch, PagedBatch):
-        raise ValueError(f"batch must be a dsakit.PagedBatch, got {type(batch).__name__}")
+    check_batch(batch)
     if not isinstance(q, torch.Tensor) or q.dim() not in (3, 4) or q.shape[-1] != INDEX_HEAD_DIM:
         raise ValueError(f"q must be [B, next_n, H, {INDEX_HEAD_DIM}] or [B * next_n, H, {INDEX_HEAD_DIM}], got "
                          f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")

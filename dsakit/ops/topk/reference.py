@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ...checks import INDEX_DTYPES, check_tensor
 from ...batch import PagedBatch, check_k
 from .config import MAX_K
 from ..scores.reference import index_scores
@@ -21,9 +22,7 @@ from ..scores.reference import index_scores
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores fp32 [T, N] -> int32 [T, k] indices (rules above)."""
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
-        raise ValueError(f"scores must be a [T, N] tensor, got "
-                         f"{list(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
+    check_tensor("scores", scores, dims=2, message="scores must be a [T, N] tensor")
     check_k(k, MAX_K)
     s = scores.detach().cpu().float()
     t, n = s.shape
@@ -60,9 +59,7 @@ def topk_to_slots(indices: torch.Tensor, block_table: torch.Tensor, query_seq: t
     map to a bogus slot).
     """
     for what, t, dims in (("indices", indices, 2), ("block_table", block_table, 2), ("query_seq", query_seq, 1)):
-        if not isinstance(t, torch.Tensor) or t.dim() != dims or t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{what} must be a {dims}-D int32/int64 tensor, got "
-                             f"{(t.dtype, list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        check_tensor(what, t, dims=dims, dtypes=INDEX_DTYPES, message=f"{what} must be a {dims}-D int32/int64 tensor")
     if query_seq.shape[0] != indices.shape[0]:
         raise ValueError(f"query_seq must be [T] = [{indices.shape[0]}], got {list(query_seq.shape)}")
     if query_seq.numel() and (int(query_seq.min()) < 0 or int(query_seq.max()) >= block_table.shape[0]):
