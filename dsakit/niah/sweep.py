@@ -11,7 +11,9 @@ Prompt length:
 * without one, each length is calibrated against the server: probe requests (``max_tokens = 1``) measure
   ``usage.prompt_tokens`` for a word budget, a line tokens = a + b * words is fitted through all probes so
   far (one probe per length once the first length is done), until the probe is within half the tolerance
-  (default 1%) of the target. Characters per token are recorded per length and used to estimate needle
+  (default 1%) of the target. Every probe's count must be plausible and monotone (:func:`check_probe`), and
+  a length whose best probe stays outside the tolerance is refused: its cells get no row (missing), never a
+  prompt of the wrong length. Characters per token are recorded per length and used to estimate needle
   token positions.
 
 Every row records the measured prompt tokens (``usage.prompt_tokens``), the target, and per needle its code,
