@@ -132,7 +132,11 @@ class SelectConfig:
     """Select launch. algorithm: which select runs (see the field). Multi-pass radix select: block (elements
     per tile of the streaming passes), num_warps, bins (buckets of the narrowing histograms), cap (candidate
     buffer entries per row). None = the row-count rule of :meth:`resolve` (many rows -> prefill setting,
-    few long rows -> decode setting)."""
+    few long rows -> decode setting). Streaming select: the ``stream_*`` fields are the table behind
+    :meth:`stream_for` (the :class:`StreamConfig` of a launch over rows x width, k), ``stream`` fixes one
+    StreamConfig for every launch instead, ``cached_bytes`` bounds its cached buffers per launch.
+    visible_block: rows per program of the visible-count kernel. Every launcher of the top-k reads these;
+    none derives a setting of its own."""
 
     block: int | None = None
     num_warps: int | None = None
