@@ -28,6 +28,7 @@ import types
 import torch
 from torch import nn
 
+from ..checks import check_positive_int
 from ..formats import AttentionKVFormat, KeyFormat
 from ..layers.attention import V4Attention
 from ..layers.config import resolve_index_key_format
@@ -194,10 +195,9 @@ def _decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
 
 def _patch_settings(index_key_format, topk, kv_format, backend, max_tokens) -> dict:
     """The patch's arguments, checked and in canonical form (compared to decide whether to re-patch)."""
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    if topk is not None and (not isinstance(topk, int) or isinstance(topk, bool) or topk < 1):
-        raise ValueError(f"topk must be a positive int or None, got {topk!r}")
+    check_positive_int("max_tokens", max_tokens)
+    if topk is not None:
+        check_positive_int("topk", topk)
     if index_key_format is not None:
         index_key_format = KeyFormat.parse(index_key_format)
     return dict(index_key_format=index_key_format, topk=topk, kv_format=AttentionKVFormat.parse(kv_format),

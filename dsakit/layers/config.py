@@ -8,12 +8,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 
-from ..checks import check_positive_int
+from ..checks import check_choice, check_float, check_instance, check_positive_int
 from ..formats import ATTENTION_HEAD_DIM, AttentionKVFormat, KeyFormat
+from ..ops._backend import BACKENDS
 from ..presets import DSAPreset, get_preset
 from ..transforms import ROPE_V4, RopeConfig, RopeLayout
 
@@ -26,7 +26,6 @@ LAYER_TYPES = {"csa": 4, "hca": 128, "window": 0}
 # queries per chunk of a prefill: bounds the [chunk, K] / [chunk, N_hca] index tensors and the attention's
 # working set (the top-k op bounds its own score workspace)
 DEFAULT_QUERY_CHUNK = 4096
-BACKENDS = ("auto", "reference", "triton")
 
 
 def resolve_index_key_format(index_key_format: "KeyFormat | str | None", preset: DSAPreset) -> KeyFormat:
@@ -76,11 +75,8 @@ class V4AttentionConfig:
     query_chunk: int = DEFAULT_QUERY_CHUNK
 
     def __post_init__(self):
-        if self.layer_type not in LAYER_TYPES:
-            raise ValueError(f"layer_type must be one of {sorted(LAYER_TYPES)}, got {self.layer_type!r}")
-        if not isinstance(self.preset, DSAPreset):
-            raise ValueError(f"preset must be a DSAPreset, got {type(self.preset).__name__}")
-        preset = self.preset
+        check_choice("layer_type", self.layer_type, LAYER_TYPES)
+        preset = check_instance("preset", self.preset, DSAPreset)
         if preset.compress_ratio != 4 or preset.attention_head_dim != ATTENTION_HEAD_DIM:
             raise ValueError(f"V4Attention needs a DeepSeek-V4 preset, got {preset.name!r}")
         if preset.rope_layout != ROPE_V4:
@@ -94,19 +90,15 @@ class V4AttentionConfig:
                              f"o_groups {self.o_groups}")
         if self.hca_ratio == 4:
             raise ValueError("hca_ratio 4 would be the overlapping CSA compressor; HCA blocks do not overlap")
-        if not isinstance(self.rope, RopeConfig):
-            raise ValueError(f"rope must be a RopeConfig, got {type(self.rope).__name__}")
+        check_instance("rope", self.rope, RopeConfig)
         if self.rope.rope_dim != preset.attention_rope_dim:
             raise ValueError(f"rope_dim must be {preset.attention_rope_dim}, got {self.rope.rope_dim}")
-        eps = self.eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {self.backend!r}")
+        eps = check_float("eps", self.eps, minimum=0)
+        check_choice("backend", self.backend, BACKENDS)
         # the formats as objects (strings accepted), the epsilon as a float
         object.__setattr__(self, "kv_format", AttentionKVFormat.parse(self.kv_format))
         object.__setattr__(self, "index_key_format", KeyFormat.parse(self.index_key_format))
-        object.__setattr__(self, "eps", float(eps))
+        object.__setattr__(self, "eps", eps)
 
     @classmethod
     def from_preset(cls, layer_type: str, hidden_size: int, q_lora_rank: int, *,
@@ -117,8 +109,6 @@ class V4AttentionConfig:
         """The config with every setting left None taken from ``preset``; ``settings``: kv_format, o_groups,
         o_lora_rank, eps, hca_ratio, backend, query_chunk."""
         preset = get_preset(preset)
-        if rope is not None and not isinstance(rope, RopeConfig):
-            raise ValueError(f"rope must be a RopeConfig or None, got {type(rope).__name__}")
         unknown = set(settings) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown V4 attention settings {sorted(unknown)}")

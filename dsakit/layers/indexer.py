@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checks import check_positive_int
+from ..checks import check_float, check_instance, check_int, check_positive_int
 from ..cache import PagedCache
 from ..formats import INDEX_HEAD_DIM, KeyFormat
 from ..ops.compress import compress
@@ -83,6 +83,15 @@ def _check_positions(positions: Any, t: int) -> torch.Tensor:
     return pos
 
 
+def _v4_indexer_preset(preset: "str | DSAPreset") -> DSAPreset:
+    """The preset, if it is one of a V4 CSA indexer (ratio 4 with overlap, 128-dim index heads)."""
+    preset = get_preset(preset)
+    if preset.compress_ratio != 4 or not preset.compress_overlap or preset.index_head_dim != INDEX_HEAD_DIM:
+        raise ValueError(f"the V4 CSA indexer has ratio 4 with overlap and {INDEX_HEAD_DIM}-dim heads; preset "
+                         f"{preset.name!r} has ratio {preset.compress_ratio}, dim {preset.index_head_dim}")
+    return preset
+
+
 class _Scorer(nn.Module):
     def __init__(self, hidden: int, heads: int):
         super().__init__()
@@ -101,20 +110,11 @@ class V4Indexer(V4Compressor):
     def __init__(self, hidden: int, q_lora_rank: int, heads: int, eps: float = 1e-6, *,
                  preset: "str | DSAPreset" = "deepseek-v4-flash", rope: RopeConfig | None = None,
                  index_topk: int | None = None):
-        preset = get_preset(preset)
-        if preset.compress_ratio != 4 or not preset.compress_overlap:
-            raise ValueError(f"the V4 CSA indexer has ratio 4 with overlap; preset {preset.name!r} has ratio "
-                             f"{preset.compress_ratio}")
-        if preset.index_head_dim != INDEX_HEAD_DIM:
-            raise ValueError(f"index head dim must be {INDEX_HEAD_DIM}, preset {preset.name!r} has "
-                             f"{preset.index_head_dim}")
-        if rope is not None and not isinstance(rope, RopeConfig):
-            raise ValueError(f"rope must be a RopeConfig or None, got {type(rope).__name__}")
+        preset = _v4_indexer_preset(preset)
         if index_topk is not None:
             check_positive_int("index_topk", index_topk)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-            raise ValueError(f"norm_eps must be a finite number >= 0, got {eps!r}")
-        rope = preset.rope if rope is None else rope
+        eps = check_float("norm_eps", eps, minimum=0)
+        rope = preset.rope if rope is None else check_instance("rope", rope, RopeConfig)
         if rope.rope_dim != preset.key_transform.rope_dim:
             raise ValueError(f"rope_dim {rope.rope_dim} differs from the key transform's "
                              f"{preset.key_transform.rope_dim}")
@@ -282,8 +282,7 @@ class V4Indexer(V4Compressor):
         self._query_hidden(hidden, t)
         positions = torch.arange(t) if positions is None else positions
         k = self.index_topk if k is None else k
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive int, got {k!r}")
+        check_int("k", k, 1, message="k must be a positive int")
         fmt = KeyFormat.parse(key_format)
         q = self.queries(q_latent, positions)
         w = self.weights(hidden)
@@ -316,10 +315,7 @@ class DSAIndexer(V4Indexer):
     def __init__(self, wq_b: torch.Tensor, weights_proj: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
                  ape: torch.Tensor, norm_weight: torch.Tensor, preset: "str | DSAPreset" = "deepseek-v4-flash",
                  rope: RopeConfig | None = None, index_topk: int | None = None, norm_eps: float | None = None):
-        preset = get_preset(preset)
-        if preset.compress_ratio != 4 or not preset.compress_overlap:
-            raise ValueError(f"DSAIndexer implements the V4 CSA indexer (ratio 4 with overlap); preset "
-                             f"{preset.name!r} has ratio {preset.compress_ratio}")
+        preset = _v4_indexer_preset(preset)  # before the weights: their shapes follow from it
         if not isinstance(weights_proj, torch.Tensor) or weights_proj.dim() != 2:
             got = list(weights_proj.shape) if isinstance(weights_proj, torch.Tensor) else weights_proj
             raise ValueError(f"weights_proj must be a [H, hidden] tensor, got {got!r}")
@@ -334,12 +330,10 @@ class DSAIndexer(V4Indexer):
                    "gate_proj.weight": _as_matrix(wgate, (2 * d, hidden), "wgate"),
                    "position_bias": _as_matrix(ape, (ratio, 2 * d), "ape"),
                    "kv_norm.weight": _as_matrix(norm_weight, (d,), "norm_weight")}
-        eps = preset.key_transform.eps if norm_eps is None else norm_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-            raise ValueError(f"norm_eps must be a finite number >= 0 or None, got {norm_eps!r}")
+        eps = check_float("norm_eps", preset.key_transform.eps if norm_eps is None else norm_eps, minimum=0)
         device = weights["q_b_proj.weight"].device
         with torch.device("meta"):  # placeholders: every weight is set below
-            super().__init__(hidden, wq_b.shape[1], heads, float(eps), preset=preset, rope=rope,
+            super().__init__(hidden, wq_b.shape[1], heads, eps, preset=preset, rope=rope,
                              index_topk=index_topk)
         for name, value in weights.items():
             module, _, leaf = name.rpartition(".")

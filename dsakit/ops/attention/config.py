@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...checks import check_int, check_power_of_two
+from ...checks import check_choice, check_int, check_power_of_two
 from .._tuning import gpu_key
 
 # head counts the kernel takes: programs own HEAD_BLOCK heads of one query, and one program's [64, 512] fp32
@@ -53,8 +53,7 @@ class AttentionConfig:
         for name in ("num_stages", "num_splits"):
             value = getattr(self, name)
             check_int(name, value, 1, message=f"{name} must be a positive int or None", allow_none=True)
-        if isinstance(self.dv_split, bool) or self.dv_split not in (1, 2):
-            raise ValueError(f"dv_split must be 1 or 2, got {self.dv_split!r}")
+        check_choice("dv_split", check_int("dv_split", self.dv_split), (1, 2))
         if HEAD_BLOCK % self.combine_block_h:
             raise ValueError(f"combine_block_h must divide {HEAD_BLOCK}, got {self.combine_block_h}")
         if not isinstance(self.stages, dict) or set(self.stages) != set(_stages_table(1, 1, 1, 1)) or any(
