@@ -424,3 +424,28 @@ def test_config_object_and_construction_from_transformers():
     assert shared.layer_config == settings
     x = hidden(15, 40)
     assert torch.equal(run(shared, x, split=30)[0], run(loaded, x, split=30)[0])
+
+
+def test_failed_batch_call_rolls_back_every_row(monkeypatch):
+    """[B, S, hidden] with B sequences is one transaction: a failure in row 1 also undoes row 0's tokens."""
+    layer = random_layer("hca", "reference", "cpu", num_heads=2, o_groups=2)
+    cache = layer.new_cache(max_tokens=32, max_sequences=2)
+    seqs = [cache.add_sequence(), cache.add_sequence()]
+    x = torch.stack([hidden(16, 20), hidden(17, 20)])
+    with torch.no_grad():
+        layer(x[:, :12], cache, seqs)
+        before = [cache_state(cache, s) for s in seqs]
+        output = layer.output
+        calls = []
+
+        def failing_output(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:  # row 1: row 0 is done and stored
+                raise RuntimeError("injected failure")
+            return output(*args, **kwargs)
+
+        monkeypatch.setattr(layer, "output", failing_output)
+        with pytest.raises(RuntimeError, match="injected"):
+            layer(x[:, 12:], cache, seqs)
+        for s, state in zip(seqs, before):
+            assert_same_state(state, cache_state(cache, s))
