@@ -4,7 +4,8 @@
 
 Compiles ``_index_scores_group_kernel`` (decode) and ``_index_scores_tile_kernel`` (prefill) ahead of time for
 sm_90a with Triton's own compiler and the ptxas it ships (no CUDA device or driver needed), with the
-launch choices of :func:`dsakit.ops.scores.triton.launch_index_scores` (tile sizes, warps, stages), and
+launch settings that :class:`dsakit.ops.scores.config.ScoresConfig` resolves for the launcher (tile sizes,
+warps, stages), and
 records per case the registers per thread, the spill bytes and whether ptxas serialized the wgmma pipeline
 for lack of registers. A case that ptxas refuses (register allocation failed) is recorded as an error and the
 script exits 1. Writes DIR/sm90_registers.json. Use it before a GPU run after touching a scores kernel: a
@@ -39,7 +40,7 @@ from dsakit.ops.scores import index_scores_kernels  # noqa: E402
 from dsakit.ops.scores.config import ScoresConfig  # noqa: E402
 
 INT_ARGS = ("width", "ratio", "num_pages", "num_seqs", "max_pages", "stride_qt", "stride_qh", "stride_wt",
-            "stride_wh", "stride_st", "stride_sh", "stride_bt", "stride_out")
+            "stride_wh", "stride_st", "stride_sh", "stride_bt", "stride_out", "stride_ps", "stride_pp", "stride_ph")
 ALIGNED_INTS = ("stride_qt", "stride_qh", "stride_bt", "stride_out")  # multiples of 16 in every real launch
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
@@ -52,9 +53,13 @@ def compile_case(kernel, fmt: str, q_dtype: str, consts: dict, warps: int, stage
                 "values_ptr": "*bf16" if codec.code == KeyCode.BF16 else "*u8",
                 "scales_ptr": "*fp32" if fp32_scales else "*u8", "block_table_ptr": "*i32", "counts_ptr": "*i32",
                 "pos_ptr": "*i64" if consts["HAS_POS"] else "*i32", "rows_ptr": "*i32", "tile_seq_ptr": "*i32",
-                "tile_start_ptr": "*i32", "tile_len_ptr": "*i32", "out_ptr": "*fp32"}
+                "tile_start_ptr": "*i32", "tile_len_ptr": "*i32", "out_ptr": "*fp32", "pt_ptr": "*fp32"}
     constants = dict(consts, CODE=int(codec.code), FP8_DOT=q_dtype == "fp8e4nv" and codec.fp8_dot, D=128,
                      INTERPRET=False, PAGE_TERM=codec.page_term, stride_wh=1)
+    if kernel is _kernels._index_scores_tile_kernel and codec.page_term:
+        constants["stride_ps"] = 1  # the tile plan's page-term buffer [pages, H, rows]
+    elif codec.page_term:
+        constants["stride_ph"] = 1  # the group plan's [rows, pages, H]
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -90,37 +95,24 @@ def compile_case(kernel, fmt: str, q_dtype: str, consts: dict, warps: int, stage
 
 
 def cases(formats: list[str], quick: bool):
-    """(kernel name, format, q dtype, constexprs, warps, stages) with the launcher's default choices."""
+    """(kernel name, format, q dtype, constexprs, warps, stages) with the settings ScoresConfig resolves."""
     config = ScoresConfig()
     groups = [(1, 64), (4, 64)] if quick else [(1, 16), (4, 16), (1, 64), (2, 64), (4, 64), (1, 128), (2, 128)]
     block_ts = [64] if quick else [16, 32, 64]
     for fmt in formats:
         codec = KEY_CODECS[fmt]
-        fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
+        fp4_blocks = codec.entry_code == KeyCode.FP4 and config.decode_fp4 == "blocks"
         for q_dtype in (["fp8e4nv", "bf16"] if codec.fp8_dot or fp4_blocks else ["bf16"]):
             q_scale = q_dtype == "fp8e4nv"
             for group, heads in groups:
-                block_n = config.decode_block_n or (codec.blocks_block_n if fp4_blocks else codec.decode_block_n)
-                if config.decode_block_n is None and block_n > 64 and group * heads > 64:
-                    block_n = 64  # launch_index_scores' choice for more than 64 columns
-                if codec.page_term and config.decode_block_n is None and group * heads >= 128:
-                    block_n = 64  # launch_index_scores' choice for page-term formats
-                consts = dict(HAS_POS=False, HAS_Q_SCALE=q_scale, H=heads, GROUP=group, BLOCK_N=block_n,
-                              TILES_PER_PROGRAM=config.decode_tiles_per_program
-                              or (codec.decode_tiles if group * heads <= 64 else 8),
-                              FP4_BLOCKS=fp4_blocks)
-                warps = config.decode_warps
-                if fp4_blocks and group * heads >= 128:
-                    warps = max(warps, 8)  # launch_index_scores' choice for fp4 blocks
-                yield "group", fmt, q_dtype, consts, warps, config.decode_stages or (
-                    codec.decode_stages if group * heads <= 64 else 3)
+                launch = config.group_launch(fmt, group * heads, 1 << 17, fp4_blocks)
+                consts = dict(HAS_POS=False, HAS_Q_SCALE=q_scale, H=heads, GROUP=group, BLOCK_N=launch.block_n,
+                              TILES_PER_PROGRAM=launch.per_program, FP4_BLOCKS=fp4_blocks)
+                yield "group", fmt, q_dtype, consts, launch.warps, launch.stages
             for block_t in block_ts:
-                block_n = config.prefill_block_n
-                warps = config.prefill_warps or (4 if block_t * block_n <= 64 * 128 else 8)
-                if codec.page_term and config.prefill_warps is None and block_t * block_n >= 64 * 128:
-                    warps = 8  # launch_index_scores' choice for page-term formats
-                consts = dict(HAS_POS=True, HAS_Q_SCALE=q_scale, H=64, BLOCK_T=block_t, BLOCK_N=block_n)
-                yield "tile", fmt, q_dtype, consts, warps, config.prefill_stages or codec.prefill_stages
+                launch = config.tile_launch(fmt, block_t)
+                consts = dict(HAS_POS=True, HAS_Q_SCALE=q_scale, H=64, BLOCK_T=block_t, BLOCK_N=launch.block_n)
+                yield "tile", fmt, q_dtype, consts, launch.warps, launch.stages
 
 
 def main() -> int:

@@ -607,3 +607,87 @@ def test_lab_missing_centre_fault_row():
     base, fault = rows[("none", "fp8-centred")], rows[("missing-centre", "fp8-centred")]
     assert base["needle_score_ratio"] == pytest.approx(1.0, abs=0.05)
     assert abs(fault["needle_score_ratio"] - 1.0) > 0.3  # the q . c term is most of every score
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device")
+@pytest.mark.parametrize("name", CENTRED)
+def test_triton_scores_when_the_page_term_dominates(name):
+    """A large centre and small residuals (|mu| / |z| = 1000): q . c is ~1000x the residual's logit, so a page
+    term added after the relu, scaled with the residual, dropped or rounded below fp32 shows at once, and the
+    order within a page (set by the residuals alone) must survive it. Every kernel path: prefill tile (one- and
+    two-page key tiles), decode gather (fp4 blocks and dequantized), decode page copies; bf16 and fp8 q."""
+    from dsakit.ops.scores.config import ScoresConfig
+    from dsakit.ops.scores.triton import index_scores_triton
+
+    fmt = KeyFormat.parse(name)
+    g = torch.Generator().manual_seed(30)
+    cache = PagedCache(fmt, 6)
+    cache._free = [4, 1, 5, 0, 3, 2]  # pages out of order
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.write(cache.append(a, 200), shared_keys(200, 1000.0, seed=31))
+    cache.write(cache.append(b, 70), shared_keys(70, 1000.0, seed=32))
+    batch = PagedBatch.build(cache.pool.to(DEVICE), fmt, cache.block_table([a, b]).to(DEVICE),
+                             cache.entry_counts([a, b]).to(DEVICE),
+                             torch.tensor([0, 1, 0, 1], dtype=torch.int32, device=DEVICE),
+                             torch.tensor([199, 69, 130, 63], device=DEVICE))
+    q = torch.randn(4, 16, 128, generator=g)
+    w = torch.rand(4, 16, generator=g)
+    configs = [ScoresConfig(kernel="tile"), ScoresConfig(kernel="tile", prefill_block_n=64, prefill_block_t=16),
+               ScoresConfig(kernel="group", decode_loads="gather"),
+               ScoresConfig(kernel="group", decode_loads="gather", decode_fp4="dequant"),
+               ScoresConfig(kernel="group")]  # page copies where the format and q allow them
+    for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        qd = q.to(q_dtype)
+        ref = scores_ops.index_scores(qd.float(), w, batch, backend="reference")
+        finite = torch.isfinite(ref)
+        expected = topk_ops.select_topk(ref, 48, backend="reference").sort(dim=1).values
+        for config in configs:
+            out = index_scores_triton(qd.to(DEVICE), w.to(DEVICE), batch, config=config).cpu()
+            assert torch.equal(torch.isinf(out), torch.isinf(ref)), (q_dtype, config)
+            assert float((out - ref).abs()[finite].max()) <= 1e-5 * float(ref[finite].abs().max()), (q_dtype, config)
+            top = topk_ops.select_topk(out, 48, backend="reference").sort(dim=1).values
+            assert torch.equal(top, expected), (q_dtype, config)  # the same set: the residuals' order survives
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device")
+@pytest.mark.parametrize("name", CENTRED)
+def test_deepgemm_style_paged_logits_of_centred_pools(name):
+    """dsakit.ops.scores.centred_paged_mqa_logits takes DeepGEMM's paged-logits arguments with a centred pool
+    viewed as [pages, 64, 1, bytes per entry]: the logits of the decoded keys (centre + residual) under
+    DeepGEMM's visibility rule (context_lens [B]: query i of sequence b sees context_lens[b] - next_n + i + 1
+    entries), -inf elsewhere; the positional DeepGEMM-order variant gives the same."""
+    fmt = KeyFormat.parse(name)
+    g = torch.Generator().manual_seed(40)
+    cache = PagedCache(fmt, 5)
+    seqs = [cache.add_sequence() for _ in range(2)]
+    lengths = [150, 66]
+    for i, (seq, n) in enumerate(zip(seqs, lengths)):
+        cache.write(cache.append(seq, n), shared_keys(n, 30.0, seed=41 + i))
+    b, next_n, h, max_len = 2, 2, 16, 160
+    q = torch.randn(b, next_n, h, 128, generator=g).to(torch.float8_e4m3fn)
+    w = torch.rand(b * next_n, h, generator=g)
+    table = cache.block_table(seqs)
+    context_lens = cache.entry_counts(seqs)
+    entry_bytes = fmt.page_bytes // 64
+    kv_cache = cache.pool.view(-1, 64, 1, entry_bytes)
+    logits = scores_ops.centred_paged_mqa_logits(q.to(DEVICE), kv_cache.to(DEVICE), w.to(DEVICE),
+                                                 context_lens.to(DEVICE), table.to(DEVICE), max_len).cpu()
+    keys = fmt.dequantize_pages(cache.pool)  # [pages * 64, 128]: centre + residual per slot
+    expect = torch.full((b * next_n, max_len), float("-inf"))
+    for i in range(b):
+        for j in range(next_n):
+            n = int(context_lens[i]) - next_n + j + 1
+            idx = torch.arange(n)
+            slots = table[i].long()[idx // 64] * 64 + idx % 64
+            expect[i * next_n + j, :n] = ((q[i, j].float() @ keys[slots].T).relu() * w[i * next_n + j][:, None]).sum(0)
+    assert torch.equal(torch.isinf(logits), torch.isinf(expect))
+    finite = torch.isfinite(expect)
+    assert float((logits - expect).abs()[finite].max()) <= 1e-5 * float(expect[finite].abs().max())
+    same = scores_ops.deepgemm_centred_paged_mqa_logits(q.to(DEVICE), kv_cache.to(DEVICE), w.to(DEVICE),
+                                                       context_lens.to(DEVICE), table.to(DEVICE), None, max_len)
+    assert torch.equal(same.cpu(), logits)
+    with pytest.raises(ValueError, match=r"kv_cache must be \[pages, 64, 1, 136\] or \[pages, 64, 1, 72\]"):
+        scores_ops.centred_paged_mqa_logits(q, cache.pool.view(-1, 64, 1, 8, entry_bytes // 8)[..., 0],
+                                            w, context_lens, table, max_len)
+    with pytest.raises(ValueError, match="float8_e4m3fn or bfloat16"):
+        scores_ops.centred_paged_mqa_logits(q.float(), kv_cache, w, context_lens, table, max_len)

@@ -654,7 +654,7 @@ def test_maxnreg_validated_and_result_unchanged(triton_backend):
     ("bf16", 1, (64, 16, 5)),
     ("fp4", 1, (64, 16, 5)),     # "blocks" path: its own 64-entry tile
     ("fp8", 2, (64, 8, 3)),      # 128 columns: 64-entry tiles (a 128-entry one spills on sm_90), 8 tiles, 3 stages
-    ("fp8-centred", 1, (64, 8, 3)),
+    ("fp8-centred", 1, (128, 16, 5)),  # the residuals' work is plain fp8's (page terms from a pass)
 ])
 def test_decode_launch_defaults(monkeypatch, fmt_name, next_n, expected):
     """The decode kernel's launch choices follow the documented per-format defaults (a launch recorder stands
@@ -808,3 +808,65 @@ def test_decode_tma_page_loads(fmt_name, device):
     assert not torch.isnan(out).any() and torch.isnan(ws[t:]).all() and torch.isnan(ws[:, 512:]).all()
     with pytest.raises(ValueError, match="decode_loads"):
         ScoresConfig(decode_loads="bulk")
+
+
+# The launch settings the launcher derived itself before they moved into ScoresConfig (05bb4b1), restated
+# here as the oracle: every plain format keeps exactly these (so its speed cannot change).
+_BEFORE_FORMATS = {"bf16": (64, 64, 16, 5, 2), "fp8": (128, 64, 16, 5, 3), "fp4": (128, 64, 16, 5, 3)}
+
+
+def _settings_before(config, fmt_name, kind, size, columns, width):
+    decode_block_n, blocks_block_n, decode_tiles, decode_stages, prefill_stages = _BEFORE_FORMATS[fmt_name]
+    if kind == "tile":
+        bn = config.prefill_block_n
+        warps = config.prefill_warps or (4 if size * bn <= 64 * 128 else 8)
+        return bn, 1, warps, config.prefill_stages or prefill_stages, config.prefill_maxnreg
+    if kind == "tma":
+        per_program = config.decode_tiles_per_program or max(1, min(32, -(-width // (64 * 4))))
+        warps, stages, regs = config.decode_warps, config.decode_stages or 5, config.decode_maxnreg
+        if fmt_name == "fp4":
+            if columns >= 128:
+                warps = max(warps, 8)
+            if columns >= 256 and config.decode_stages is None:
+                stages = 3
+            if columns <= 64 and warps == 4 and regs is None:
+                regs = 128
+        return 64, per_program, warps, stages, regs
+    fp4_blocks = fmt_name == "fp4" and config.decode_fp4 == "blocks"
+    bn = config.decode_block_n or (blocks_block_n if fp4_blocks else decode_block_n)
+    if config.decode_block_n is None and bn > 64 and columns > 64:
+        bn = 64
+    tiles_default, stages_default = (decode_tiles, decode_stages) if columns <= 64 else (8, 3)
+    per_program = config.decode_tiles_per_program or max(1, min(tiles_default, -(-width // (bn * 4))))
+    warps = config.decode_warps
+    if fp4_blocks and columns >= 128:
+        warps = max(warps, 8)
+    return bn, per_program, warps, config.decode_stages or stages_default, config.decode_maxnreg
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"decode_block_n": 64}, {"decode_block_n": 128, "decode_tiles_per_program": 4}, {"decode_stages": 2},
+    {"decode_warps": 8}, {"decode_maxnreg": 96}, {"decode_fp4": "dequant"}, {"prefill_warps": 8},
+    {"prefill_stages": 4, "prefill_block_n": 64}, {"prefill_maxnreg": 168}, {"prefill_block_n": 256}])
+def test_resolved_launch_settings_equal_the_launcher_before(overrides):
+    """ScoresConfig.tile_launch / group_launch / tma_launch resolve, for every plain format, query tile and
+    width, the same block, tiles per program, warps, stages and register cap as the launcher derived before the
+    settings moved into the config object (the H200 table and explicit overrides)."""
+    from dsakit.ops.scores.config import ScoresConfig
+
+    config = ScoresConfig(**overrides)
+    for fmt_name in ("bf16", "fp8", "fp4"):
+        for block_t in (16, 32, 64, 128):
+            got = config.tile_launch(fmt_name, block_t)
+            assert (got.block_n, got.per_program, got.warps, got.stages, got.maxnreg) == \
+                _settings_before(config, fmt_name, "tile", block_t, 0, 0), (fmt_name, block_t)
+        for columns in (16, 32, 64, 128, 256):
+            for width in (100, 4096, 65536, 131072):
+                fp4_blocks = fmt_name == "fp4" and config.decode_fp4 == "blocks"
+                got = config.group_launch(fmt_name, columns, width, fp4_blocks)
+                assert (got.block_n, got.per_program, got.warps, got.stages, got.maxnreg) == \
+                    _settings_before(config, fmt_name, "group", 0, columns, width), (fmt_name, columns, width)
+                if fmt_name != "bf16":
+                    got = config.tma_launch(fmt_name == "fp4", columns, width)
+                    assert (got.block_n, got.per_program, got.warps, got.stages, got.maxnreg) == \
+                        _settings_before(config, fmt_name, "tma", 0, columns, width), (fmt_name, columns, width)

@@ -5,10 +5,9 @@ part (64 residual values, then 64 scales) and then its centre, 128 x bf16 at byt
 page (8448 for fp8-centred, 4352 for fp4-centred); entry j decodes to centre + residual. The functions here
 are what the dispatching codec functions of :mod:`dsakit.formats.triton` call for those codes:
 
-* scores: :func:`load_centre_tile` gives the centres of a key tile's pages as a [16, D] bf16 tile (prefill
-  kernel) and :func:`load_centre_entries` each entry's page centre as a [BLOCK_N, D] bf16 tile (decode
-  kernel), for the kernels' per-page term q . c (the residual tile itself is the plain format's loader with
-  the page's extra 256 bytes);
+* scores: :func:`load_centre_entries` gives the centres of a block of pages as a [BLOCK, D] bf16 tile, for
+  the scores' page-term pass (q . c once per query, head and page; the residual tiles themselves are the plain
+  format's loaders with the page's extra 256 bytes);
 * store (one launch, docs/formats-centred.md): :func:`centre_u16` makes a page's centre from its entry 0's
   transformed key, :func:`store_centre_bits` writes it, :func:`load_centre_bits` reads the centre of a page
   stored by an earlier call and :func:`centre_started` tells whether that page's entry 0 was ever stored.
@@ -34,25 +33,10 @@ if triton is not None:
         return tl.where((bits & 0x7F80) == 0x7F80, 0, bits).to(tl.uint16)
 
     @triton.jit
-    def load_centre_tile(values_ptr, pages, valid, PAGE_BYTES: tl.constexpr, CENTRE_OFFSET: tl.constexpr,
-                         BLOCK_N: tl.constexpr, D: tl.constexpr):
-        """bf16 [16, D]: row p < BLOCK_N / 64 is the centre of the page of the tile's entries 64p .. 64p + 63
-        (pages / valid [BLOCK_N] per entry, the tile starting on a page boundary); other rows 0. values_ptr is
-        the uint8 view of the pool. 16 rows: the smallest tile a dot takes."""
-        p = tl.arange(0, 16)
-        first = tl.arange(0, BLOCK_N)[None, :] == (p * 64)[:, None]  # [16, BLOCK_N]: entry 64p of the tile
-        page = tl.sum(tl.where(first, pages[None, :], 0), axis=1)  # [16]
-        ok = tl.sum(tl.where(first & valid[None, :], 1, 0), axis=1) > 0
-        dims = tl.arange(0, D)
-        ptr = values_ptr.to(tl.pointer_type(tl.bfloat16)) + (page * PAGE_BYTES + CENTRE_OFFSET)[:, None] // 2
-        return tl.load(ptr + dims[None, :], mask=ok[:, None], other=0.0)
-
-    @triton.jit
     def load_centre_entries(values_ptr, pages, valid, PAGE_BYTES: tl.constexpr, CENTRE_OFFSET: tl.constexpr,
                             D: tl.constexpr):
-        """bf16 [BLOCK_N, D]: row n is the centre of entry n's page (pages / valid [BLOCK_N]; invalid rows 0).
-        values_ptr is the uint8 view of the pool. The A operand of the page term's dot, accumulated into the
-        residual dot's accumulator: no second [BLOCK_N, N] fp32 tile, no per-page broadcast in registers."""
+        """bf16 [BLOCK, D]: row n is the centre of page pages[n] (pages / valid [BLOCK]; invalid rows 0).
+        values_ptr is the uint8 view of the pool."""
         dims = tl.arange(0, D)
         ptr = values_ptr.to(tl.pointer_type(tl.bfloat16)) + ((pages * PAGE_BYTES + CENTRE_OFFSET) // 2)[:, None]
         return tl.load(ptr + dims[None, :], mask=valid[:, None], other=0.0)

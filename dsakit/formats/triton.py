@@ -12,8 +12,8 @@ Kernels read and write keys only through these functions:
   layouts of the store kernels: [BLOCK_N, 128] rows and [2, BLOCK_N, 8, 8] halves).
 
 Formats with a per-page term (``KeyCodec.page_term``: the page-centred formats) also use
-:func:`load_key_page_tile` / :func:`load_key_page_rows` (the pages' side values as a [16, D] tile, or per entry
-as a [BLOCK_N, D] tile, for the per-page logit term q . c),
+:func:`load_key_page_rows` (the side values of a block of pages as a [BLOCK, D] tile, for the scores'
+page-term pass that computes q . c once per query, head and page),
 :func:`load_logit_scales` / :func:`scale_key_logits` (a per-entry scale applied to each head's logits before
 the relu, since relu(s a + b) != s relu(a + b / s)), and in the store kernel :func:`key_page_value` (a page's
 side value from its entry 0's key), :func:`load_key_page_value` / :func:`key_page_started` (the side value a
@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .bf16 import load_bf16_tile, store_bf16_halves, store_bf16_rows
 from .centred import (CENTRE_EXTRA, centre_float, centre_started, centre_u16, load_centre_bits, load_centre_entries,
-                      load_centre_tile, store_centre_bits)
+                      store_centre_bits)
 from .codes import KeyCode
 from .fp4 import (fp4_block_scale, fp4_bytes_e4m3, load_fp4_block_e4m3, load_fp4_block_scales, load_fp4_tile,
                   store_fp4_halves, store_fp4_rows)
@@ -76,11 +76,15 @@ def load_key_tile(values_ptr, scales_ptr, pages, slot, valid, CODE: tl.constexpr
 def load_key_block(values_ptr, pages, slot, valid, BLOCK: tl.constexpr, CODE: tl.constexpr, D: tl.constexpr,
                    INTERPRET: tl.constexpr):
     """Elements 32 BLOCK .. 32 BLOCK + 31 of entries (pages[n], slot[n]) as an e4m3 tile [BLOCK_N, 32] whose
-    true values are tile x :func:`key_block_scale` x :data:`KEY_BLOCK_FACTOR` (fp4 only: the e2m1 codes
-    placed in e4m3 bits, exact); invalid entries read as 0. INTERPRET: plain Triton ops instead of the
-    GPU's inline assembly."""
-    tl.static_assert(CODE == FP4, "per-block key tiles exist for the fp4 code only")
-    return load_fp4_block_e4m3(values_ptr, pages, slot, valid, BLOCK, D, INTERPRET)
+    true values are tile x :func:`key_block_scale` x :data:`KEY_BLOCK_FACTOR` (fp4 and fp4-centred residuals:
+    the e2m1 codes placed in e4m3 bits, exact); invalid entries read as 0. INTERPRET: plain Triton ops instead
+    of the GPU's inline assembly."""
+    tl.static_assert(CODE == FP4 or CODE == FP4_CENTRED, "per-block key tiles exist for the fp4 codes only")
+    if CODE == FP4_CENTRED:
+        k = load_fp4_block_e4m3(values_ptr, pages, slot, valid, BLOCK, D, INTERPRET, EXTRA)
+    else:
+        k = load_fp4_block_e4m3(values_ptr, pages, slot, valid, BLOCK, D, INTERPRET)
+    return k
 
 
 @triton.jit
@@ -88,41 +92,32 @@ def key_block_nibble_order(raw, CODE: tl.constexpr, INTERPRET: tl.constexpr):
     """The tile of :func:`load_key_block` from a block's packed bytes already on chip, uint8 [BLOCK_N, 16]
     (e.g. a bulk tensor copy of a page's block columns) -> e4m3 [BLOCK_N, 32] with its columns in nibble order:
     the block's 16 even elements, then its 16 odd ones (multiply by q's block in the same order)."""
-    tl.static_assert(CODE == FP4, "per-block key tiles exist for the fp4 code only")
+    tl.static_assert(CODE == FP4 or CODE == FP4_CENTRED, "per-block key tiles exist for the fp4 codes only")
     return fp4_bytes_e4m3(raw, INTERPRET, True)
 
 
 @triton.jit
 def load_key_block_scales(scales_ptr, pages, slot, valid, CODE: tl.constexpr, D: tl.constexpr):
     """Per-entry block scales of :func:`load_key_block`, packed (fp4: the four ue8m0 bytes as an int32 [BLOCK_N])."""
-    tl.static_assert(CODE == FP4, "per-block key tiles exist for the fp4 code only")
-    return load_fp4_block_scales(scales_ptr, pages, slot, valid, D)
+    tl.static_assert(CODE == FP4 or CODE == FP4_CENTRED, "per-block key tiles exist for the fp4 codes only")
+    if CODE == FP4_CENTRED:
+        words = load_fp4_block_scales(scales_ptr, pages, slot, valid, D, EXTRA)
+    else:
+        words = load_fp4_block_scales(scales_ptr, pages, slot, valid, D)
+    return words
 
 
 @triton.jit
 def key_block_scale(words, BLOCK: tl.constexpr, CODE: tl.constexpr):
     """fp32 [BLOCK_N] scale of block BLOCK from :func:`load_key_block_scales` (fp4: 2^(s - 127))."""
-    tl.static_assert(CODE == FP4, "per-block key tiles exist for the fp4 code only")
+    tl.static_assert(CODE == FP4 or CODE == FP4_CENTRED, "per-block key tiles exist for the fp4 codes only")
     return fp4_block_scale(words, BLOCK)
 
 
 @triton.jit
-def load_key_page_tile(values_ptr, pages, valid, CODE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """Per-page side values of a key tile whose entries start on a page boundary, bf16 [16, D]: row p is
-    that of the page of entries 64p .. 64p + 63 (rows past BLOCK_N / 64 and invalid pages are 0). For the
-    page-centred formats, the pages' centres (the kernels add q . c to the logits of the page's entries)."""
-    if CODE == FP8_CENTRED:
-        c = load_centre_tile(values_ptr, pages, valid, FP8_CENTRE_OFFSET + EXTRA, FP8_CENTRE_OFFSET, BLOCK_N, D)
-    else:
-        c = load_centre_tile(values_ptr, pages, valid, FP4_CENTRE_OFFSET + EXTRA, FP4_CENTRE_OFFSET, BLOCK_N, D)
-    return c
-
-
-@triton.jit
 def load_key_page_rows(values_ptr, pages, valid, CODE: tl.constexpr, D: tl.constexpr):
-    """Per-page side value of each entry of a key tile, bf16 [BLOCK_N, D] (row n: that of entry n's page;
-    invalid entries 0). For the page-centred formats, the centres: a dot of this tile with q accumulated into
-    the residual logits adds q . c to every entry without a broadcast in registers."""
+    """Per-page side value of pages[n], bf16 [BLOCK, D] (row n: that of page pages[n]; rows not ``valid`` are 0).
+    For the page-centred formats, the centres: the scores' page-term pass multiplies a block of them by q."""
     if CODE == FP8_CENTRED:
         c = load_centre_entries(values_ptr, pages, valid, FP8_CENTRE_OFFSET + EXTRA, FP8_CENTRE_OFFSET, D)
     else:

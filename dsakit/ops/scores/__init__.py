@@ -2,6 +2,10 @@
 
 The reference (pure PyTorch fp32, CPU) is the spec; the Triton kernels read keys straight from the paged
 cache (see :mod:`dsakit.ops.scores.triton`). ``auto`` picks Triton for CUDA tensors.
+
+DeepGEMM-style paged logits (:mod:`dsakit.ops.scores.deepgemm_compat`, imported on first use since they need
+triton): ``fp8_paged_mqa_logits`` for plain fp8 pools and ``centred_paged_mqa_logits`` /
+``deepgemm_centred_paged_mqa_logits`` (DeepGEMM's positional order) for page-centred pools.
 """
 
 from __future__ import annotations
@@ -40,4 +44,18 @@ def index_scores_kernels() -> dict:
     return {"group": _kernels._index_scores_group_kernel, "tile": _kernels._index_scores_tile_kernel}
 
 
-__all__ = ["index_scores", "index_scores_dense", "index_scores_reference", "index_scores_kernels", "ScoresConfig"]
+_COMPAT = ("fp8_paged_mqa_logits", "deepgemm_fp8_paged_mqa_logits", "centred_paged_mqa_logits",
+           "deepgemm_centred_paged_mqa_logits", "fp8_mqa_logits")
+
+
+def __getattr__(name: str):
+    """The DeepGEMM-style entry points, imported lazily (triton is an optional dependency)."""
+    if name in _COMPAT:
+        from . import deepgemm_compat
+
+        return getattr(deepgemm_compat, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["index_scores", "index_scores_dense", "index_scores_reference", "index_scores_kernels", "ScoresConfig",
+           *_COMPAT]

@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 
 from ...formats.triton import FP8 as FP8_CODE
+from ...formats.triton import FP8_CENTRED as FP8_CENTRED_CODE
 from ...formats.triton import (KEY_BLOCK_FACTOR, key_block_nibble_order, key_block_scale, load_key_block,
-                               load_key_block_scales,
-                               load_key_page_rows, load_key_page_tile, load_key_tile, load_logit_scales,
+                               load_key_block_scales, load_key_page_rows, load_key_tile, load_logit_scales,
                                scale_key_logits, scale_key_scores)
 
 
@@ -47,38 +47,44 @@ def _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, ma
 
 
 @triton.jit
-def _page_columns(qc, BLOCK_N: tl.constexpr):
-    """qc [M, 16] (column p: the term of the tile's page p) -> [M, BLOCK_N]: each entry its page's term."""
+def _tile_page_terms(row_ptrs, first_col, num_cols, row_ok, stride_pp, BLOCK_N: tl.constexpr):
+    """Page terms of a tile kernel's key tile for one head -> fp32 [BLOCK_T, BLOCK_N]: entry n of row t gets
+    the term of its page, read from the page-term buffer at row_ptrs[t] + page column * stride_pp (the tile
+    starts on page column first_col and spans BLOCK_N / 64 pages; columns >= num_cols are not read). One load
+    per row and page; the broadcast to a page's entries is a select per page boundary."""
+    term = tl.load(row_ptrs + first_col.to(tl.int64) * stride_pp, mask=row_ok, other=0.0)
+    out = tl.broadcast_to(term[:, None], (term.shape[0], BLOCK_N))
     page_of = tl.arange(0, BLOCK_N) // 64
-    cols = tl.arange(0, 16)
-    out = tl.zeros([qc.shape[0], BLOCK_N], dtype=tl.float32)
-    for p in tl.static_range(BLOCK_N // 64):
-        value = tl.sum(tl.where(cols[None, :] == p, qc, 0.0), axis=1)
-        out = tl.where(page_of[None, :] == p, value[:, None], out)
+    for p in tl.static_range(1, BLOCK_N // 64):
+        col = first_col + p
+        term = tl.load(row_ptrs + col.to(tl.int64) * stride_pp, mask=row_ok & (col < num_cols), other=0.0)
+        out = tl.where(page_of[None, :] == p, term[:, None], out)
     return out
 
 
 @triton.jit
-def _index_scores_tile_kernel(
-    q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
-    tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
-    width, ratio, num_pages, num_seqs, max_pages,
-    stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
-    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
-    FP8_DOT: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-    INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr = False,
-):
-    # 1-D grid over (query tile, entry tile) with the entry tile fastest: programs running at the same time
-    # share one query tile, so its q [BLOCK_T, H, D] stays in L2 while the (smaller) key tiles stream
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(width, BLOCK_N)
-    tile = pid // n_tiles
-    n_start = (pid % n_tiles) * BLOCK_N
+def _group_page_terms(col_ptrs, first_col, num_cols, c_ok, stride_pp, BLOCK_N: tl.constexpr):
+    """Page terms of a group kernel's key tile -> fp32 [BLOCK_N, COLS]: entry n of dot column c gets the term
+    of its page, read at col_ptrs[c] + page column * stride_pp (as :func:`_tile_page_terms`, transposed)."""
+    term = tl.load(col_ptrs + first_col.to(tl.int64) * stride_pp, mask=c_ok, other=0.0)
+    out = tl.broadcast_to(term[None, :], (BLOCK_N, term.shape[0]))
+    page_of = tl.arange(0, BLOCK_N) // 64
+    for p in tl.static_range(1, BLOCK_N // 64):
+        col = first_col + p
+        term = tl.load(col_ptrs + col.to(tl.int64) * stride_pp, mask=c_ok & (col < num_cols), other=0.0)
+        out = tl.where(page_of[:, None] == p, term[None, :], out)
+    return out
+
+
+@triton.jit
+def _tile_rows(counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr, tile_len_ptr, tile, ratio, num_seqs,
+               HAS_POS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The query side of a tile-plan program: its sequence, first sorted position, rows / row_ok [BLOCK_T]
+    (original rows), the entries visible to each row [BLOCK_T] and to any of them (scalar)."""
     seq = tl.minimum(tl.load(tile_seq_ptr + tile), num_seqs - 1)  # clamps only matter for an unchecked batch
     first = tl.load(tile_start_ptr + tile)
     length = tl.load(tile_len_ptr + tile)
     count = tl.load(counts_ptr + seq)
-
     offs_t = tl.arange(0, BLOCK_T)
     row_ok = offs_t < length
     rows = tl.load(rows_ptr + first + offs_t, mask=row_ok, other=0).to(tl.int64)  # [BLOCK_T] original rows
@@ -90,7 +96,94 @@ def _index_scores_tile_kernel(
     else:
         visible = tl.zeros([BLOCK_T], dtype=tl.int32) + count
     visible = tl.where(row_ok, visible, 0)
-    tile_visible = tl.max(visible, axis=0)
+    return seq, first, rows, row_ok, visible, tl.max(visible, axis=0)
+
+
+@triton.jit
+def _page_term_tile_kernel(
+    q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
+    tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
+    width, ratio, num_pages, num_seqs, max_pages,
+    stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
+    pt_ptr, stride_ps, stride_pp, stride_ph,
+    HAS_POS: tl.constexpr, CODE: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr,
+    PAGE_BLOCK: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Page-term pass of a tile plan (page-centred formats): pt[s, p, h] = q[rows[s], h] . c[page column p]
+    for the rows s of tile program_id(0) and the page columns p of block program_id(1) (PAGE_BLOCK of them,
+    only those holding an entry visible to the tile). Per head one [BLOCK_T, D] x [D, PAGE_BLOCK] bf16 dot:
+    the products are exact (bf16 q, or fp8 q upcast; bf16 centres), the sums fp32. 1/64 of the scores'
+    multiply-adds, on full tensor-core tiles instead of a dot padded from a key tile's two pages to 16."""
+    seq, first, rows, row_ok, visible, tile_visible = _tile_rows(
+        counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr, tile_len_ptr, tl.program_id(0), ratio,
+        num_seqs, HAS_POS, BLOCK_T)
+    col0 = tl.program_id(1) * PAGE_BLOCK
+    if col0 * 64 < tile_visible:
+        cols = col0 + tl.arange(0, PAGE_BLOCK)
+        col_ok = cols * 64 < tile_visible
+        pages = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + tl.minimum(cols, max_pages - 1),
+                        mask=col_ok, other=0)
+        pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)  # memory safety, as _load_pages
+        c_t = tl.trans(load_key_page_rows(values_ptr, pages, col_ok, CODE, D))  # [D, PAGE_BLOCK] bf16
+        dims = tl.arange(0, D)
+        q_ptrs = q_ptr + rows[:, None] * stride_qt + dims[None, :]
+        pos = (first + tl.arange(0, BLOCK_T)).to(tl.int64)
+        pt_ptrs = pt_ptr + pos[:, None] * stride_ps + cols[None, :].to(tl.int64) * stride_pp
+        for h in range(H):
+            q_h = tl.load(q_ptrs + h * stride_qh, mask=row_ok[:, None], other=0.0).to(tl.bfloat16)
+            tl.store(pt_ptrs + h * stride_ph, _dot(q_h, c_t, INTERPRET), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _page_term_group_kernel(
+    q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
+    tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
+    width, ratio, num_pages, num_seqs, max_pages,
+    stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
+    pt_ptr, stride_ps, stride_pp, stride_ph,
+    HAS_POS: tl.constexpr, CODE: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr,
+    PAGE_BLOCK: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Page-term pass of a group plan: pt[s, p, h] for the GROUP * H query-head columns of group
+    program_id(0) and the page columns of block program_id(1): one [PAGE_BLOCK, D] x [D, GROUP * H] bf16 dot
+    of the pages' centres with q^T (exact products, fp32 sums)."""
+    seq, g_rows, g_ok, visible, group_visible, c_rows, c_head, c_ok, c_pos, q_t, w = _group_queries(
+        q_ptr, w_ptr, q_scale_ptr, counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr, tile_len_ptr,
+        ratio, num_seqs, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh,
+        HAS_POS, False, H, GROUP, D)
+    col0 = tl.program_id(1) * PAGE_BLOCK
+    if col0 * 64 < group_visible:
+        cols = col0 + tl.arange(0, PAGE_BLOCK)
+        col_ok = cols * 64 < group_visible
+        pages = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + tl.minimum(cols, max_pages - 1),
+                        mask=col_ok, other=0)
+        pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)  # memory safety, as _load_pages
+        centres = load_key_page_rows(values_ptr, pages, col_ok, CODE, D)  # [PAGE_BLOCK, D] bf16
+        terms = _dot(centres, q_t.to(tl.bfloat16), INTERPRET)  # [PAGE_BLOCK, GROUP * H]
+        tl.store(pt_ptr + c_pos[None, :] * stride_ps + cols[:, None].to(tl.int64) * stride_pp
+                 + c_head[None, :] * stride_ph, terms, mask=col_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _index_scores_tile_kernel(
+    q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
+    tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
+    width, ratio, num_pages, num_seqs, max_pages,
+    stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
+    pt_ptr, stride_ps, stride_pp, stride_ph,
+    HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
+    FP8_DOT: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr = False,
+):
+    # 1-D grid over (query tile, entry tile) with the entry tile fastest: programs running at the same time
+    # share one query tile, so its q [BLOCK_T, H, D] stays in L2 while the (smaller) key tiles stream
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(width, BLOCK_N)
+    tile = pid // n_tiles
+    n_start = (pid % n_tiles) * BLOCK_N
+    seq, first, rows, row_ok, visible, tile_visible = _tile_rows(
+        counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr, tile_len_ptr, tile, ratio, num_seqs,
+        HAS_POS, BLOCK_T)
 
     offs_n = n_start + tl.arange(0, BLOCK_N)
     out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
@@ -103,10 +196,13 @@ def _index_scores_tile_kernel(
         k = load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, CODE, FP8_DOT, D)  # [BLOCK_N, D]
         k_t = tl.trans(k)  # [D, BLOCK_N], K-major for the tensor cores
         if PAGE_TERM:
-            # formats with a per-page side value c (page-centred): logit = s * (q . k) + q . c, the second term
-            # one [BLOCK_T, D] x [D, 16] dot per head over the tile's page values, broadcast to their entries
-            c_t = tl.trans(load_key_page_tile(values_ptr, pages, entry_ok, CODE, BLOCK_N, D))  # [D, 16]
+            # page-centred formats: logit = s * (q . r) + q . c, where q . c comes from the page-term pass (one
+            # value per row, head and page) and s is the residual's per-entry scale (fp8-centred; 1 otherwise),
+            # applied per head because the page term is added before the relu
             logit_scale = load_logit_scales(scales_ptr, pages, slot, entry_ok, CODE, D)
+            pt_rows = pt_ptr + (first + tl.arange(0, BLOCK_T)).to(tl.int64) * stride_ps
+            page_col = n_start // 64
+            num_cols = tl.cdiv(width, 64)
 
         dims = tl.arange(0, D)
         q_ptrs = q_ptr + rows[:, None] * stride_qt + dims[None, :]
@@ -122,8 +218,8 @@ def _index_scores_tile_kernel(
                 w_h *= tl.load(q_scale_ptr + rows * stride_st + h * stride_sh, mask=row_ok, other=0.0)
             logits = _dot(q_h, k_t, INTERPRET)  # [BLOCK_T, BLOCK_N] fp32
             if PAGE_TERM:
-                logits = scale_key_logits(logits, logit_scale, CODE, 1)
-                logits += _page_columns(_dot(q_h.to(tl.bfloat16), c_t, INTERPRET), BLOCK_N)
+                logits = scale_key_logits(logits, logit_scale, CODE, 1) \
+                    + _tile_page_terms(pt_rows + h * stride_ph, page_col, num_cols, row_ok, stride_pp, BLOCK_N)
             # NaN propagates like torch.relu so that a NaN key or query is visible downstream
             acc += tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w_h[:, None]
         acc = scale_key_scores(acc, scales_ptr, pages, slot, entry_ok, CODE, D, 1)
@@ -140,8 +236,8 @@ def _group_queries(q_ptr, w_ptr, q_scale_ptr, counts_ptr, pos_ptr, rows_ptr, til
                    D: tl.constexpr):
     """The query side of a group-kernel program (program_id(0) = query group): the group's sequence, rows
     g_rows / g_ok [GROUP], entries visible to each query [GROUP] and to any of them (scalar); per dot column
-    c = g * H + h: its row, head and validity [GROUP * H], q^T [D, GROUP * H] as stored, and the fp32 head
-    weights w (x q_scale) [GROUP * H]."""
+    c = g * H + h: its row, head, validity and sorted position [GROUP * H], q^T [D, GROUP * H] as stored, and
+    the fp32 head weights w (x q_scale) [GROUP * H]."""
     group = tl.program_id(0)
     seq = tl.minimum(tl.load(tile_seq_ptr + group), num_seqs - 1)  # clamps only matter for an unchecked batch
     first = tl.load(tile_start_ptr + group)
@@ -163,14 +259,15 @@ def _group_queries(q_ptr, w_ptr, q_scale_ptr, counts_ptr, pos_ptr, rows_ptr, til
     c_query = offs_c // H
     c_head = offs_c % H
     c_ok = c_query < length
-    c_rows = tl.load(rows_ptr + first + c_query, mask=c_ok, other=0).to(tl.int64)
+    c_pos = (first + c_query).to(tl.int64)  # sorted position (the page-term buffer's row)
+    c_rows = tl.load(rows_ptr + c_pos, mask=c_ok, other=0).to(tl.int64)
     dims = tl.arange(0, D)
     q_t = tl.load(q_ptr + c_rows[None, :] * stride_qt + c_head[None, :] * stride_qh + dims[:, None],
                   mask=c_ok[None, :], other=0.0)  # [D, GROUP * H]
     w = tl.load(w_ptr + c_rows * stride_wt + c_head * stride_wh, mask=c_ok, other=0.0).to(tl.float32)
     if HAS_Q_SCALE:
         w *= tl.load(q_scale_ptr + c_rows * stride_st + c_head * stride_sh, mask=c_ok, other=0.0)
-    return seq, g_rows, g_ok, visible, group_visible, c_rows, c_head, c_ok, q_t, w
+    return seq, g_rows, g_ok, visible, group_visible, c_rows, c_head, c_ok, c_pos, q_t, w
 
 
 @triton.jit
@@ -179,6 +276,7 @@ def _index_scores_group_kernel(
     tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
     width, ratio, num_pages, num_seqs, max_pages,
     stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
+    pt_ptr, stride_ps, stride_pp, stride_ph,
     HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, CODE: tl.constexpr,
     FP8_DOT: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr = False,
@@ -190,7 +288,9 @@ def _index_scores_group_kernel(
     # FP4_BLOCKS (fp4 keys): one [BLOCK_N, 32] x [32, GROUP * H] dot per 32-element scale block on keys placed
     # in e4m3 bits (no dequantization arithmetic), each scaled per entry by its block scale; fp8 tensor cores
     # when q is fp8 e4m3 (exact products, as for fp8 keys), bf16 otherwise (exact).
-    seq, g_rows, g_ok, visible, group_visible, c_rows, c_head, c_ok, q_t, w = _group_queries(
+    # PAGE_TERM (page-centred keys): the residual tile as the plain format's, q . c of each page read from the
+    # page-term pass's buffer (pt_ptr) and added to the logits before the relu.
+    seq, g_rows, g_ok, visible, group_visible, c_rows, c_head, c_ok, c_pos, q_t, w = _group_queries(
         q_ptr, w_ptr, q_scale_ptr, counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr, tile_len_ptr,
         ratio, num_seqs, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh,
         HAS_POS, HAS_Q_SCALE, H, GROUP, D)
@@ -198,10 +298,7 @@ def _index_scores_group_kernel(
         q_t = q_t.to(tl.float8e4nv)
     else:
         q_t = q_t.to(tl.bfloat16)  # bf16 or exact fp8 upcast
-    if PAGE_TERM:
-        q_c = q_t.to(tl.bfloat16)  # the page term's operand (bf16: q . c exact for fp8 q too), converted once
-    else:
-        q_c = q_t
+    pt_cols = pt_ptr + c_pos * stride_ps + c_head * stride_ph  # [GROUP * H] (read only with PAGE_TERM)
     if FP4_BLOCKS:  # q's four 32-dim blocks [32, GROUP * H], in q's dtype if fp8 e4m3, else bf16
         q_blocks = (_load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 0),
                     _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 1),
@@ -214,20 +311,18 @@ def _index_scores_group_kernel(
     if INTERPRET:
         # the interpreter cannot take a computed loop bound: score every tile (invisible ones come out -inf)
         for i in range(TILES_PER_PROGRAM):
-            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible,
-                              group_visible,
-                              values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                              num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
-                              PAGE_TERM, FP4_BLOCKS)
+            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible,
+                              group_visible, values_ptr, scales_ptr, block_table_ptr, out_ptr, pt_cols, width,
+                              stride_bt, stride_out, stride_pp, num_pages, max_pages, CODE, FP8_DOT, GROUP, H,
+                              BLOCK_N, D, INTERPRET, PAGE_TERM, FP4_BLOCKS)
     else:
         # tiles holding visible entries: a counted loop without a branch inside, so the key loads pipeline
         busy_tiles = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, BLOCK_N), 0), TILES_PER_PROGRAM)
         for i in range(0, busy_tiles):
-            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible,
-                              group_visible,
-                              values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                              num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D, INTERPRET,
-                              PAGE_TERM, FP4_BLOCKS)
+            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible,
+                              group_visible, values_ptr, scales_ptr, block_table_ptr, out_ptr, pt_cols, width,
+                              stride_bt, stride_out, stride_pp, num_pages, max_pages, CODE, FP8_DOT, GROUP, H,
+                              BLOCK_N, D, INTERPRET, PAGE_TERM, FP4_BLOCKS)
         _fill_idle_tiles(busy_tiles, TILES_PER_PROGRAM, chunk_start, g_rows, g_ok, out_ptr, stride_out, width,
                          BLOCK_N, GROUP)
 
@@ -289,12 +384,11 @@ def _fill_idle_tiles(first, last, chunk_start, g_rows, g_ok, out_ptr, stride_out
 
 
 @triton.jit
-def _score_group_tile(n_start, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible, group_visible,
-                      values_ptr, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                      num_pages, max_pages, CODE: tl.constexpr, FP8_DOT: tl.constexpr, GROUP: tl.constexpr,
-                      H: tl.constexpr,
-                      BLOCK_N: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr,
-                      FP4_BLOCKS: tl.constexpr):
+def _score_group_tile(n_start, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible, group_visible,
+                      values_ptr, scales_ptr, block_table_ptr, out_ptr, pt_cols, width, stride_bt, stride_out,
+                      stride_pp, num_pages, max_pages, CODE: tl.constexpr, FP8_DOT: tl.constexpr,
+                      GROUP: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                      INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr, FP4_BLOCKS: tl.constexpr):
     """Scores of one key tile (entries n_start ..+BLOCK_N) for a query group: store [BLOCK_N, GROUP] columns."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     entry_ok = offs_n < group_visible
@@ -316,17 +410,25 @@ def _score_group_tile(n_start, q_t, q_c, q_blocks, w, seq, g_rows, g_ok, visible
         k = load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, CODE, FP8_DOT, D)  # [BLOCK_N, D]
         logits = _dot(k, q_t, INTERPRET)  # [BLOCK_N, GROUP * H]
     if PAGE_TERM:
-        # s * (k . q) + c . q: a second [BLOCK_N, D] x [D, GROUP * H] bf16 dot of each entry's page centre,
-        # accumulated by the tensor cores into the logits' own registers. A [16, D] dot of the pages' centres
-        # broadcast to their entries needs a second [BLOCK_N, GROUP * H] fp32 tile, a layout conversion of the
-        # logits and q as a register operand: over the 255-register budget at GROUP * H = 256 on sm_90.
-        logits = scale_key_logits(logits, load_logit_scales(scales_ptr, pages, slot, entry_ok, CODE, D), CODE, 0)
-        page_rows = load_key_page_rows(values_ptr, pages, entry_ok, CODE, D)  # [BLOCK_N, D] bf16
-        logits = _dot_acc(page_rows, q_c, logits, INTERPRET)
+        logits = _add_page_terms(logits, scales_ptr, pages, slot, entry_ok, pt_cols, n_start // 64,
+                                 tl.cdiv(width, 64), c_ok, stride_pp, CODE, D, BLOCK_N, FP4_BLOCKS)
     scores = scale_key_scores(_head_sum(logits, w, GROUP, H), scales_ptr, pages, slot, entry_ok, CODE, D, 0)
     if FP4_BLOCKS:  # the block tiles hold the keys times 2^-6: relu(2^6 x) w = 2^6 relu(x) w, exactly
         scores = scores * KEY_BLOCK_FACTOR
     _store_group_scores(scores, offs_n, visible, g_rows, g_ok, out_ptr, stride_out, width)
+
+
+@triton.jit
+def _add_page_terms(logits, scales_ptr, pages, slot, entry_ok, pt_cols, first_col, num_cols, c_ok, stride_pp,
+                    CODE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, FP4_BLOCKS: tl.constexpr):
+    """Residual logits [BLOCK_N, GROUP * H] of a page-centred key tile -> the full logits: times the residual's
+    per-entry scale (fp8-centred), plus q . c of each entry's page from the page-term buffer. FP4_BLOCKS: the
+    logits are the true ones times 2^-6 (the block tiles), so the term is added times 2^-6 (exact)."""
+    logits = scale_key_logits(logits, load_logit_scales(scales_ptr, pages, slot, entry_ok, CODE, D), CODE, 0)
+    terms = _group_page_terms(pt_cols, first_col, num_cols, c_ok, stride_pp, BLOCK_N)
+    if FP4_BLOCKS:
+        terms = terms * (1.0 / KEY_BLOCK_FACTOR)
+    return logits + terms
 
 
 @triton.jit
@@ -335,9 +437,10 @@ def _index_scores_group_tma_kernel(
     tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
     width, ratio, num_pages, num_seqs, max_pages,
     stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, stride_bt, stride_out,
+    pt_ptr, stride_ps, stride_pp, stride_ph,
     HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr,
     PAGES_PER_PROGRAM: tl.constexpr, PAGE_ROWS: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
-    CODE: tl.constexpr = FP8_CODE,
+    CODE: tl.constexpr = FP8_CODE, PAGE_TERM: tl.constexpr = False,
 ):
     """The group kernel with one whole page per key tile, loaded by the tensor memory accelerator, for fp8
     keys with e4m3 queries and fp4 keys (any query dtype). A page's key bytes are one contiguous box, so a
@@ -348,12 +451,18 @@ def _index_scores_group_tma_kernel(
     first), block [64, D], one copy per page. fp4: key_desc views the pool as rows of D / 2 bytes (the page's
     64 packed value rows first), block [64, 16]: one copy per 32-element scale block, each placed in e4m3 bits
     on chip and multiplied by q's block on the tensor cores (the "blocks" decode of the group kernel), the
-    block's elements in nibble order (see _tma_block_dot)."""
-    seq, g_rows, g_ok, visible, group_visible, c_rows, c_head, c_ok, q_t, w = _group_queries(
+    block's elements in nibble order (see _tma_block_dot).
+
+    Page-centred keys (PAGE_TERM; CODE fp8-centred or fp4-centred): the residual rows sit where the plain
+    format's keys do (PAGE_ROWS counts the page's centre bytes too), read and multiplied as above; each page's
+    q . c comes from the page-term pass's buffer (one [GROUP * H] row per page, broadcast to its 64 entries)
+    and is added before the relu."""
+    seq, g_rows, g_ok, visible, group_visible, c_rows, c_head, c_ok, c_pos, q_t, w = _group_queries(
         q_ptr, w_ptr, q_scale_ptr, counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr, tile_len_ptr,
         ratio, num_seqs, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh,
         HAS_POS, HAS_Q_SCALE, H, GROUP, D)
-    if CODE == FP8_CODE:
+    pt_cols = pt_ptr + c_pos * stride_ps + c_head * stride_ph  # [GROUP * H] (read only with PAGE_TERM)
+    if CODE == FP8_CODE or CODE == FP8_CENTRED_CODE:
         q_t = q_t.to(tl.float8e4nv)  # e4m3 already (the launcher's condition)
         q_blocks = (q_t, q_t, q_t, q_t)  # unused
     else:  # q's four 32-dim blocks [32, GROUP * H], in q's dtype if fp8 e4m3, else bf16
@@ -366,23 +475,25 @@ def _index_scores_group_tma_kernel(
     if INTERPRET:
         # the interpreter cannot take a computed loop bound (see the group kernel)
         for i in range(PAGES_PER_PROGRAM):
-            _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visible,
-                            group_visible, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                            num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET)
+            _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible,
+                            group_visible, scales_ptr, block_table_ptr, out_ptr, pt_cols, width, stride_bt,
+                            stride_out, stride_pp, num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET,
+                            PAGE_TERM)
     else:
         busy = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, 64), 0), PAGES_PER_PROGRAM)
         for i in range(0, busy):
-            _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visible,
-                            group_visible, scales_ptr, block_table_ptr, out_ptr, width, stride_bt, stride_out,
-                            num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET)
+            _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible,
+                            group_visible, scales_ptr, block_table_ptr, out_ptr, pt_cols, width, stride_bt,
+                            stride_out, stride_pp, num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET,
+                            PAGE_TERM)
         _fill_idle_tiles(busy, PAGES_PER_PROGRAM, chunk_start, g_rows, g_ok, out_ptr, stride_out, width, 64, GROUP)
 
 
 @triton.jit
-def _score_tma_page(n_start, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visible, group_visible, scales_ptr,
-                    block_table_ptr, out_ptr, width, stride_bt, stride_out, num_pages, max_pages,
-                    GROUP: tl.constexpr, H: tl.constexpr, PAGE_ROWS: tl.constexpr, D: tl.constexpr,
-                    CODE: tl.constexpr, INTERPRET: tl.constexpr):
+def _score_tma_page(n_start, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible, group_visible,
+                    scales_ptr, block_table_ptr, out_ptr, pt_cols, width, stride_bt, stride_out, stride_pp,
+                    num_pages, max_pages, GROUP: tl.constexpr, H: tl.constexpr, PAGE_ROWS: tl.constexpr,
+                    D: tl.constexpr, CODE: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr):
     """Scores of the page holding entries n_start .. n_start + 63 (n_start a multiple of 64, < group_visible)."""
     column = tl.minimum(n_start // 64, max_pages - 1)
     page = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + column)
@@ -390,9 +501,13 @@ def _score_tma_page(n_start, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visi
     offs_n = n_start + tl.arange(0, 64)
     pages = tl.zeros([64], dtype=tl.int64) + page
     entry_ok = offs_n < group_visible
-    if CODE == FP8_CODE:
+    if CODE == FP8_CODE or CODE == FP8_CENTRED_CODE:
         k = key_desc.load([page * PAGE_ROWS, 0])  # [64, D] e4m3, unscaled
-        scores = _head_sum(tl.dot(k, q_t), w, GROUP, H)  # [64, GROUP]
+        logits = tl.dot(k, q_t)  # [64, GROUP * H]
+        if PAGE_TERM:
+            logits = _add_page_terms(logits, scales_ptr, pages, offs_n % 64, entry_ok, pt_cols, n_start // 64,
+                                     tl.cdiv(width, 64), c_ok, stride_pp, CODE, D, 64, False)
+        scores = _head_sum(logits, w, GROUP, H)  # [64, GROUP]
         scores = scale_key_scores(scores, scales_ptr, pages, offs_n % 64, entry_ok, CODE, D, 0)
     else:
         # as _score_group_tile's FP4_BLOCKS: sum over the blocks of scale_b x (keys_b . q_b), the keys times 2^-6
@@ -406,6 +521,9 @@ def _score_tma_page(n_start, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visi
             * key_block_scale(words, 2, CODE)[:, None]
         logits += _tma_block_dot(key_desc, row, q_blocks[3], 3, CODE, INTERPRET) \
             * key_block_scale(words, 3, CODE)[:, None]
+        if PAGE_TERM:
+            logits = _add_page_terms(logits, scales_ptr, pages, offs_n % 64, entry_ok, pt_cols, n_start // 64,
+                                     tl.cdiv(width, 64), c_ok, stride_pp, CODE, D, 64, True)
         scores = _head_sum(logits, w, GROUP, H) * KEY_BLOCK_FACTOR
     _store_group_scores(scores, offs_n, visible, g_rows, g_ok, out_ptr, stride_out, width)
 

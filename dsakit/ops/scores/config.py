@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,6 +12,55 @@ from .._tuning import gpu_key
 KERNELS = ("auto", "tile", "group")
 DECODE_FP4 = ("blocks", "dequant")
 DECODE_LOADS = ("gather", "tma")
+
+
+@dataclass(frozen=True)
+class FormatLaunch:
+    """Measured launch defaults of the scores kernels for one key format (H200, see SCORES_DEFAULTS).
+
+    decode_block_n: key tile of the decode gather kernel (fp4: for ``decode_fp4 = "dequant"``);
+    blocks_block_n: its tile on the fp4 "blocks" path; decode_tiles / decode_stages: key tiles per program and
+    pipeline stages of the decode gather kernel at <= 64 query-head columns per program (wider programs use 8
+    and 3); prefill_stages: pipeline stages of the prefill tile kernel.
+    """
+
+    decode_block_n: int
+    blocks_block_n: int = 64
+    decode_tiles: int = 8
+    decode_stages: int = 3
+    prefill_stages: int = 3
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Resolved launch settings of one scores kernel launch (:meth:`ScoresConfig.tile_launch` and friends).
+
+    block_n: key tile (entries); per_program: key tiles (pages for the page-copy kernel) per program of a
+    decode kernel (1 for the tile kernel); warps, stages; maxnreg: register cap per thread (None: the
+    compiler's choice)."""
+
+    block_n: int
+    per_program: int
+    warps: int
+    stages: int
+    maxnreg: int | None = None
+
+
+# decode tiles / stages chosen on the H200 at B = 64 x N = 64K / 128K, H 64 (launch sweep
+# sweep_topk_h200_1ceb8eb): bf16 0.293 -> 0.284 ms at 64K, fp8 0.198 -> 0.168 ms (BLOCK_N 128), fp4
+# "blocks" 0.332 -> 0.279 ms; fp8 confirmed beside DeepGEMM's logits (0.168 vs 0.149 ms,
+# vs_deepgemm_h200_b8bb071_run{1,2})
+# prefill stages: bf16 keys ran 0.4-2.3 % faster on 2 than 3 in each of three sweeps (sweep_topk_h200_5b7286f,
+# _f6afd91_prefill, _c5a81f2_prefill: 18.35 / 18.78 / 18.33 ms against 18.43 / 19.22 / 18.70 at 8192 x 64K);
+# fp8 keys 15.5 ms against 13.3 (3 stages kept)
+H200_FORMATS: tuple[tuple[str, FormatLaunch], ...] = (
+    ("bf16", FormatLaunch(decode_block_n=64, decode_tiles=16, decode_stages=5, prefill_stages=2)),
+    ("fp8", FormatLaunch(decode_block_n=128, decode_tiles=16, decode_stages=5)),
+    ("fp4", FormatLaunch(decode_block_n=128, decode_tiles=16, decode_stages=5)),
+    # page-centred formats (by format name): the plain format's residual work, their page terms from a pass
+    ("fp8-centred", FormatLaunch(decode_block_n=128, decode_tiles=16, decode_stages=5)),
+    ("fp4-centred", FormatLaunch(decode_block_n=128, decode_tiles=16, decode_stages=5)),
+)
 
 
 @dataclass(frozen=True)
@@ -33,10 +82,17 @@ class ScoresConfig:
     codes placed in e4m3 bits, each block's scale applied to its dot's result per entry; fp8 tensor cores when
     q is fp8 e4m3, bf16 otherwise) or "dequant" (the keys dequantized to a bf16 tile in registers, one bf16
     dot). Both are exact; the prefill kernel always dequantizes.
-    decode_loads: how the group kernel reads fp8 keys with e4m3 queries: "tma" (default: one bulk
-    tensor-memory-accelerator copy per 64-entry page on sm_90+; key tiles are then one page, decode_block_n is
-    ignored and decode_tiles_per_program counts pages) or "gather" (per-entry addresses through the block table,
-    asynchronous copies). Other formats, query dtypes and GPUs before sm_90 always gather.
+    decode_loads: how the group kernel reads fp8 keys with e4m3 queries and fp4 keys on the "blocks" path
+    (plain or page-centred): "tma" (default: bulk tensor-memory-accelerator copies per 64-entry page on sm_90+;
+    key tiles are then one page, decode_block_n is ignored and decode_tiles_per_program counts pages) or
+    "gather" (per-entry addresses through the block table, asynchronous copies). Other formats, query dtypes
+    and GPUs before sm_90 always gather.
+    page_term_pages / page_term_warps: page columns per program and warps of the page-term pass of the
+    page-centred formats (q . c once per query, head and page, before the scores kernel).
+    formats: the per-format measured defaults (:class:`FormatLaunch`) that fields left at None fall back to.
+
+    Every launch setting of the kernels comes from here: :meth:`tile_launch`, :meth:`group_launch`,
+    :meth:`tma_launch` and :meth:`page_term_launch` resolve them for a launch; the launcher derives nothing.
     """
 
     kernel: str = "auto"
@@ -52,6 +108,9 @@ class ScoresConfig:
     decode_maxnreg: int | None = None
     decode_loads: str = "tma"
     prefill_maxnreg: int | None = None
+    page_term_pages: int = 64
+    page_term_warps: int = 4
+    formats: tuple[tuple[str, FormatLaunch], ...] = field(default=H200_FORMATS, repr=False)
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -65,7 +124,13 @@ class ScoresConfig:
         for name in ("prefill_block_n", "decode_block_n"):
             value = getattr(self, name)
             check_power_of_two(name, value, 16, allow_none=True)
-        for name in ("prefill_warps", "decode_warps", "decode_tiles_per_program", "prefill_stages", "decode_stages"):
+        check_power_of_two("page_term_pages", self.page_term_pages, 16)
+        if not isinstance(self.formats, tuple) or not all(
+                isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], FormatLaunch)
+                for item in self.formats):
+            raise ValueError("formats must be a tuple of (format name, FormatLaunch) pairs")
+        for name in ("prefill_warps", "decode_warps", "decode_tiles_per_program", "prefill_stages", "decode_stages",
+                     "page_term_warps"):
             value = getattr(self, name)
             check_int(name, value, 1, message=f"{name} must be a positive int", allow_none=True)
 
@@ -75,6 +140,70 @@ class ScoresConfig:
                                     or reg % 8):
                 raise ValueError(f"{name} must be None or a multiple of 8 in 24..255, got {reg!r}")
 
+    def format_launch(self, name: str) -> FormatLaunch:
+        """The measured defaults of key format ``name`` (a ``KEY_CODECS`` name: "fp8", "fp8-centred", ...)."""
+        for key, value in self.formats:
+            if key == name:
+                return value
+        raise ValueError(f"ScoresConfig has no launch defaults for key format {name!r}")
+
+    def tile_launch(self, name: str, block_t: int) -> Launch:
+        """Prefill tile kernel for key format ``name`` and query tiles of ``block_t`` rows: BLOCK_N =
+        prefill_block_n, warps (default 4, 8 for tiles larger than 64 x 128), stages (default: the format's)."""
+        bn = self.prefill_block_n
+        warps = self.prefill_warps or (4 if block_t * bn <= 64 * 128 else 8)
+        return Launch(bn, 1, warps, self.prefill_stages or self.format_launch(name).prefill_stages,
+                      self.prefill_maxnreg)
+
+    def group_launch(self, name: str, columns: int, width: int, fp4_blocks: bool) -> Launch:
+        """Decode gather kernel for key format ``name``, ``columns`` = queries x heads per program, ``width``
+        score columns; ``fp4_blocks``: fp4 keys on the "blocks" path."""
+        defaults = self.format_launch(name)
+        bn = self.decode_block_n or (defaults.blocks_block_n if fp4_blocks else defaults.decode_block_n)
+        if self.decode_block_n is None and bn > 64 and columns > 64:
+            # a 128-entry tile's [128, GROUP * H] fp32 logits spill on sm_90 from 128 columns on (fp8 keys:
+            # 255 registers, serialized wgmma at 4 x 64); 64 entries keep them in registers
+            bn = 64
+        # the format's measured tiles / stages hold for programs of <= 64 query-head columns; wider programs
+        # (next_n >= 2 at 64 heads) ran faster on 8 tiles and 3 stages (vs_deepgemm_h200_165cbdd: scores at
+        # next_n 2 took 0.35 ms with 16 / 5 against ~0.31 ms before)
+        narrow = columns <= 64
+        tiles_default, stages_default = (defaults.decode_tiles, defaults.decode_stages) if narrow else (8, 3)
+        per_program = self.decode_tiles_per_program or max(1, min(tiles_default, -(-width // (bn * 4))))
+        warps = self.decode_warps
+        if fp4_blocks and columns >= 128:
+            # a block's partial logits next to the running sum are two [BLOCK_N, GROUP * H] fp32 tiles: from 128
+            # query heads per program on they spill at 4 warps on sm_90 (255 registers); 8 warps halve them
+            warps = max(warps, 8)
+        return Launch(bn, per_program, warps, self.decode_stages or stages_default, self.decode_maxnreg)
+
+    def tma_launch(self, fp4: bool, columns: int, width: int) -> Launch:
+        """Decode page-copy kernel (one 64-entry page per key tile) for fp8 (``fp4`` False) or fp4 residual
+        codes, ``columns`` = queries x heads per program, ``width`` score columns."""
+        # fp8: 32 pages per program (the gather path's 16 x 128 entries) and 5 stages, at every next_n: 0.151 /
+        # 0.299 ms at 64 x 64K / 128K against 0.167 / 0.325 gathering (3.7 TB/s of keys; sweep_topk_h200_b4b4485;
+        # 16-64 pages and 3-6 stages within 2 %, 8 warps 20 % slower); next_n 2 / 4 at 64K: 0.215 / 0.353 ms
+        # against 0.273 / 0.489 with 8 pages and 3 stages and 0.316 / 0.498 gathering (sweep_topk_h200_ac42a7e)
+        per_program = self.decode_tiles_per_program or max(1, min(32, -(-width // (64 * 4))))
+        warps, stages, maxnreg = self.decode_warps, self.decode_stages or 5, self.decode_maxnreg
+        if fp4:
+            # fp4 is bound by instruction issue, not bytes (ncu at 4a0a4ae: ALU the busiest pipe, 1.1 TB/s): at
+            # <= 64 query-head columns a 128-register cap fits four programs per SM instead of three (0.227 /
+            # 0.443 ms at 64 x 64K / 128K against 0.263 / 0.486; 104 registers spill: 0.378); from 128 columns
+            # 8 warps (4 spill the block logits next to their sum), from 256 columns 3 stages (next_n 4: 1.00 ms
+            # against 1.51 with 5; sweep_topk_h200_f6afd91)
+            if columns >= 128:
+                warps = max(warps, 8)
+            if columns >= 256 and self.decode_stages is None:
+                stages = 3
+            if columns <= 64 and warps == 4 and maxnreg is None:
+                maxnreg = 128
+        return Launch(64, per_program, warps, stages, maxnreg)
+
+    def page_term_launch(self) -> Launch:
+        """The page-term pass (page-centred formats): block_n = page columns per program."""
+        return Launch(self.page_term_pages, 1, self.page_term_warps, 2)
+
     @staticmethod
     def for_device(device: "torch.device | str | None" = None) -> "ScoresConfig":
         """The measured defaults of the GPU of ``device`` (the H200 table for GPUs not measured yet)."""
@@ -83,9 +212,7 @@ class ScoresConfig:
 
 # Measured on the H200 (benchmarks/results/scores_h200_c7d9b66.json, T = 8192 x N = 64K and B = 64 x N = 64K /
 # 128K): prefill (BLOCK_T, BLOCK_N, warps, stages) = (64, 128, 4, 3) was fastest for every format (bf16 keys
-# later measured 0.4-2.3 % faster on 2 stages, the codec's prefill_stages); decode
-# (BLOCK_N, tiles per program, warps, stages) = (64, 8, 4, 3) for bf16 / fp8 and (128, 8, 4, 3) for fp4 (the
-# per-format BLOCK_N lives with the format's codec).
+# later measured 0.4-2.3 % faster on 2 stages, FormatLaunch.prefill_stages); decode per format: H200_FORMATS.
 SCORES_DEFAULTS: dict[str, ScoresConfig] = {"H200": ScoresConfig(), "default": ScoresConfig()}
 
-__all__ = ["ScoresConfig", "SCORES_DEFAULTS"]
+__all__ = ["ScoresConfig", "SCORES_DEFAULTS", "FormatLaunch", "Launch", "H200_FORMATS"]

@@ -25,6 +25,17 @@ The masked value is -inf. DeepGEMM writes it only with ``clean_logits=True`` (ot
 unspecified values); dsakit always writes -inf, so ``clean_logits=False`` is accepted and gives the same,
 fully defined output. DeepGEMM's schedule metadata (``get_paged_mqa_logits_metadata``) has no counterpart:
 the Triton launcher schedules by itself, so the argument is accepted and ignored.
+
+Page-centred pools (``centred_paged_mqa_logits``, ``deepgemm_centred_paged_mqa_logits``): the same arguments
+and output with a kv_cache of page-centred pages (docs/formats-centred.md), viewed as DeepGEMM views its fp8
+pages, [pages, 64, 1, bytes per entry]:
+
+    fp8-centred  uint8 [pages, 64, 1, 136]   page = 64 x 128 e4m3 residuals, 64 fp32 scales, bf16 centre [128]
+    fp4-centred  uint8 [pages, 64, 1, 72]    page = 64 x 64 e2m1 pairs, 64 x 4 ue8m0 scales, bf16 centre [128]
+
+    logits[row, j] = sum_h weights[row, h] * relu(q[b, i, h] . (c[page(j)] + r_j))   for visible j
+
+(the format follows from the last dimension; q fp8 e4m3, or bf16 for either format).
 """
 
 from __future__ import annotations
@@ -36,19 +47,24 @@ from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from .triton import index_scores_triton, plan_decode_tiles
 
 _FP8 = KeyFormat.FP8
+# page-centred formats by the last dimension of their [pages, 64, 1, bytes per entry] view
+_CENTRED_BY_ENTRY_BYTES = {KeyFormat.FP8_CENTRED.page_bytes // ENTRIES_PER_PAGE: KeyFormat.FP8_CENTRED,
+                           KeyFormat.FP4_CENTRED.page_bytes // ENTRIES_PER_PAGE: KeyFormat.FP4_CENTRED}
 
 
-def _as_pool(kv_cache: torch.Tensor) -> torch.Tensor:
-    """uint8 [pages, 64, 1, 132] (or any 1-byte dtype) -> uint8 [pages, 8448] view, never a copy."""
-    expected = (ENTRIES_PER_PAGE, 1, INDEX_HEAD_DIM + 4)
-    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != expected:
-        raise ValueError(f"kv_cache must be [pages, 64, 1, {INDEX_HEAD_DIM + 4}], got "
+def _as_pool(kv_cache: torch.Tensor, entry_bytes: tuple[int, ...] = (INDEX_HEAD_DIM + 4,)) -> torch.Tensor:
+    """uint8 [pages, 64, 1, E] (or any 1-byte dtype), E one of ``entry_bytes`` -> uint8 [pages, 64 E] view,
+    never a copy."""
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or tuple(kv_cache.shape[1:3]) != (
+            ENTRIES_PER_PAGE, 1) or kv_cache.shape[3] not in entry_bytes:
+        wanted = " or ".join(f"[pages, 64, 1, {e}]" for e in entry_bytes)
+        raise ValueError(f"kv_cache must be {wanted}, got "
                          f"{list(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
     if kv_cache.element_size() != 1:
         raise ValueError(f"kv_cache must hold bytes (uint8 or fp8 view), got {kv_cache.dtype}")
     if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous (its pages are read through the fp8 page layout)")
-    return kv_cache.view(torch.uint8).view(kv_cache.shape[0], _FP8.page_bytes)
+        raise ValueError("kv_cache must be contiguous (its pages are read through the page layout)")
+    return kv_cache.view(torch.uint8).view(kv_cache.shape[0], ENTRIES_PER_PAGE * kv_cache.shape[3])
 
 
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
@@ -61,14 +77,43 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     ``validate=False`` skips the value checks (context_lens >= 0, page ids, lengths <= max_context_len), which
     cost a device->host sync; the kernel still never reads or writes out of bounds (see index_scores_triton).
     """
+    _check_q(q, (torch.float8_e4m3fn,), "float8_e4m3fn (DeepGEMM's paged logits take fp8 queries)")
+    return _paged_logits(q, _as_pool(kv_cache), _FP8, weights, context_lens, block_table, max_context_len, out,
+                         validate)
+
+
+def centred_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                             context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
+                             clean_logits: bool = True, *, schedule_metadata: torch.Tensor | None = None,
+                             out: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+    """:func:`fp8_paged_mqa_logits` for a pool of page-centred pages -> fp32 [B * next_n, max_context_len].
+
+    kv_cache: uint8 [pages, 64, 1, 136] (fp8-centred) or [pages, 64, 1, 72] (fp4-centred), i.e. a
+    ``PagedCache(KeyFormat.FP8_CENTRED / FP4_CENTRED).pool`` viewed as ``pool.view(-1, 64, 1, 136)`` (or 72);
+    q fp8 e4m3 or bf16 [B, next_n, H, 128]; everything else as DeepGEMM's paged logits (module docstring).
+    """
+    _check_q(q, (torch.float8_e4m3fn, torch.bfloat16), "float8_e4m3fn or bfloat16")
+    pool = _as_pool(kv_cache, tuple(_CENTRED_BY_ENTRY_BYTES))
+    return _paged_logits(q, pool, _CENTRED_BY_ENTRY_BYTES[kv_cache.shape[3]], weights, context_lens, block_table,
+                         max_context_len, out, validate)
+
+
+def _check_q(q: torch.Tensor, dtypes: tuple, wanted: str) -> None:
+    """q [B, next_n >= 1, H, 128] of one of ``dtypes``."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[3] != INDEX_HEAD_DIM:
-        raise ValueError(f"q must be fp8 [B, next_n, H, {INDEX_HEAD_DIM}], got "
+        raise ValueError(f"q must be [B, next_n, H, {INDEX_HEAD_DIM}], got "
                          f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-    if q.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"q must be float8_e4m3fn (DeepGEMM's paged logits take fp8 queries), got {q.dtype}")
-    b, next_n, h, _ = q.shape
-    if next_n < 1:
+    if q.dtype not in dtypes:
+        raise ValueError(f"q must be {wanted}, got {q.dtype}")
+    if q.shape[1] < 1:
         raise ValueError(f"q must have next_n >= 1 queries per sequence, got q of shape {list(q.shape)}")
+
+
+def _paged_logits(q: torch.Tensor, pool: torch.Tensor, fmt: KeyFormat, weights: torch.Tensor,
+                  context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
+                  out: torch.Tensor | None, validate: bool) -> torch.Tensor:
+    """The paged logits of q (checked by :func:`_check_q`) against pool uint8 [pages, fmt.page_bytes]."""
+    b, next_n, h, _ = q.shape
     rows = b * next_n
     if not isinstance(weights, torch.Tensor) or weights.shape != (rows, h) or weights.dtype != torch.float32:
         raise ValueError(f"weights must be fp32 [B * next_n, H] = [{rows}, {h}], got "
@@ -81,7 +126,6 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         raise ValueError(f"max_context_len must be a non-negative int, got {max_context_len!r}")
     if validate and rows and bool((context_lens < 0).any()):
         raise ValueError(f"context_lens must be >= 0, got minimum {int(context_lens.min())}")
-    pool = _as_pool(kv_cache)
 
     offsets = torch.arange(next_n, device=q.device, dtype=torch.int64)
     if context_lens.dim() == 1:
@@ -96,7 +140,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         raise ValueError(f"out must be [{rows}, {max_context_len}], got {list(out.shape)}")
     query_seq = torch.arange(b, device=q.device, dtype=torch.int32).repeat_interleave(next_n)
     # validate=True: one sync checks the batch (and lengths <= max_context_len through out's width)
-    batch = PagedBatch.build(pool, _FP8, block_table, entry_counts, query_seq, positions.reshape(rows), 1,
+    batch = PagedBatch.build(pool, fmt, block_table, entry_counts, query_seq, positions.reshape(rows), 1,
                              validate=validate, max_entries=None if validate else max_context_len)
     return index_scores_triton(q.reshape(rows, h, INDEX_HEAD_DIM), weights, batch, out=out,
                                tiles=plan_decode_tiles(b, next_n, h, q.device))
@@ -109,6 +153,16 @@ def deepgemm_fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weigh
     """Same as :func:`fp8_paged_mqa_logits` with DeepGEMM's positional order (schedule metadata ignored)."""
     return fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len, clean_logits,
                                 schedule_metadata=schedule_metadata)
+
+
+def deepgemm_centred_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                                      context_lens: torch.Tensor, block_table: torch.Tensor,
+                                      schedule_metadata: torch.Tensor | None, max_context_len: int,
+                                      clean_logits: bool = True) -> torch.Tensor:
+    """:func:`centred_paged_mqa_logits` with DeepGEMM's positional order (``deep_gemm.fp8_paged_mqa_logits``):
+    an engine switches by importing this under that name. Schedule metadata ignored."""
+    return centred_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len, clean_logits,
+                                    schedule_metadata=schedule_metadata)
 
 
 def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor,
@@ -158,4 +212,5 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], weigh
     return logits.masked_fill_(below, float("-inf"))
 
 
-__all__ = ["fp8_paged_mqa_logits", "deepgemm_fp8_paged_mqa_logits", "fp8_mqa_logits"]
+__all__ = ["fp8_paged_mqa_logits", "deepgemm_fp8_paged_mqa_logits", "centred_paged_mqa_logits",
+           "deepgemm_centred_paged_mqa_logits", "fp8_mqa_logits"]

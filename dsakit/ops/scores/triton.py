@@ -69,8 +69,9 @@ from ...batch import PagedBatch, check_batch, check_batch_queries, check_same_de
 from ...formats import INDEX_HEAD_DIM, KeyFormat, key_codec
 from .._backend import triton_interpreted
 from ...formats.codes import KeyCode
-from ._kernels import _index_scores_group_kernel, _index_scores_group_tma_kernel, _index_scores_tile_kernel
-from .config import ScoresConfig
+from ._kernels import (_index_scores_group_kernel, _index_scores_group_tma_kernel, _index_scores_tile_kernel,
+                       _page_term_group_kernel, _page_term_tile_kernel)
+from .config import Launch, ScoresConfig
 
 try:  # host-side tensor descriptors (bulk copies) arrived in triton 3.3; older versions gather
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -280,17 +281,17 @@ def prepare_q(q: torch.Tensor) -> torch.Tensor:
 
 
 def _tma_pages(codec, fp8_dot: bool, pool: torch.Tensor, config: ScoresConfig) -> bool:
-    """Whether the group kernel can read this pool's keys page by page with bulk tensor copies: plain fp8
-    keys with e4m3 queries (the page's 64 x 128 key bytes are one box at byte 0) or plain fp4 keys read by
-    blocks (the page's 64 x 64 packed bytes, four boxes of 16 columns), a GPU with the tensor memory
-    accelerator (sm_90+; the interpreter emulates it) and row coordinates that fit the copy's int32. The copy's
-    16-byte alignment rule is the batch's guarantee (``check_pool``)."""
-    if TensorDescriptor is None or codec.page_term:
+    """Whether the group kernel can read this pool's keys page by page with bulk tensor copies: fp8 entries
+    (plain or page-centred residuals) with e4m3 queries (the page's 64 x 128 key bytes are one box at byte 0)
+    or fp4 entries read by blocks (the page's 64 x 64 packed bytes, four boxes of 16 columns), a GPU with the
+    tensor memory accelerator (sm_90+; the interpreter emulates it) and row coordinates that fit the copy's
+    int32. The copy's 16-byte alignment rule is the batch's guarantee (``check_pool``)."""
+    if TensorDescriptor is None:
         return False
-    if codec.code == KeyCode.FP8:
+    if codec.entry_code == KeyCode.FP8:
         if not fp8_dot:
             return False
-    elif codec.code != KeyCode.FP4 or config.decode_fp4 != "blocks":
+    elif codec.entry_code != KeyCode.FP4 or config.decode_fp4 != "blocks":
         return False
     row_bytes = _tma_row_bytes(codec)
     if pool.shape[1] % row_bytes or pool.shape[0] * (pool.shape[1] // row_bytes) >= 2 ** 31:
@@ -303,12 +304,15 @@ def _tma_pages(codec, fp8_dot: bool, pool: torch.Tensor, config: ScoresConfig) -
 
 def _tma_row_bytes(codec) -> int:
     """Bytes of one entry's key values: the row width of the TMA view of the pool (fp8 128, fp4 64)."""
-    return INDEX_HEAD_DIM // 2 if codec.code == KeyCode.FP4 else INDEX_HEAD_DIM
+    return INDEX_HEAD_DIM // 2 if codec.entry_code == KeyCode.FP4 else INDEX_HEAD_DIM
 
 
-def _register_cap(cap: int | None) -> dict:
-    """The launch's maxnreg option for a register cap (None: the compiler's choice; none under the interpreter)."""
-    return {} if cap is None or triton_interpreted() else {"maxnreg": cap}
+def _launch_options(launch: Launch) -> dict:
+    """The launch's warps, stages and register cap (no cap under the interpreter)."""
+    options = {"num_warps": launch.warps, "num_stages": launch.stages}
+    if launch.maxnreg is not None and not triton_interpreted():
+        options["maxnreg"] = launch.maxnreg
+    return options
 
 
 @functools.lru_cache(maxsize=None)
@@ -317,11 +321,29 @@ def _has_tma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def page_term_buffer(kernel: str, rows: int, width: int, num_heads: int, device) -> tuple[torch.Tensor, tuple]:
+    """The page-term buffer of a launch: fp32 q . c per (sorted query position s, page column p, head h) for
+    ``rows`` queries and the cdiv(width, 64) page columns of ``width`` score columns, with its strides
+    (stride_s, stride_p, stride_h) in the order the kernel reads it: tile plans [pages, H, rows] (a head's
+    64-row column contiguous), group plans [rows, pages, H] (a page's query-head row contiguous). Its size is
+    that of the scores times H / 64 (4 bytes per row, head and page)."""
+    pages = -(-width // 64)
+    if kernel == "tile":
+        buf = torch.empty(pages, num_heads, rows, dtype=torch.float32, device=device)
+        return buf, (1, num_heads * rows, rows)
+    buf = torch.empty(rows, pages, num_heads, dtype=torch.float32, device=device)
+    return buf, (pages * num_heads, num_heads, 1)
+
+
 def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, out: torch.Tensor,
                         tiles: QueryTiles, *, start: int = 0, q_scale: torch.Tensor | None = None,
                         config: ScoresConfig) -> torch.Tensor:
     """Launch the scores kernel for batch rows start .. start + len(q) into out [len(q), W'] (no checks, no
-    sync). q from :func:`prepare_q`; ``tiles`` plans exactly these rows."""
+    sync). q from :func:`prepare_q`; ``tiles`` plans exactly these rows. Every launch setting comes from
+    ``config`` (:meth:`ScoresConfig.tile_launch`, ``group_launch``, ``tma_launch``, ``page_term_launch``).
+
+    Page-centred formats first run the page-term pass: q . c once per (query, head, page) into a buffer of
+    :func:`page_term_buffer`, which the scores kernel adds to each entry's logit before the relu."""
     t, num_heads, d = q.shape
     width = out.shape[1]
     if t == 0 or width == 0 or batch.num_seqs == 0:
@@ -332,6 +354,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         # kernels clamp page ids / columns to num_pages - 1 / max_pages - 1, which would be -1 here.
         return out.fill_(float("-inf"))
     codec = key_codec(fmt)
+    name = fmt.name if codec.page_term else fmt.kind
     positions = None if batch.query_positions is None else batch.query_positions[start:start + t]
     fp8_dot = q.dtype in _FP8_Q_DTYPES and codec.fp8_dot
     values_view, scales_view = codec.pool_views(pool)
@@ -339,25 +362,30 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
     pos_arg = positions if has_pos else batch.entry_counts  # any int tensor; never read when HAS_POS is False
     qs_arg = q_scale if q_scale is not None else weights
     qs_strides = (q_scale.stride(0), q_scale.stride(1)) if q_scale is not None else (0, 0)
+    if codec.page_term:
+        page_terms, pt_strides = page_term_buffer(tiles.kernel, t, width, num_heads, out.device)
+    else:
+        page_terms, pt_strides = out, (0, 0, 0)  # never read without PAGE_TERM
     args = (q, weights, qs_arg, values_view, scales_view, table, batch.entry_counts, pos_arg, tiles.rows,
             tiles.tile_seq, tiles.tile_start, tiles.tile_len, out,
             width, batch.ratio, pool.shape[0], table.shape[0], table.shape[1],
             q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), *qs_strides,
-            table.stride(0), out.stride(0))
+            table.stride(0), out.stride(0), page_terms, *pt_strides)
+    if codec.page_term:
+        term = config.page_term_launch()
+        grid = (tiles.num_tiles, triton.cdiv(triton.cdiv(width, 64), term.block_n))
+        pass_kernel = _page_term_tile_kernel if tiles.kernel == "tile" else _page_term_group_kernel
+        size = {"BLOCK_T": tiles.size} if tiles.kernel == "tile" else {"GROUP": tiles.size}
+        pass_kernel[grid](*args, HAS_POS=has_pos, CODE=int(codec.code), H=num_heads, PAGE_BLOCK=term.block_n,
+                          D=d, INTERPRET=triton_interpreted(), **size, **_launch_options(term))
     common = dict(HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, CODE=int(codec.code), FP8_DOT=fp8_dot,
                   H=num_heads, D=d, INTERPRET=triton_interpreted(), PAGE_TERM=codec.page_term)
-    if codec.page_term and (config.prefill_block_n % 64 or (config.decode_block_n or 64) % 64):
-        # the per-page term is computed for whole pages of a key tile
-        raise ValueError(f"{fmt.name} needs key tiles of whole pages (block_n a multiple of 64), got {config}")
+    columns = tiles.size * num_heads
     if tiles.kernel == "group" and config.decode_loads == "tma" and _tma_pages(codec, fp8_dot, pool, config):
-        # fp8: 32 pages per program (the gather path's 16 x 128 entries) and 5 stages, at every next_n: 0.151 /
-        # 0.299 ms at 64 x 64K / 128K against 0.167 / 0.325 gathering (3.7 TB/s of keys; sweep_topk_h200_b4b4485;
-        # 16-64 pages and 3-6 stages within 2 %, 8 warps 20 % slower); next_n 2 / 4 at 64K: 0.215 / 0.353 ms
-        # against 0.273 / 0.489 with 8 pages and 3 stages and 0.316 / 0.498 gathering (sweep_topk_h200_ac42a7e)
-        per_program = config.decode_tiles_per_program or max(1, min(32, triton.cdiv(width, 64 * 4)))
-        grid = (tiles.num_tiles, triton.cdiv(width, 64 * per_program))
+        launch = config.tma_launch(codec.entry_code == KeyCode.FP4, columns, width)
+        grid = (tiles.num_tiles, triton.cdiv(width, 64 * launch.per_program))
         row_bytes = _tma_row_bytes(codec)
-        if codec.code == KeyCode.FP4:
+        if codec.entry_code == KeyCode.FP4:
             # [P * PAGE_ROWS, 64] bytes: a page's 64 packed value rows, then its scales; one box per scale block
             key_rows = pool.view(torch.uint8).view(-1, row_bytes)
             box = [64, 16]
@@ -366,63 +394,23 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
             box = [64, row_bytes]
         key_desc = TensorDescriptor(key_rows, list(key_rows.shape), list(key_rows.stride()), box)
         tma_args = args[:3] + (key_desc,) + args[4:]  # the descriptor in place of values_view
-        warps, stages, max_registers = config.decode_warps, config.decode_stages or 5, config.decode_maxnreg
-        columns = tiles.size * num_heads
-        if codec.code == KeyCode.FP4:
-            # fp4 is bound by instruction issue, not bytes (ncu at 4a0a4ae: ALU the busiest pipe, 1.1 TB/s): at
-            # <= 64 query-head columns a 128-register cap fits four programs per SM instead of three (0.227 /
-            # 0.443 ms at 64 x 64K / 128K against 0.263 / 0.486; 104 registers spill: 0.378); from 128 columns
-            # 8 warps (4 spill the block logits next to their sum), from 256 columns 3 stages (next_n 4: 1.00 ms
-            # against 1.51 with 5; sweep_topk_h200_f6afd91)
-            if columns >= 128:
-                warps = max(warps, 8)
-            if columns >= 256 and config.decode_stages is None:
-                stages = 3
-            if columns <= 64 and warps == 4 and max_registers is None:
-                max_registers = 128
         _index_scores_group_tma_kernel[grid](
             *tma_args, HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, H=num_heads, GROUP=tiles.size,
-            PAGES_PER_PROGRAM=per_program, PAGE_ROWS=fmt.page_bytes // row_bytes, D=d, INTERPRET=triton_interpreted(),
-            CODE=int(codec.code), num_warps=warps, num_stages=stages, **_register_cap(max_registers))
+            PAGES_PER_PROGRAM=launch.per_program, PAGE_ROWS=fmt.page_bytes // row_bytes, D=d,
+            INTERPRET=triton_interpreted(), CODE=int(codec.code), PAGE_TERM=codec.page_term, **_launch_options(launch))
         return out
     if tiles.kernel == "group":
-        fp4_blocks = codec.code == KeyCode.FP4 and config.decode_fp4 == "blocks"
-        bn = config.decode_block_n or (codec.blocks_block_n if fp4_blocks else codec.decode_block_n)
-        if config.decode_block_n is None and bn > 64 and tiles.size * num_heads > 64:
-            # a 128-entry tile's [128, GROUP * H] fp32 logits spill on sm_90 from 128 columns on (fp8 keys:
-            # 255 registers, serialized wgmma at 4 x 64); 64 entries keep them in registers
-            bn = 64
-        if codec.page_term and config.decode_block_n is None and tiles.size * num_heads >= 128:
-            # the [BLOCK_N, GROUP * H] fp32 logits of a 128-entry tile take a thread's registers from 128 query
-            # heads per program on: with the page term's second dot they spill heavily or fail to compile on
-            # sm_90; a 64-entry tile halves them
-            bn = 64
-        # the format's measured tiles / stages hold for programs of <= 64 query-head columns; wider programs
-        # (next_n >= 2 at 64 heads) ran faster on 8 tiles and 3 stages (vs_deepgemm_h200_165cbdd: scores at
-        # next_n 2 took 0.35 ms with 16 / 5 against ~0.31 ms before)
-        narrow = tiles.size * num_heads <= 64
-        tiles_default, stages_default = (codec.decode_tiles, codec.decode_stages) if narrow else (8, 3)
-        per_program = config.decode_tiles_per_program or max(1, min(tiles_default, triton.cdiv(width, bn * 4)))
-        grid = (tiles.num_tiles, triton.cdiv(width, bn * per_program))
-        warps = config.decode_warps
-        if fp4_blocks and tiles.size * num_heads >= 128:
-            # a block's partial logits next to the running sum are two [BLOCK_N, GROUP * H] fp32 tiles: from 128
-            # query heads per program on they spill at 4 warps on sm_90 (255 registers); 8 warps halve them
-            warps = max(warps, 8)
-        _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=bn, TILES_PER_PROGRAM=per_program,
-                                         FP4_BLOCKS=fp4_blocks, num_warps=warps,
-                                         num_stages=config.decode_stages or stages_default,
-                                         **_register_cap(config.decode_maxnreg), **common)
+        fp4_blocks = codec.entry_code == KeyCode.FP4 and config.decode_fp4 == "blocks"
+        launch = config.group_launch(name, columns, width, fp4_blocks)
+        grid = (tiles.num_tiles, triton.cdiv(width, launch.block_n * launch.per_program))
+        _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=launch.block_n,
+                                         TILES_PER_PROGRAM=launch.per_program, FP4_BLOCKS=fp4_blocks,
+                                         **_launch_options(launch), **common)
         return out
-    bn = config.prefill_block_n
-    grid = (tiles.num_tiles * triton.cdiv(width, bn),)
-    warps = config.prefill_warps or (4 if tiles.size * bn <= 64 * 128 else 8)
-    if codec.page_term and config.prefill_warps is None and tiles.size * bn >= 64 * 128:
-        # the page term (a [BLOCK_T, 16] dot per head and its broadcast) spills a 4-warp 64 x 128 tile on sm_90
-        warps = 8
-    _index_scores_tile_kernel[grid](*args, BLOCK_T=tiles.size, BLOCK_N=bn, num_warps=warps,
-                                    num_stages=config.prefill_stages or codec.prefill_stages,
-                                    **_register_cap(config.prefill_maxnreg), **common)
+    launch = config.tile_launch(name, tiles.size)
+    grid = (tiles.num_tiles * triton.cdiv(width, launch.block_n),)
+    _index_scores_tile_kernel[grid](*args, BLOCK_T=tiles.size, BLOCK_N=launch.block_n, **_launch_options(launch),
+                                    **common)
     return out
 
 
