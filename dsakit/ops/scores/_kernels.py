@@ -63,15 +63,18 @@ def _tile_page_terms(row_ptrs, first_col, num_cols, row_ok, stride_pp, BLOCK_N: 
 
 
 @triton.jit
-def _group_page_terms(col_ptrs, first_col, num_cols, c_ok, stride_pp, BLOCK_N: tl.constexpr):
+def _group_page_terms(pt_group, first_col, num_cols, c_ok, stride_pp, BLOCK_N: tl.constexpr):
     """Page terms of a group kernel's key tile -> fp32 [BLOCK_N, COLS]: entry n of dot column c gets the term
-    of its page, read at col_ptrs[c] + page column * stride_pp (as :func:`_tile_page_terms`, transposed)."""
-    term = tl.load(col_ptrs + first_col.to(tl.int64) * stride_pp, mask=c_ok, other=0.0)
+    of its page. The group plans' buffer is [pages, rows, H], so a page's terms for the group's COLS = GROUP * H
+    query-head columns are COLS contiguous floats at pt_group (the group's first row) + column * stride_pp:
+    addresses from an arange, no per-column pointers kept across the key loop."""
+    offs = tl.arange(0, c_ok.shape[0])
+    term = tl.load(pt_group + first_col.to(tl.int64) * stride_pp + offs, mask=c_ok, other=0.0)
     out = tl.broadcast_to(term[None, :], (BLOCK_N, term.shape[0]))
     page_of = tl.arange(0, BLOCK_N) // 64
     for p in tl.static_range(1, BLOCK_N // 64):
         col = first_col + p
-        term = tl.load(col_ptrs + col.to(tl.int64) * stride_pp, mask=c_ok & (col < num_cols), other=0.0)
+        term = tl.load(pt_group + col.to(tl.int64) * stride_pp + offs, mask=c_ok & (col < num_cols), other=0.0)
         out = tl.where(page_of[:, None] == p, term[None, :], out)
     return out
 
@@ -298,7 +301,7 @@ def _index_scores_group_kernel(
         q_t = q_t.to(tl.float8e4nv)
     else:
         q_t = q_t.to(tl.bfloat16)  # bf16 or exact fp8 upcast
-    pt_cols = pt_ptr + c_pos * stride_ps + c_head * stride_ph  # [GROUP * H] (read only with PAGE_TERM)
+    pt_group = pt_ptr + tl.load(tile_start_ptr + tl.program_id(0)).to(tl.int64) * stride_ps  # PAGE_TERM only
     if FP4_BLOCKS:  # q's four 32-dim blocks [32, GROUP * H], in q's dtype if fp8 e4m3, else bf16
         q_blocks = (_load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 0),
                     _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 1),
@@ -312,7 +315,7 @@ def _index_scores_group_kernel(
         # the interpreter cannot take a computed loop bound: score every tile (invisible ones come out -inf)
         for i in range(TILES_PER_PROGRAM):
             _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible,
-                              group_visible, values_ptr, scales_ptr, block_table_ptr, out_ptr, pt_cols, width,
+                              group_visible, values_ptr, scales_ptr, block_table_ptr, out_ptr, pt_group, width,
                               stride_bt, stride_out, stride_pp, num_pages, max_pages, CODE, FP8_DOT, GROUP, H,
                               BLOCK_N, D, INTERPRET, PAGE_TERM, FP4_BLOCKS)
     else:
@@ -320,7 +323,7 @@ def _index_scores_group_kernel(
         busy_tiles = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, BLOCK_N), 0), TILES_PER_PROGRAM)
         for i in range(0, busy_tiles):
             _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible,
-                              group_visible, values_ptr, scales_ptr, block_table_ptr, out_ptr, pt_cols, width,
+                              group_visible, values_ptr, scales_ptr, block_table_ptr, out_ptr, pt_group, width,
                               stride_bt, stride_out, stride_pp, num_pages, max_pages, CODE, FP8_DOT, GROUP, H,
                               BLOCK_N, D, INTERPRET, PAGE_TERM, FP4_BLOCKS)
         _fill_idle_tiles(busy_tiles, TILES_PER_PROGRAM, chunk_start, g_rows, g_ok, out_ptr, stride_out, width,
@@ -385,7 +388,7 @@ def _fill_idle_tiles(first, last, chunk_start, g_rows, g_ok, out_ptr, stride_out
 
 @triton.jit
 def _score_group_tile(n_start, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible, group_visible,
-                      values_ptr, scales_ptr, block_table_ptr, out_ptr, pt_cols, width, stride_bt, stride_out,
+                      values_ptr, scales_ptr, block_table_ptr, out_ptr, pt_group, width, stride_bt, stride_out,
                       stride_pp, num_pages, max_pages, CODE: tl.constexpr, FP8_DOT: tl.constexpr,
                       GROUP: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                       INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr, FP4_BLOCKS: tl.constexpr):
@@ -410,7 +413,7 @@ def _score_group_tile(n_start, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visibl
         k = load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, CODE, FP8_DOT, D)  # [BLOCK_N, D]
         logits = _dot(k, q_t, INTERPRET)  # [BLOCK_N, GROUP * H]
     if PAGE_TERM:
-        logits = _add_page_terms(logits, scales_ptr, pages, slot, entry_ok, pt_cols, n_start // 64,
+        logits = _add_page_terms(logits, scales_ptr, pages, slot, entry_ok, pt_group, n_start // 64,
                                  tl.cdiv(width, 64), c_ok, stride_pp, CODE, D, BLOCK_N, FP4_BLOCKS)
     scores = scale_key_scores(_head_sum(logits, w, GROUP, H), scales_ptr, pages, slot, entry_ok, CODE, D, 0)
     if FP4_BLOCKS:  # the block tiles hold the keys times 2^-6: relu(2^6 x) w = 2^6 relu(x) w, exactly
@@ -419,13 +422,13 @@ def _score_group_tile(n_start, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visibl
 
 
 @triton.jit
-def _add_page_terms(logits, scales_ptr, pages, slot, entry_ok, pt_cols, first_col, num_cols, c_ok, stride_pp,
+def _add_page_terms(logits, scales_ptr, pages, slot, entry_ok, pt_group, first_col, num_cols, c_ok, stride_pp,
                     CODE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, FP4_BLOCKS: tl.constexpr):
     """Residual logits [BLOCK_N, GROUP * H] of a page-centred key tile -> the full logits: times the residual's
     per-entry scale (fp8-centred), plus q . c of each entry's page from the page-term buffer. FP4_BLOCKS: the
     logits are the true ones times 2^-6 (the block tiles), so the term is added times 2^-6 (exact)."""
     logits = scale_key_logits(logits, load_logit_scales(scales_ptr, pages, slot, entry_ok, CODE, D), CODE, 0)
-    terms = _group_page_terms(pt_cols, first_col, num_cols, c_ok, stride_pp, BLOCK_N)
+    terms = _group_page_terms(pt_group, first_col, num_cols, c_ok, stride_pp, BLOCK_N)
     if FP4_BLOCKS:
         terms = terms * (1.0 / KEY_BLOCK_FACTOR)
     return logits + terms
@@ -461,7 +464,7 @@ def _index_scores_group_tma_kernel(
         q_ptr, w_ptr, q_scale_ptr, counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr, tile_len_ptr,
         ratio, num_seqs, stride_qt, stride_qh, stride_wt, stride_wh, stride_st, stride_sh,
         HAS_POS, HAS_Q_SCALE, H, GROUP, D)
-    pt_cols = pt_ptr + c_pos * stride_ps + c_head * stride_ph  # [GROUP * H] (read only with PAGE_TERM)
+    pt_group = pt_ptr + tl.load(tile_start_ptr + tl.program_id(0)).to(tl.int64) * stride_ps  # PAGE_TERM only
     if CODE == FP8_CODE or CODE == FP8_CENTRED_CODE:
         q_t = q_t.to(tl.float8e4nv)  # e4m3 already (the launcher's condition)
         q_blocks = (q_t, q_t, q_t, q_t)  # unused
@@ -476,14 +479,14 @@ def _index_scores_group_tma_kernel(
         # the interpreter cannot take a computed loop bound (see the group kernel)
         for i in range(PAGES_PER_PROGRAM):
             _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible,
-                            group_visible, scales_ptr, block_table_ptr, out_ptr, pt_cols, width, stride_bt,
+                            group_visible, scales_ptr, block_table_ptr, out_ptr, pt_group, width, stride_bt,
                             stride_out, stride_pp, num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET,
                             PAGE_TERM)
     else:
         busy = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, 64), 0), PAGES_PER_PROGRAM)
         for i in range(0, busy):
             _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible,
-                            group_visible, scales_ptr, block_table_ptr, out_ptr, pt_cols, width, stride_bt,
+                            group_visible, scales_ptr, block_table_ptr, out_ptr, pt_group, width, stride_bt,
                             stride_out, stride_pp, num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET,
                             PAGE_TERM)
         _fill_idle_tiles(busy, PAGES_PER_PROGRAM, chunk_start, g_rows, g_ok, out_ptr, stride_out, width, 64, GROUP)
@@ -491,7 +494,7 @@ def _index_scores_group_tma_kernel(
 
 @triton.jit
 def _score_tma_page(n_start, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible, group_visible,
-                    scales_ptr, block_table_ptr, out_ptr, pt_cols, width, stride_bt, stride_out, stride_pp,
+                    scales_ptr, block_table_ptr, out_ptr, pt_group, width, stride_bt, stride_out, stride_pp,
                     num_pages, max_pages, GROUP: tl.constexpr, H: tl.constexpr, PAGE_ROWS: tl.constexpr,
                     D: tl.constexpr, CODE: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr):
     """Scores of the page holding entries n_start .. n_start + 63 (n_start a multiple of 64, < group_visible)."""
@@ -505,7 +508,7 @@ def _score_tma_page(n_start, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok
         k = key_desc.load([page * PAGE_ROWS, 0])  # [64, D] e4m3, unscaled
         logits = tl.dot(k, q_t)  # [64, GROUP * H]
         if PAGE_TERM:
-            logits = _add_page_terms(logits, scales_ptr, pages, offs_n % 64, entry_ok, pt_cols, n_start // 64,
+            logits = _add_page_terms(logits, scales_ptr, pages, offs_n % 64, entry_ok, pt_group, n_start // 64,
                                      tl.cdiv(width, 64), c_ok, stride_pp, CODE, D, 64, False)
         scores = _head_sum(logits, w, GROUP, H)  # [64, GROUP]
         scores = scale_key_scores(scores, scales_ptr, pages, offs_n % 64, entry_ok, CODE, D, 0)
@@ -522,7 +525,7 @@ def _score_tma_page(n_start, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok
         logits += _tma_block_dot(key_desc, row, q_blocks[3], 3, CODE, INTERPRET) \
             * key_block_scale(words, 3, CODE)[:, None]
         if PAGE_TERM:
-            logits = _add_page_terms(logits, scales_ptr, pages, offs_n % 64, entry_ok, pt_cols, n_start // 64,
+            logits = _add_page_terms(logits, scales_ptr, pages, offs_n % 64, entry_ok, pt_group, n_start // 64,
                                      tl.cdiv(width, 64), c_ok, stride_pp, CODE, D, 64, True)
         scores = _head_sum(logits, w, GROUP, H) * KEY_BLOCK_FACTOR
     _store_group_scores(scores, offs_n, visible, g_rows, g_ok, out_ptr, stride_out, width)

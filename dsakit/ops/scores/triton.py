@@ -325,14 +325,14 @@ def page_term_buffer(kernel: str, rows: int, width: int, num_heads: int, device)
     """The page-term buffer of a launch: fp32 q . c per (sorted query position s, page column p, head h) for
     ``rows`` queries and the cdiv(width, 64) page columns of ``width`` score columns, with its strides
     (stride_s, stride_p, stride_h) in the order the kernel reads it: tile plans [pages, H, rows] (a head's
-    64-row column contiguous), group plans [rows, pages, H] (a page's query-head row contiguous). Its size is
-    that of the scores times H / 64 (4 bytes per row, head and page)."""
+    rows contiguous), group plans [pages, rows, H] (a group's query-head columns contiguous; the group kernels
+    rely on this layout). Its size is that of the scores times H / 64 (4 bytes per row, head and page)."""
     pages = -(-width // 64)
     if kernel == "tile":
         buf = torch.empty(pages, num_heads, rows, dtype=torch.float32, device=device)
         return buf, (1, num_heads * rows, rows)
-    buf = torch.empty(rows, pages, num_heads, dtype=torch.float32, device=device)
-    return buf, (pages * num_heads, num_heads, 1)
+    buf = torch.empty(pages, rows, num_heads, dtype=torch.float32, device=device)
+    return buf, (num_heads, rows * num_heads, 1)
 
 
 def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, out: torch.Tensor,
