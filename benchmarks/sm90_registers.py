@@ -56,10 +56,10 @@ def compile_case(kernel, fmt: str, q_dtype: str, consts: dict, warps: int, stage
                 "tile_start_ptr": "*i32", "tile_len_ptr": "*i32", "out_ptr": "*fp32", "pt_ptr": "*fp32"}
     constants = dict(consts, CODE=int(codec.code), FP8_DOT=q_dtype == "fp8e4nv" and codec.fp8_dot, D=128,
                      INTERPRET=False, PAGE_TERM=codec.page_term, stride_wh=1)
-    if kernel is _kernels._index_scores_tile_kernel and codec.page_term:
+    if codec.page_term and "BLOCK_T" in consts:
         constants["stride_ps"] = 1  # the tile plan's page-term buffer [pages, H, rows]
     elif codec.page_term:
-        constants["stride_ph"] = 1  # the group plan's [rows, pages, H]
+        constants["stride_ph"] = 1  # the group plan's [pages, rows, H]
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
