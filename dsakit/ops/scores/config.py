@@ -69,13 +69,12 @@ class ScoresConfig:
 
     kernel: "auto" (group kernel when each sequence has <= 4 queries and H is a power of two >= 16), "tile"
     (prefill) or "group" (decode). prefill_*: BLOCK_T x BLOCK_N tile, warps (None = 4, or 8 for tiles larger
-    than 64 x 128, and for page-centred formats from 64 x 128 on) and pipeline stages of the tile kernel (None =
-    the format's ``KeyCodec.prefill_stages``: 2 for bf16 keys, 3 otherwise).
-    decode_*: BLOCK_N (None = the key format's preferred tile, see ``KeyCodec.decode_block_n``; 64 for
-    page-centred formats from 128 query heads per program on), key tiles per program (None = min(the format's
-    ``KeyCodec.decode_tiles``, enough to cover W in four programs' worth)), warps and stages (None = the
-    format's ``KeyCodec.decode_stages``; 8 tiles and 3 stages above 64 query-head columns per program) of the
-    group kernel; decode_maxnreg / prefill_maxnreg: a register cap per thread for the group / tile kernel
+    than 64 x 128) and pipeline stages of the tile kernel (None = the format's ``FormatLaunch.prefill_stages``:
+    2 for bf16 keys, 3 otherwise).
+    decode_*: BLOCK_N (None = the key format's ``FormatLaunch.decode_block_n`` / ``blocks_block_n``; 64 from 128
+    query-head columns per program on), key tiles per program (None = min(the format's ``decode_tiles``, enough
+    to cover W in four programs' worth)), warps and stages (None = the format's ``decode_stages``; 8 tiles and 3
+    stages above 64 query-head columns per program) of the group kernel; decode_maxnreg / prefill_maxnreg: a register cap per thread for the group / tile kernel
     (None = the launch default: the compiler's choice, except 128 for fp4 keys read by page copies at <= 64
     query-head columns per program; a lower cap lets more programs share an SM, at the risk of spills).
     decode_fp4: how the group kernel reads fp4 keys: "blocks" (one dot per 32-element scale block on the e2m1
