@@ -17,7 +17,7 @@ from .config import V4AttentionConfig
 
 __all__ = ["rope_from_transformers", "config_from_transformers", "share_parameters", "copy_epsilons",
            "LAYER_TYPE_NAMES", "check_attention_module",
-           "layer_config_from_transformers", "adopt_parameters"]
+           "layer_config_from_transformers", "adopt_parameters", "indexer_arguments_from_transformers"]
 
 # transformers' layer_types -> dsakit's
 LAYER_TYPE_NAMES = {"compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca",
@@ -174,3 +174,28 @@ def adopt_parameters(mine: nn.Module, original: nn.Module) -> None:
     """``mine`` takes ``original``'s parameters (the same objects) and its norms' epsilons."""
     share_parameters(mine, original)
     copy_epsilons(mine, original)
+
+
+def indexer_arguments_from_transformers(indexer_module: nn.Module, compressor_module: nn.Module | None = None) -> dict:
+    """The :class:`~dsakit.layers.indexer.DSAIndexer` arguments (weights, rope, index_topk, norm_eps) of a
+    transformers ``DeepseekV4Indexer`` (or a module whose ``.indexer`` is one); ``compressor_module``: another
+    module holding the compressor's four weights, if they are not the indexer's own. See
+    :meth:`DSAIndexer.from_transformers`."""
+    indexer = getattr(indexer_module, "indexer", indexer_module)
+    for name in ("q_b_proj", "scorer", "rotary_emb", "compress_rate", "index_topk"):
+        if not hasattr(indexer, name):
+            raise ValueError(f"{type(indexer).__name__} is not a DeepseekV4Indexer: it has no {name!r}")
+    source = indexer if compressor_module is None else compressor_module
+    for name in ("kv_proj", "gate_proj", "position_bias", "kv_norm"):
+        if not hasattr(source, name):
+            raise ValueError(f"{type(source).__name__} has no compressor weight {name!r}")
+    if indexer.compress_rate != 4:
+        raise ValueError(f"indexer compress_rate must be 4, got {indexer.compress_rate}")
+    rope = rope_from_transformers(indexer.rotary_emb, layer_type=getattr(indexer, "rope_layer_type", "compress"))
+    eps = getattr(source.kv_norm, "variance_epsilon", None)
+    if eps is None:
+        raise ValueError(f"{type(source.kv_norm).__name__} has no variance_epsilon: cannot tell the keys' "
+                         f"RMSNorm epsilon")
+    return dict(wq_b=indexer.q_b_proj.weight, weights_proj=indexer.scorer.weights_proj.weight,
+                wkv=source.kv_proj.weight, wgate=source.gate_proj.weight, ape=source.position_bias,
+                norm_weight=source.kv_norm.weight, rope=rope, index_topk=int(indexer.index_topk), norm_eps=float(eps))

@@ -48,7 +48,7 @@ from ..ops.store import prepare_index_keys, store_index_keys
 from ..ops.topk import index_topk
 from ..presets import DSAPreset, get_preset
 from ..transforms import RopeConfig, apply_rope, hadamard_matrix, hadamard_transform
-from .from_transformers import rope_from_transformers
+from .from_transformers import indexer_arguments_from_transformers, rope_from_transformers
 from .modules import V4Compressor, linear, rope_v4
 
 __all__ = ["V4Indexer", "DSAIndexer", "rope_from_transformers"]
@@ -370,22 +370,4 @@ class DSAIndexer(V4Indexer):
         that buffer's precision (a model cast with ``.to(torch.bfloat16)`` holds bf16-rounded frequencies).
         Raises ValueError if the module scales cos/sin (YaRN ``attention_factor`` != 1), which V4 does not.
         """
-        indexer = getattr(indexer_module, "indexer", indexer_module)
-        for name in ("q_b_proj", "scorer", "rotary_emb", "compress_rate", "index_topk"):
-            if not hasattr(indexer, name):
-                raise ValueError(f"{type(indexer).__name__} is not a DeepseekV4Indexer: it has no {name!r}")
-        source = indexer if compressor_module is None else compressor_module
-        for name in ("kv_proj", "gate_proj", "position_bias", "kv_norm"):
-            if not hasattr(source, name):
-                raise ValueError(f"{type(source).__name__} has no compressor weight {name!r}")
-        if indexer.compress_rate != 4:
-            raise ValueError(f"indexer compress_rate must be 4, got {indexer.compress_rate}")
-        rope = rope_from_transformers(indexer.rotary_emb, layer_type=getattr(indexer, "rope_layer_type", "compress"))
-        eps = getattr(source.kv_norm, "variance_epsilon", None)
-        if eps is None:
-            raise ValueError(f"{type(source.kv_norm).__name__} has no variance_epsilon: cannot tell the keys' "
-                             f"RMSNorm epsilon")
-        return cls(wq_b=indexer.q_b_proj.weight, weights_proj=indexer.scorer.weights_proj.weight,
-                   wkv=source.kv_proj.weight, wgate=source.gate_proj.weight, ape=source.position_bias,
-                   norm_weight=source.kv_norm.weight, preset=preset, rope=rope, index_topk=int(indexer.index_topk),
-                   norm_eps=float(eps))
+        return cls(**indexer_arguments_from_transformers(indexer_module, compressor_module), preset=preset)
