@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_choice, check_instance, check_int, check_power_of_two, check_tensor, is_int
+
 HADAMARD_DIM = 128
 
 
@@ -89,8 +91,7 @@ def apply_norm(x: torch.Tensor, norm: str, weight: torch.Tensor, bias: torch.Ten
 
 def hadamard_matrix(n: int = HADAMARD_DIM) -> torch.Tensor:
     """Sylvester-ordered Walsh-Hadamard matrix scaled by n^-0.5: H[i, j] = (-1)^popcount(i & j) / sqrt(n)."""
-    if n <= 0 or n & (n - 1):
-        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    check_power_of_two("Hadamard size", n, message="Hadamard size must be a power of two")
     i = torch.arange(n)
     bits = i.unsqueeze(1) & i.unsqueeze(0)
     parity = torch.zeros_like(bits)
@@ -118,10 +119,8 @@ class RopeLayout:
     placement: str  # "trailing" | "leading"
 
     def __post_init__(self):
-        if self.pairing not in ("interleaved", "half-split"):
-            raise ValueError(f"rope pairing must be 'interleaved' or 'half-split', got {self.pairing!r}")
-        if self.placement not in ("trailing", "leading"):
-            raise ValueError(f"rope placement must be 'trailing' or 'leading', got {self.placement!r}")
+        check_choice("pairing", self.pairing, ("interleaved", "half-split"), what="rope pairing")
+        check_choice("placement", self.placement, ("trailing", "leading"), what="rope placement")
 
     @property
     def name(self) -> str:
@@ -154,10 +153,6 @@ ROPE_V4 = RopeLayout("interleaved", "trailing")
 ROPE_V32 = RopeLayout("half-split", "leading")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 @dataclass(frozen=True)
 class YarnConfig:
     factor: float
@@ -168,8 +163,8 @@ class YarnConfig:
     def __post_init__(self):
         if not self.factor > 0:
             raise ValueError(f"YaRN factor must be > 0, got {self.factor!r}")
-        if not _is_int(self.original_max_position) or self.original_max_position < 1:
-            raise ValueError(f"YaRN original_max_position must be a positive int, got {self.original_max_position!r}")
+        check_int("original_max_position", self.original_max_position, 1,
+                  message="YaRN original_max_position must be a positive int")
         if not (self.beta_fast > 0 and self.beta_slow > 0):  # log(original / (beta * 2 pi)) needs beta > 0
             raise ValueError(f"YaRN beta_fast / beta_slow must be > 0, got {self.beta_fast!r} / {self.beta_slow!r}")
 
@@ -183,12 +178,12 @@ class RopeConfig:
     yarn: YarnConfig | None = None
 
     def __post_init__(self):
-        if not _is_int(self.rope_dim) or self.rope_dim <= 0 or self.rope_dim % 2:
+        if not is_int(self.rope_dim) or self.rope_dim <= 0 or self.rope_dim % 2:
             raise ValueError(f"rope_dim must be a positive even int, got {self.rope_dim!r}")
         if not self.theta > 1:  # theta^(-2i/d) must decrease; YaRN divides by log(theta)
             raise ValueError(f"rope theta must be > 1, got {self.theta!r}")
-        if self.yarn is not None and not isinstance(self.yarn, YarnConfig):
-            raise ValueError(f"yarn must be a YarnConfig or None, got {type(self.yarn).__name__}")
+        if self.yarn is not None:
+            check_instance("yarn", self.yarn, YarnConfig, label="YarnConfig or None")
 
     def inv_freq(self) -> torch.Tensor:
         """fp64 [rope_dim/2] angular frequency of each pair (YaRN blend as in DeepSeek's reference)."""
@@ -211,15 +206,13 @@ class RopeConfig:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int [N] -> (cos, sin) fp32 [N, rope_dim/2] on positions' device, angles computed in fp64."""
-        if not isinstance(positions, torch.Tensor):
-            raise ValueError(f"positions must be a tensor, got {type(positions).__name__}")
+        check_tensor("positions", positions)
         angles = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq().to(positions.device)
         return torch.cos(angles).float(), torch.sin(angles).float()
 
     def cos_sin_table(self, max_position: int) -> torch.Tensor:
         """fp32 [max_position, rope_dim]: cos of the rope_dim/2 pairs, then their sin, for positions 0.."""
-        if not _is_int(max_position) or max_position < 0:
-            raise ValueError(f"max_position must be a non-negative int, got {max_position!r}")
+        check_int("max_position", max_position, 0, message="max_position must be a non-negative int")
         cos, sin = self.cos_sin(torch.arange(max_position))
         return torch.cat([cos, sin], dim=-1)
 

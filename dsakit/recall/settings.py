@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import is_int
+from ..checks import check_choice, check_instance, check_int, check_int_list, is_int
 from ..formats import KeyFormat
 from ..ops._backend import resolve_backend, triton_available
 from ..ops.topk.config import MAX_K
@@ -90,8 +90,7 @@ class RecallSettings:
     backend: str = "reference"
 
     def __post_init__(self):
-        if not isinstance(self.config, SyntheticConfig):
-            raise ValueError(f"config must be a SyntheticConfig, got {type(self.config).__name__}")
+        check_instance("config", self.config, SyntheticConfig)
         for name, bound in SYNTHETIC_MAXIMA.items():
             value = getattr(self.config, name)
             if value > bound:
@@ -108,8 +107,9 @@ class RecallSettings:
         if not self.formats:
             raise ValueError("formats must name at least one key format")
         for what, ks in (("topks", self.topks), ("horizon_topks", self.horizon_topks)):
-            if not ks or any(not is_int(k) or not 1 <= k <= MAX_K for k in ks):  # MAX_K: every top-k op's limit
-                raise ValueError(f"{what} must be positive ints, got {ks!r}")
+            check_int_list(what, ks, 1, message=f"{what} must be positive ints")  # MAX_K: every top-k op's limit
+            if not ks or max(ks) > MAX_K:
+                raise ValueError(f"{what} must be positive ints <= {MAX_K}, got {ks!r}")
         ratio = self.config.ratio
         for what, ctxs in (("contexts", self.contexts), ("fault_contexts", self.fault_contexts)):
             for c in ctxs:
@@ -122,18 +122,15 @@ class RecallSettings:
                     raise ValueError(f"{what}: depth {d!r} must be a number in [0, 1]")
         for what, n in (("trials", self.trials), ("horizon_trials", self.horizon_trials),
                         ("fault_trials", self.fault_trials), ("horizon_steps_per_octave", self.horizon_steps_per_octave)):
-            if not is_int(n) or n < 1:
-                raise ValueError(f"{what} must be a positive int, got {n!r}")
+            check_int(what, n, 1, message=f"{what} must be a positive int")
         if not _is_number(self.horizon_quantile) or not 0.0 < self.horizon_quantile <= 1.0:
             raise ValueError(f"horizon_quantile must be in (0, 1], got {self.horizon_quantile!r}")
         if not (is_int(self.horizon_min) and is_int(self.horizon_max)
                 and ratio <= self.horizon_min <= self.horizon_max):
             raise ValueError(f"need ratio <= horizon_min <= horizon_max, got {self.horizon_min!r}, {self.horizon_max!r}")
-        if not is_int(self.seed):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        check_int("seed", self.seed)
         for name in self.faults:
-            if name not in FAULTS:
-                raise ValueError(f"unknown fault {name!r}; choose from {sorted(FAULTS)}")
+            check_choice("fault", name, sorted(FAULTS))
         resolved_backend(self.backend)  # 'triton' on a machine that cannot run it fails here, not mid-sweep
         check_haystack_fits("contexts", max(self.contexts))
         if self.faults:

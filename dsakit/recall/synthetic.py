@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..checks import check_float, check_int, check_tensor
 from ..ops.compress import compress_projected
 from ..presets import DSAPreset, KeyTransform, get_preset
 from ..transforms import RopeLayout, apply_rope, hadamard_transform
@@ -71,12 +72,10 @@ class SyntheticConfig:
         for name in ("shared_ratio", "needle_strength", "outlier_scale", "head_weight_spread", "query_noise",
                      "gate_std"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"SyntheticConfig.{name} must be a number, got {value!r}")
+            check_float(name, value, message=f"SyntheticConfig.{name} must be a finite number")
         for name in ("outlier_channels", "query_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"SyntheticConfig.{name} must be an int, got {value!r}")
+            check_int(name, value, message=f"SyntheticConfig.{name} must be an int")
         checks = [
             ("shared_ratio", self.shared_ratio, self.shared_ratio >= 0),
             ("needle_strength", self.needle_strength, self.needle_strength >= 0),
@@ -158,8 +157,7 @@ def model_weights(config: SyntheticConfig, generator: torch.Generator) -> tuple[
 def make_haystack(config: SyntheticConfig, num_entries: int, generator: torch.Generator,
                   norm_weight: torch.Tensor, ape: torch.Tensor) -> Haystack:
     """Draw a haystack of ``num_entries`` pre-norm keys (module docstring, steps 1-3)."""
-    if not isinstance(num_entries, int) or num_entries < 1:
-        raise ValueError(f"num_entries must be a positive int, got {num_entries!r}")
+    check_int("num_entries", num_entries, 1, message="num_entries must be a positive int")
     geo = config.geometry
     d = geo.index_head_dim
     free = rope_free_dims(geo.key_transform, d)
@@ -227,8 +225,7 @@ def place_needles(haystack: Haystack, entries: "list[int]", directions: torch.Te
     if directions.dim() != 2 or directions.shape[0] != len(entries):
         raise ValueError(f"directions must be [B, D] with B = {len(entries)} needles, got {list(directions.shape)}")
     for entry in entries:
-        if not isinstance(entry, int) or not 0 <= entry < n:
-            raise ValueError(f"needle entry must be an int in 0..{n - 1}, got {entry!r}")
+        check_int("needle entry", entry, 0, n - 1)
     strength = haystack.config.needle_strength * haystack.sigma
     if haystack.gate is None:
         return [Needle(p, torch.tensor([p]), haystack.keys[p:p + 1] + strength * u, u)
@@ -255,6 +252,12 @@ def place_needles(haystack: Haystack, entries: "list[int]", directions: torch.Te
         contribution = pooled[i, 1:1 + carried.numel()]
         needles.append(Needle(p, carried, haystack.keys[carried] + scale * contribution, u))
     return needles
+
+
+def _check_positions(positions) -> None:
+    check_tensor("positions", positions, shape=(None,), message="positions must be a non-empty int tensor [T]")
+    if positions.numel() == 0:
+        raise ValueError(f"positions must be a non-empty int tensor [T], got {list(positions.shape)}")
 
 
 def needle_entry_for_depth(depth: float, visible_entries: int) -> int:
@@ -285,8 +288,7 @@ def make_queries(haystack: Haystack, needle: Needle, positions: torch.Tensor,
     cfg = haystack.config
     geo = cfg.geometry
     tr = geo.key_transform
-    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.numel() == 0:
-        raise ValueError(f"positions must be a non-empty int tensor [T], got {positions!r}")
+    _check_positions(positions)
     if int(positions.max()) < needle.entry * cfg.ratio:
         raise ValueError(f"last query position {int(positions.max())} precedes the needle's entry {needle.entry} "
                          f"(token {needle.entry * cfg.ratio}): the last query must come after the needle")
@@ -318,11 +320,9 @@ def prepare_queries(q: torch.Tensor, positions: torch.Tensor, rope_cos_sin: torc
     The query side of the indexer transform (docs/spec.md §2.1): no norm, rope on the rope dims with ``layout``,
     then the Hadamard rotation when ``hadamard``.
     """
-    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.numel() == 0:
-        raise ValueError(f"positions must be a non-empty int tensor [T], got {positions!r}")
-    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != positions.shape[0]:
-        raise ValueError(f"q must be [T, H, D] with T = {positions.shape[0]} positions, got "
-                         f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    _check_positions(positions)
+    check_tensor("q", q, shape=(positions.shape[0], None, None),
+                 message=f"q must be [T, H, D] with T = {positions.shape[0]} positions")
     if int(positions.max()) >= rope_cos_sin.shape[0] or int(positions.min()) < 0:
         raise ValueError(f"query positions {int(positions.min())}..{int(positions.max())} outside the rope table "
                          f"(0..{rope_cos_sin.shape[0] - 1})")

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from ...checks import INDEX_DTYPES, check_int, check_tensor
 from ...batch import PagedBatch
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from .triton import index_scores_triton, plan_decode_tiles
@@ -100,11 +101,8 @@ def centred_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: t
 
 def _check_q(q: torch.Tensor, dtypes: tuple, wanted: str) -> None:
     """q [B, next_n >= 1, H, 128] of one of ``dtypes``."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[3] != INDEX_HEAD_DIM:
-        raise ValueError(f"q must be [B, next_n, H, {INDEX_HEAD_DIM}], got "
-                         f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-    if q.dtype not in dtypes:
-        raise ValueError(f"q must be {wanted}, got {q.dtype}")
+    check_tensor("q", q, shape=(None, None, None, INDEX_HEAD_DIM), message=f"q must be [B, next_n, H, {INDEX_HEAD_DIM}]")
+    check_tensor("q", q, dtypes=dtypes, message=f"q must be {wanted}")
     if q.shape[1] < 1:
         raise ValueError(f"q must have next_n >= 1 queries per sequence, got q of shape {list(q.shape)}")
 
@@ -115,15 +113,13 @@ def _paged_logits(q: torch.Tensor, pool: torch.Tensor, fmt: KeyFormat, weights: 
     """The paged logits of q (checked by :func:`_check_q`) against pool uint8 [pages, fmt.page_bytes]."""
     b, next_n, h, _ = q.shape
     rows = b * next_n
-    if not isinstance(weights, torch.Tensor) or weights.shape != (rows, h) or weights.dtype != torch.float32:
-        raise ValueError(f"weights must be fp32 [B * next_n, H] = [{rows}, {h}], got "
-                         f"{getattr(weights, 'dtype', None)} {list(getattr(weights, 'shape', []))}")
+    check_tensor("weights", weights, shape=(rows, h), dtypes=torch.float32,
+                 message=f"weights must be fp32 [B * next_n, H] = [{rows}, {h}]")
     if not isinstance(context_lens, torch.Tensor) or context_lens.dtype not in (torch.int32, torch.int64) \
             or context_lens.shape not in ((b,), (b, next_n)):
         raise ValueError(f"context_lens must be int [B] = [{b}] or [B, next_n] = [{b}, {next_n}], got "
                          f"{getattr(context_lens, 'dtype', None)} {list(getattr(context_lens, 'shape', []))}")
-    if not isinstance(max_context_len, int) or max_context_len < 0:
-        raise ValueError(f"max_context_len must be a non-negative int, got {max_context_len!r}")
+    check_int("max_context_len", max_context_len, 0, message="max_context_len must be a non-negative int")
     if validate and rows and bool((context_lens < 0).any()):
         raise ValueError(f"context_lens must be >= 0, got minimum {int(context_lens.min())}")
 
@@ -173,9 +169,8 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], weigh
     with the paged kernel: row t sees the prefix [0, ke[t]) through the causal rule (position ke[t] - 1,
     ratio 1); the lower bound ks is then applied with one masked fill of the (materialized) output.
     """
-    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != INDEX_HEAD_DIM or q.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"q must be float8_e4m3fn [T, H, {INDEX_HEAD_DIM}], got "
-                         f"{getattr(q, 'dtype', None)} {list(getattr(q, 'shape', []))}")
+    check_tensor("q", q, shape=(None, None, INDEX_HEAD_DIM), dtypes=torch.float8_e4m3fn,
+                 message=f"q must be float8_e4m3fn [T, H, {INDEX_HEAD_DIM}]")
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
         raise ValueError("kv must be a pair (fp8 values [N, D], fp32 scales [N])")
     values, scales = kv
@@ -183,14 +178,10 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], weigh
     if n < 0 or values.shape[1] != INDEX_HEAD_DIM or values.dtype != torch.float8_e4m3fn:
         raise ValueError(f"kv values must be float8_e4m3fn [N, {INDEX_HEAD_DIM}], got "
                          f"{getattr(values, 'dtype', None)} {list(getattr(values, 'shape', []))}")
-    if not isinstance(scales, torch.Tensor) or scales.shape != (n,) or scales.dtype != torch.float32:
-        raise ValueError(f"kv scales must be fp32 [N] = [{n}], got {getattr(scales, 'dtype', None)} "
-                         f"{list(getattr(scales, 'shape', []))}")
+    check_tensor("kv scales", scales, shape=(n,), dtypes=torch.float32, message=f"kv scales must be fp32 [N] = [{n}]")
     t, h, _ = q.shape
     for name, bound in (("ks", ks), ("ke", ke)):
-        if not isinstance(bound, torch.Tensor) or bound.shape != (t,) or bound.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int [T] = [{t}], got {getattr(bound, 'dtype', None)} "
-                             f"{list(getattr(bound, 'shape', []))}")
+        check_tensor(name, bound, shape=(t,), dtypes=INDEX_DTYPES, message=f"{name} must be int [T] = [{t}]")
     device = q.device
     pages = max(1, (n + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE)
     padded_values = torch.zeros(pages * ENTRIES_PER_PAGE, INDEX_HEAD_DIM, dtype=torch.uint8, device=device)
