@@ -29,7 +29,7 @@ import torch
 
 from ..batch import visible_counts
 from ..cache import PagedCache
-from ..checks import is_int
+from ..checks import check_choice, check_instance, check_int, check_int_list, check_tensor
 from ..formats import KeyFormat
 from ..ops import scores as scores_ops
 from ..ops import topk as topk_ops
@@ -54,21 +54,16 @@ class CapturedTensors:
 
     def __post_init__(self):
         q, k, w = self.q, self.k, self.weights
-        if not isinstance(q, torch.Tensor) or q.dim() != 3:
-            raise ValueError(f"q must be [T, H, D], got {getattr(q, 'shape', type(q).__name__)}")
+        check_tensor("q", q, dims=3, message="q must be [T, H, D]")
         t, h, d = q.shape
-        if not isinstance(k, torch.Tensor) or k.dim() != 2 or k.shape[1] != d:
-            raise ValueError(f"k must be [N, {d}] (D of q), got {getattr(k, 'shape', type(k).__name__)}")
+        check_tensor("k", k, shape=(None, d), message=f"k must be [N, {d}] (D of q)")
         if d != 128:
             raise ValueError(f"index head dim must be 128 for the dsakit key formats, got {d}")
-        if not isinstance(w, torch.Tensor) or w.shape != (t, h):
-            raise ValueError(f"weights must be [T, H] = [{t}, {h}], got {getattr(w, 'shape', type(w).__name__)}")
+        check_tensor("weights", w, shape=(t, h), message=f"weights must be [T, H] = [{t}, {h}]")
         if k.shape[0] == 0 or t == 0:
             raise ValueError(f"need at least one query and one key, got T={t}, N={k.shape[0]}")
         for name in ("q", "k", "weights"):
-            x = getattr(self, name)
-            if not x.is_floating_point():
-                raise ValueError(f"{name} must be a floating tensor, got {x.dtype}")
+            x = check_tensor(name, getattr(self, name), floating=True)
             setattr(self, name, x.detach().cpu().float())
         for name in ("needle_entries", "query_positions"):
             x = getattr(self, name)
@@ -85,8 +80,7 @@ class CapturedTensors:
             if p.shape != (t,) or bool((p < 0).any()):
                 raise ValueError(f"query_positions must be [T] = [{t}] non-negative ints, got {p.tolist()[:8]}")
             self.query_positions = p
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, int) or self.ratio < 1:
-            raise ValueError(f"ratio must be a positive int, got {self.ratio!r}")
+        check_int("ratio", self.ratio, 1, message="ratio must be a positive int")
 
 
 def _holds_ints(x) -> bool:
@@ -140,8 +134,7 @@ def load_captured(path: "str | Path") -> CapturedTensors:
     except (SafetensorError, OSError) as exc:  # empty, truncated or not a safetensors file at all
         raise ValueError(f"{path} is not a readable safetensors file ({exc})") from None
     rotated = meta.get("rotated", "true").lower()
-    if rotated not in ("true", "false"):
-        raise ValueError(f"metadata 'rotated' must be 'true' or 'false', got {rotated!r}")
+    check_choice("rotated", rotated, ("true", "false"), what="metadata 'rotated'")
     try:
         ratio = int(meta.get("ratio", "4"))
     except ValueError as err:
@@ -163,14 +156,12 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
     from .haystack import finite_or_none, pages_for
     from .settings import lab_device
 
-    if not isinstance(captured, CapturedTensors):
-        raise ValueError(f"captured must be CapturedTensors (see load_captured), got {type(captured).__name__}")
+    check_instance("captured", captured, CapturedTensors, "see load_captured")
     if isinstance(formats, str) or isinstance(topks, (str, int)):
         raise ValueError(f"formats and topks must be sequences like ['bf16', 'fp8'] and [512], got {formats!r}, "
                          f"{topks!r}")
     formats = [KeyFormat.parse(name).name for name in formats]  # every name checked before any work
-    if any(not is_int(k) or k < 1 for k in topks):
-        raise ValueError(f"topks must be positive ints, got {list(topks)!r}")
+    topks = check_int_list("topks", topks, 1, message="topks must be positive ints")
     if any(min(k, captured.k.shape[0]) > MAX_K for k in topks):  # k > N runs as N (below)
         raise ValueError(f"topks: the top-k ops select at most {MAX_K} entries, got {list(topks)!r} over "
                          f"{captured.k.shape[0]} entries")

@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import check_int, is_int
+from ...checks import check_instance, check_int, check_same_device, is_int
+from .reference import check_hidden, check_projected
 
 __all__ = ["CompressorState", "compress_step", "compress_device", "pool_blocks"]
-
-
-def _describe(x) -> str:
-    return f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def _check_ratio(ratio) -> int:
@@ -111,20 +108,10 @@ def pool_blocks(kv: torch.Tensor, gate: torch.Tensor, ratio: int, prev_kv: torch
 
 
 def _check_rows(kv, gate, ape, ratio: int, state: CompressorState | None) -> None:
-    for what, t in (("kv", kv), ("gate", gate), ("ape", ape)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{what} must be a floating tensor, got {_describe(t)}")
-    if kv.dim() != 2 or gate.shape != kv.shape:
-        raise ValueError(f"kv and gate must be the same [S, W] shape, got {_describe(kv)} / {_describe(gate)}")
-    if ape.shape != (ratio, kv.shape[1]):
-        raise ValueError(f"ape must be [ratio, W] = [{ratio}, {kv.shape[1]}], got {list(ape.shape)}")
-    if ratio == 4 and kv.shape[1] % 2:
-        raise ValueError(f"ratio 4 overlaps two halves: W must be even, got {kv.shape[1]}")
-    if gate.device != kv.device or ape.device != kv.device:
-        raise ValueError(f"kv, gate and ape must share a device, got {kv.device}, {gate.device}, {ape.device}")
+    check_projected(kv, gate, ape, ratio)
+    check_same_device(kv.device, gate=gate, ape=ape)
     if state is not None:
-        if not isinstance(state, CompressorState):
-            raise ValueError(f"state must be a CompressorState or None, got {type(state).__name__}")
+        check_instance("state", state, CompressorState, label="CompressorState or None")
         if state.ratio != ratio or state.width != kv.shape[1]:
             raise ValueError(f"state is for ratio {state.ratio}, width {state.width}; rows are ratio {ratio}, "
                              f"width {kv.shape[1]}")
@@ -140,7 +127,6 @@ def compress_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio
     The entries are those of the blocks completed by these rows: indices first .. first + n - 1 with
     first = state.length // ratio (before the call). ``state`` is updated in place (ring rows, length).
     """
-    _check_ratio(ratio)
     _check_rows(kv, gate, ape, ratio, state)
     if state is None:
         raise ValueError("state must be a CompressorState (compress_device is the stateless prefill)")
@@ -176,12 +162,7 @@ def compress_device(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape
     the working memory to that many tokens' rows (a multiple of ratio; default: all at once).
     """
     _check_ratio(ratio)
-    for what, t in (("x", x), ("wkv", wkv), ("wgate", wgate)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{what} must be a floating tensor, got {_describe(t)}")
-    if x.dim() != 2 or wkv.dim() != 2 or wkv.shape[1] != x.shape[1] or wgate.shape != wkv.shape:
-        raise ValueError(f"need x [S, hidden] and wkv, wgate [W, hidden]; got {list(x.shape)}, "
-                         f"{list(wkv.shape)}, {list(wgate.shape)}")
+    check_hidden(x, wkv, wgate)
     if chunk_tokens is not None and (not is_int(chunk_tokens) or chunk_tokens < ratio or chunk_tokens % ratio):
         raise ValueError(f"chunk_tokens must be a positive multiple of ratio {ratio}, got {chunk_tokens!r}")
     state = CompressorState(ratio, wkv.shape[0], device=x.device)

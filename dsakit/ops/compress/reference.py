@@ -18,24 +18,40 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import check_int
+from ...checks import check_int, check_tensor
+
+
+def check_floating(**tensors) -> None:
+    """Every tensor given floating, else ValueError naming the first that is not."""
+    for what, t in tensors.items():
+        check_tensor(what, t, floating=True, message=f"{what} must be a floating tensor")
+
+
+def check_projected(kv, gate, ape, ratio: int) -> None:
+    """Projected rows kv, gate [S, c*d] and ape [ratio, c*d] (c = 2 for ratio 4, else 1), else ValueError."""
+    check_int("ratio", ratio, 1, message="ratio must be a positive int")
+    check_floating(kv=kv, gate=gate, ape=ape)
+    check_tensor("kv", kv, dims=2, message="kv and gate must be the same [S, c*d] shape")
+    check_tensor("gate", gate, shape=tuple(kv.shape), message=f"kv and gate must be the same [S, c*d] shape "
+                                                              f"(kv {list(kv.shape)})")
+    check_tensor("ape", ape, shape=(ratio, kv.shape[1]), message=f"ape must be [ratio, c*d] = [{ratio}, {kv.shape[1]}]")
+    if ratio == 4 and kv.shape[1] % 2:
+        raise ValueError(f"ratio 4 overlaps two halves: the feature dim W = c*d must be divisible by 2, got {kv.shape[1]}")
+
+
+def check_hidden(x, wkv, wgate) -> None:
+    """x [S, hidden] and wkv, wgate [c*d, hidden] floating, else ValueError."""
+    check_floating(x=x, wkv=wkv, wgate=wgate)
+    if x.dim() != 2 or wkv.dim() != 2 or wkv.shape[1] != x.shape[1] or wgate.shape != wkv.shape:
+        raise ValueError(f"need x [S, hidden] and wkv, wgate [c*d, hidden]; got {list(x.shape)}, "
+                         f"{list(wkv.shape)}, {list(wgate.shape)}")
 
 
 def compress_projected(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int) -> torch.Tensor:
     """Pool projected rows: kv, gate [S, c*d], ape [ratio, c*d] -> fp32 [S // ratio, d]."""
-    check_int("ratio", ratio, 1, message="ratio must be a positive int")
-    for what, t in (("kv", kv), ("gate", gate), ("ape", ape)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{what} must be a floating tensor, got "
-                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if kv.dim() != 2 or gate.shape != kv.shape:
-        raise ValueError(f"kv and gate must be the same [S, c*d] shape, got {list(kv.shape)} / {list(gate.shape)}")
-    if ape.shape != (ratio, kv.shape[1]):
-        raise ValueError(f"ape must be [ratio, c*d] = [{ratio}, {kv.shape[1]}], got {list(ape.shape)}")
+    check_projected(kv, gate, ape, ratio)
     overlap = ratio == 4
     c = 2 if overlap else 1
-    if kv.shape[1] % c:
-        raise ValueError(f"feature dim {kv.shape[1]} must be divisible by {c} for ratio {ratio}")
     d = kv.shape[1] // c
     n = kv.shape[0] // ratio
     kvf = kv.detach().cpu().float()[: n * ratio].reshape(n, ratio, c * d)
@@ -54,12 +70,6 @@ def compress_projected(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, 
 
 def compress(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape: torch.Tensor, ratio: int) -> torch.Tensor:
     """Hidden states x [S, hidden], wkv / wgate [c*d, hidden], ape [ratio, c*d] -> fp32 [S // ratio, d]."""
-    for what, t in (("x", x), ("wkv", wkv), ("wgate", wgate)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{what} must be a floating tensor, got "
-                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if x.dim() != 2 or wkv.dim() != 2 or wkv.shape[1] != x.shape[1] or wgate.shape != wkv.shape:
-        raise ValueError(f"need x [S, hidden] and wkv, wgate [c*d, hidden]; got {list(x.shape)}, "
-                         f"{list(wkv.shape)}, {list(wgate.shape)}")
+    check_hidden(x, wkv, wgate)
     xf = x.detach().cpu().float()
     return compress_projected(xf @ wkv.detach().cpu().float().T, xf @ wgate.detach().cpu().float().T, ape, ratio)
