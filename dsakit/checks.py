@@ -183,8 +183,8 @@ def check_dtype(name: str, x: torch.Tensor, dtypes) -> torch.Tensor:
     """``x`` if its dtype is one of ``dtypes`` (one dtype or a tuple), else ValueError."""
     dtypes = (dtypes,) if isinstance(dtypes, torch.dtype) else tuple(dtypes)
     if x.dtype not in dtypes:
-        want = str(dtypes[0]) if len(dtypes) == 1 else f"in {[str(d) for d in dtypes]}"
-        raise ValueError(f"{name} must have dtype {want}, got {x.dtype}")
+        want = str(dtypes[0]).replace("torch.", "") if len(dtypes) == 1 else f"one of {[str(d) for d in dtypes]}"
+        raise ValueError(f"{name} must be {want}, got {x.dtype}")
     return x
 
 

@@ -35,11 +35,11 @@ Two entry points:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from ...checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_float, check_int, check_tensor
 from ...pool import check_pool, num_slots
 from ...formats import ATTENTION_HEAD_DIM, AttentionKVFormat
 
@@ -74,21 +74,13 @@ class SparseAttentionInputs:
 
 
 def _check_int_tensor(x, what: str, shape: tuple, device: torch.device) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{what} must be an int32 tensor, got {type(x).__name__}")
-    if x.dtype != torch.int32:
-        raise ValueError(f"{what} must be int32, got {x.dtype}")
-    if x.dim() != len(shape) or any(w is not None and g != w for g, w in zip(x.shape, shape)):
-        want = ", ".join("*" if s is None else str(s) for s in shape)
-        raise ValueError(f"{what} must have shape [{want}], got {list(x.shape)}")
-    if x.device != device:
-        raise ValueError(f"{what} is on {x.device} but q is on {device}: all inputs must share q's device")
+    check_tensor(what, x, dtypes=torch.int32)
+    check_tensor(what, x, shape=shape, device=device, owner="q")
 
 
 def _check_pool(pool, fmt, what: str, device: torch.device) -> None:
     check_pool(pool, fmt, what)
-    if pool.device != device:
-        raise ValueError(f"{what} is on {pool.device} but q is on {device}: all inputs must share q's device")
+    check_device(what, pool, device, owner="q")
 
 
 def check_sparse_attention_inputs(q, kv_cache, indices, *, kv_format, topk_length=None, extra_kv_cache=None,
@@ -97,9 +89,8 @@ def check_sparse_attention_inputs(q, kv_cache, indices, *, kv_format, topk_lengt
     """Validate the arguments of :func:`sparse_attention` (ValueError naming the bad value); no device sync.
 
     Index values are not checked: invalid slots are skipped by definition (see the module docstring)."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16,
-                                                                          torch.float32):
-        raise ValueError(f"q must be a bf16 / fp16 / fp32 [T, Hq, {ATTENTION_HEAD_DIM}] tensor, got {_describe(q)}")
+    check_tensor("q", q, dims=3, dtypes=FLOAT_DTYPES,
+                 message=f"q must be a bf16 / fp16 / fp32 [T, Hq, {ATTENTION_HEAD_DIM}] tensor")
     fmt = AttentionKVFormat.parse(kv_format)
     t, hq, d = q.shape
     if d != fmt.head_dim:
@@ -125,10 +116,8 @@ def check_sparse_attention_inputs(q, kv_cache, indices, *, kv_format, topk_lengt
     elif extra_kv_format is not None or extra_topk_length is not None:
         raise ValueError("extra_kv_format / extra_topk_length given without extra_kv_cache and extra_indices")
     if sink is not None:
-        if not isinstance(sink, torch.Tensor) or sink.shape != (hq,) or not sink.is_floating_point():
-            raise ValueError(f"sink must be a floating [Hq] = [{hq}] tensor, got {_describe(sink)}")
-        if sink.device != device:
-            raise ValueError(f"sink is on {sink.device} but q is on {device}: all inputs must share q's device")
+        check_tensor("sink", sink, shape=(hq,), floating=True, device=device, owner="q",
+                     message=f"sink must be a floating [Hq] = [{hq}] tensor")
     scale = d ** -0.5 if softmax_scale is None else _check_softmax_scale(softmax_scale)
     return SparseAttentionInputs(q, kv_cache, fmt, indices, topk_length, extra_kv_cache if has_extra else None,
                                  xfmt, extra_indices if has_extra else None,
@@ -211,11 +200,8 @@ def _bf16_range(q: torch.Tensor) -> torch.Tensor:
 
 def _check_softmax_scale(softmax_scale) -> float:
     """softmax_scale as a positive finite float (NaN would turn every output into zeros), else ValueError."""
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
-    scale = float(softmax_scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    scale = check_float("softmax_scale", softmax_scale, positive=True,
+                        message="softmax_scale must be a positive finite float")
     return scale
 
 
@@ -223,24 +209,17 @@ def sparse_attention_dense(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
                            softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense variant: q [T, Hq, Dh], kv [N, Dh] (shared K = V), indices int [T, I] into kv (-1 ignored; any
     other value outside [0, N) is a ValueError), sink [Hq] or None -> (out fp32 [T, Hq, Dh], lse fp32 [T, Hq])."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_floating_point():
-        raise ValueError(f"q must be a floating [T, Hq, Dh] tensor, got {_describe(q)}")
-    if not isinstance(kv, torch.Tensor) or not kv.is_floating_point():
-        raise ValueError(f"kv must be a floating [N, Dh] tensor, got {_describe(kv)}")
-    if not isinstance(indices, torch.Tensor):
-        raise ValueError(f"indices must be an int [T, I] tensor, got {_describe(indices)}")
+    check_tensor("q", q, dims=3, floating=True, message="q must be a floating [T, Hq, Dh] tensor")
     t, hq, dh = q.shape
-    if kv.dim() != 2 or kv.shape[1] != dh:
-        raise ValueError(f"kv must be [N, {dh}], got {list(kv.shape)}")
-    if indices.dim() != 2 or indices.shape[0] != t or indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"indices must be int [T={t}, I], got {indices.dtype} {list(indices.shape)}")
+    check_tensor("kv", kv, shape=(None, dh), floating=True, message=f"kv must be a floating [N, Dh] = [N, {dh}] tensor")
+    check_tensor("indices", indices, shape=(t, None), dtypes=INDEX_DTYPES, message=f"indices must be int [T={t}, I]")
     n = kv.shape[0]
     idx = indices.detach().cpu().long()
     if idx.numel() and (bool((idx >= n).any()) or bool((idx < -1).any())):
         bad = idx[(idx >= n) | (idx < -1)][0]
         raise ValueError(f"index {int(bad)} out of range for kv of {n} entries (-1 = none)")
-    if sink is not None and (not isinstance(sink, torch.Tensor) or sink.shape != (hq,)):
-        raise ValueError(f"sink must be [Hq] = [{hq}], got {_describe(sink)}")
+    if sink is not None:
+        check_tensor("sink", sink, shape=(hq,), message=f"sink must be [Hq] = [{hq}]")
     scale = dh ** -0.5 if softmax_scale is None else _check_softmax_scale(softmax_scale)
     kvf = kv.detach().cpu().float()
     valid = idx >= 0
@@ -257,17 +236,13 @@ def window_topk_indices(query_positions: torch.Tensor, topk_indices: torch.Tenso
     query_positions int [T], topk_indices int [T, K] (-1 padded), window >= 0, num_raw >= 0.
     W = min(window, num_raw): no query sees more raw rows than there are, so a longer window gives the same
     index set in num_raw columns (ending at the last raw row a query sees) instead of a [T, window] buffer."""
-    if not isinstance(query_positions, torch.Tensor) or query_positions.dim() != 1 \
-            or query_positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"query_positions must be an int32/int64 [T] tensor, got "
-                         f"{_describe(query_positions)}")
+    check_tensor("query_positions", query_positions, dims=1, dtypes=INDEX_DTYPES,
+                 message="query_positions must be an int32/int64 [T] tensor")
     t = query_positions.shape[0]
-    if not isinstance(topk_indices, torch.Tensor) or topk_indices.dim() != 2 or topk_indices.shape[0] != t \
-            or topk_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_indices must be an int32/int64 [T={t}, K] tensor, got {_describe(topk_indices)}")
+    check_tensor("topk_indices", topk_indices, shape=(t, None), dtypes=INDEX_DTYPES,
+                 message=f"topk_indices must be an int32/int64 [T={t}, K] tensor")
     for what, value in (("window", window), ("num_raw", num_raw)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{what} must be a non-negative int, got {value!r}")
+        check_int(what, value, 0, message=f"{what} must be a non-negative int")
     if topk_indices.numel() and bool((topk_indices < -1).any()):
         raise ValueError(f"topk_indices must be >= -1 (-1 = none), got {int(topk_indices.min())}")
     query_positions, topk_indices = query_positions.detach().cpu(), topk_indices.detach().cpu()
