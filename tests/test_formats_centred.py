@@ -21,6 +21,7 @@ from dsakit.cache import PagedCache
 from dsakit.formats import CENTRED_KEY_FORMATS, KeyFormat, centre_of, decode_centres, is_centred
 from dsakit.ops import scores as scores_ops
 from dsakit.ops import store as store_ops
+from dsakit.ops.store import StoreConfig
 from dsakit.ops import topk as topk_ops
 from dsakit.ops.scores.reference import index_scores_dense
 from dsakit.presets import KeyTransform, get_preset
@@ -359,8 +360,9 @@ class _LaunchCounter:
         return self.kernel[grid]
 
 
-def _store_calls(fmt, pool, calls, transform, table, weight, launcher=False):
-    """Run the Triton store (the public op, or the launcher without any check) for each (keys, positions, slots)."""
+def _store_calls(fmt, pool, calls, transform, table, weight, launcher=False, config=None):
+    """Run the Triton store (the public op, or the launcher without any check, with ``config``) for each
+    (keys, positions, slots)."""
     from dsakit.ops.store.triton import launch_store_index_keys
 
     dev = lambda t: t.to(DEVICE)  # noqa: E731
@@ -368,7 +370,8 @@ def _store_calls(fmt, pool, calls, transform, table, weight, launcher=False):
         if launcher:
             pairing, placement = transform.rope_layout.name.rsplit("-", 1)
             launch_store_index_keys(dev(keys), dev(positions), dev(slots), pool, dev(table), dev(weight), None, fmt,
-                                    transform.norm, pairing, placement, transform.hadamard, transform.eps)
+                                    transform.norm, pairing, placement, transform.hadamard, transform.eps,
+                                    config=config)
         else:
             store_ops.store_index_keys(dev(keys), dev(positions), dev(slots), pool, fmt, dev(table), dev(weight),
                                        None, transform, backend="triton")
@@ -406,6 +409,10 @@ def test_triton_store_one_launch_decode_appends_equal_bulk(name, rope_dim, monke
 
     bulk = fresh()
     _store_calls(fmt, bulk, [(torch.cat(keys), torch.cat(positions), torch.cat(slots))], transform, table, weight)
+    two_launches = fresh()  # the other launch setting: the pages' centres first, then the entries
+    _store_calls(fmt, two_launches, [(torch.cat(keys), torch.cat(positions), torch.cat(slots))], transform, table,
+                 weight, launcher=True, config=StoreConfig(page_term_two_launches_from=1))
+    assert torch.equal(bulk.cpu(), two_launches.cpu())
     chunked = fresh()
     for i in range(3):
         for lo, hi in ((0, 1), (1, 30), (30, lengths[i])):

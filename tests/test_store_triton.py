@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from dsakit.cache import read_entries
 from dsakit.formats import AttentionKVFormat, KeyFormat, encode_e2m1, encode_e4m3
 from dsakit.ops.store import prepare_attention_kv, prepare_index_keys, store_attention_kv, store_index_keys
+from dsakit.ops.store import StoreConfig
 from dsakit.ops.store import reference as store_reference
 from dsakit.presets import KeyTransform
 from dsakit.transforms import ROPE_V4, ROPE_V32, RopeConfig, RopeLayout, hadamard_matrix
@@ -465,7 +466,7 @@ def test_kernel_drops_out_of_range_rows_without_validation(generic):
     before = pool.clone()
     launch_store_index_keys(keys.to(DEVICE), positions.to(DEVICE), slots.to(DEVICE), pool_dev := pool.to(DEVICE),
                             TABLE.to(DEVICE), weight.to(DEVICE), None, fmt, "rmsnorm", "interleaved", "trailing",
-                            True, 1e-6, generic=generic)
+                            True, 1e-6, config=StoreConfig(index_kernel="generic" if generic else "auto"))
     good = torch.tensor([0, 6, 7])
     ref = before.clone()
     store_reference.store_index_keys(keys[good], positions[good], slots[good], ref, fmt, TABLE, weight)
@@ -487,7 +488,7 @@ def test_attention_kernel_drops_out_of_range_rows_without_validation(generic):
     out = pool.to(DEVICE)
     launch_store_attention_kv(kv.to(DEVICE), positions.to(DEVICE), slots.to(DEVICE), out, TABLE.to(DEVICE),
                               (torch.rand(512, generator=g) + 0.5).to(DEVICE), fmt, "interleaved", "trailing", 1e-6,
-                              generic=generic)
+                              config=StoreConfig(attention_kernel="generic" if generic else "auto"))
     written = written_mask(fmt, before, torch.tensor([1, 63]))
     assert torch.equal(out.cpu()[~written], before[~written])
     assert not torch.equal(out.cpu()[written], before[written])
@@ -663,3 +664,22 @@ def test_gpu_cuda_graph_capture_of_public_function():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(pool, eager)
+
+
+def test_store_config_holds_every_launch_setting():
+    """StoreConfig validates its fields and answers the launchers' choices (they derive nothing themselves)."""
+    config = StoreConfig()
+    assert config.index_launch(64, False) == (True, config.index_block_n, config.index_warps)
+    assert config.index_launch(64, True) == (True, config.page_term_block_n, config.page_term_warps)
+    assert config.index_launch(32, True) == (False, config.generic_index_block_n, config.generic_warps)
+    assert StoreConfig(index_kernel="generic").index_launch(64, False)[0] is False
+    assert config.fast_attention_kernel(64, "trailing", "fp8-rope-bf16")
+    assert not config.fast_attention_kernel(64, "trailing", "bf16")
+    assert not StoreConfig(attention_kernel="generic").fast_attention_kernel(64, "trailing", "fp8-rope-bf16")
+    assert config.page_term_launches(10**6) == 1
+    assert StoreConfig(page_term_two_launches_from=100).page_term_launches(99) == 1
+    assert StoreConfig(page_term_two_launches_from=100).page_term_launches(100) == 2
+    for bad in (dict(index_block_n=24), dict(page_term_warps=0), dict(index_kernel="fast"),
+                dict(page_term_two_launches_from=-1), dict(attention_warps=True)):
+        with pytest.raises(ValueError):
+            StoreConfig(**bad)

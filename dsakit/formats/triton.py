@@ -219,7 +219,8 @@ def key_page_started(pool_ptr, page_base, mask, CODE: tl.constexpr, D: tl.conste
 
 
 @triton.jit
-def _store_key_page_value(bits, pool_ptr, page_base, cols, mask, CODE: tl.constexpr):
+def store_key_page_value(bits, pool_ptr, page_base, cols, mask, CODE: tl.constexpr):
+    """Write side values (uint16 bits, broadcast like :func:`load_key_page_value`) as their pages' own."""
     if CODE == FP8_CENTRED:
         store_centre_bits(bits, pool_ptr, page_base, cols, mask, FP8_CENTRE_OFFSET)
     else:
@@ -233,7 +234,7 @@ def store_key_page_rows(x, page_value, first, pool_ptr, page_base, value_base, s
     (uint16 bits [BLOCK_N, 128], from :func:`key_page_value` or :func:`load_key_page_value`); rows at entry 0
     of their page (``first`` [BLOCK_N]) also write the side value. Page-centred: the entry is the residual
     x - c coded like the plain format, c the page's centre."""
-    _store_key_page_value(page_value, pool_ptr, page_base[:, None], cols[None, :], (live & first)[:, None], CODE)
+    store_key_page_value(page_value, pool_ptr, page_base[:, None], cols[None, :], (live & first)[:, None], CODE)
     store_key_rows(x - centre_float(page_value), pool_ptr, page_base, value_base, scale_base, cols, live, CODE,
                    UE8M0, FP4_RNE, BLOCK_N)
 
@@ -244,6 +245,6 @@ def store_key_page_halves(x, page_value, first, pool_ptr, page_base, value_base,
                           BLOCK_N: tl.constexpr):
     """:func:`store_key_page_rows` for the [2, BLOCK_N, 8, 8] layout of the fast store kernel (page_value the
     shape of x; first / live / page_base [1, BLOCK_N, 1, 1])."""
-    _store_key_page_value(page_value, pool_ptr, page_base, cols, live & first, CODE)
+    store_key_page_value(page_value, pool_ptr, page_base, cols, live & first, CODE)
     store_key_halves(x - centre_float(page_value), pool_ptr, page_base, value_base, scale_base, cols, half, live,
                      CODE, UE8M0, FP4_RNE, NATIVE, BLOCK_N)

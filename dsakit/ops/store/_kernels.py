@@ -15,13 +15,21 @@ from ...formats.bf16 import bf16_bits, bf16_u16
 from ...formats.common import finite_abs_tl, pow2_tl, sanitize_tl, ue8m0_ceil_tl
 from ...formats.fp8 import e4m3_bits, e4m3_u8
 from ...formats.triton import (key_page_started, key_page_value, load_key_page_value, store_key_halves,
-                               store_key_page_halves, store_key_page_rows, store_key_rows)
+                               store_key_page_halves, store_key_page_rows, store_key_page_value, store_key_rows)
 
 # 128^-0.5 as the fp32 constant hadamard_matrix() scales by (dsakit.transforms), applied as 2^-4 before the
 # butterfly (exact) and sqrt(2) after it: fl(sqrt(2)) / 16 = fl(128^-0.5), so the bits are the same, and the
 # butterfly's unscaled sums of values near the fp32 maximum do not overflow
 HADAMARD_PRE_SCALE = tl.constexpr(0.0625)
 HADAMARD_POST_SCALE = tl.constexpr(1.4142135623730951)
+
+
+# PAGE_STEP of the index-key kernels: what a launch does for a format with a per-page side value (the
+# page-centred keys' centre); the launcher picks them (StoreConfig.page_term_launches)
+PAGE_NONE = tl.constexpr(0)  # no side value (plain formats)
+PAGE_ONE_LAUNCH = tl.constexpr(1)  # entries and side values in one launch (_page_sources)
+PAGE_SIDES = tl.constexpr(2)  # first of two launches: the side values of the pages whose entry 0 is a row
+PAGE_ENTRIES = tl.constexpr(3)  # second of two: every entry against the side value in the pool
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,7 +196,7 @@ def _store_index_keys_generic_kernel(
         n_rows, keys_row_stride, num_slots, max_position, eps,
         NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ROPE_DIM: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
         HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
-        VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr, PAGE_TERM: tl.constexpr,
+        VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr, PAGE_STEP: tl.constexpr,
         BLOCK_N: tl.constexpr):
     D: tl.constexpr = 128
     PAGE: tl.constexpr = 64
@@ -202,28 +210,37 @@ def _store_index_keys_generic_kernel(
     page_base = page * PAGE_BYTES
     value_base = page_base + entry * VALUE_BYTES  # [BLOCK_N] byte offsets
     scale_base = page_base + PAGE * VALUE_BYTES + entry * SCALE_BYTES
-    if PAGE_TERM:  # one launch: entry 0 rows make their page's side value, the others take it (_page_sources)
+    if PAGE_STEP == PAGE_SIDES:
+        live = live & (entry == 0)
+    if (PAGE_STEP == PAGE_ONE_LAUNCH) or (PAGE_STEP == PAGE_ENTRIES):
         src, src_pos, in_call, from_pool = _page_sources(rows, slot, entry, live, slots_ptr, positions_ptr, n_rows,
                                                          num_slots, max_position)
         # a page never started (entry 0 never stored) has no side value: its rows are dropped, not coded
         # against zeros (the public store refuses them before launching)
         live = live & (~from_pool | key_page_started(pool_ptr, page_base, from_pool, CODE, D))
+        if PAGE_STEP == PAGE_ENTRIES:  # the side values of this call's pages are in the pool already
+            from_pool = live & (entry > 0)
         value = load_key_page_value(pool_ptr, page_base[:, None], cols[None, :], (from_pool & live)[:, None], CODE)
-        need = in_call & live
-        # bulk stores: entry 0's key again, with the same arithmetic (before x, so the two are never both live)
-        if tl.max(need.to(tl.int32), axis=0) > 0:
-            x0 = _transform_rows(keys_ptr, src, src_pos, need, w_ptr, b_ptr, table_ptr, keys_row_stride, eps, cols,
-                                 in_rope, is_second, partner_cols, pair, NORM, HAS_BIAS, ROPE_DIM, HADAMARD, BLOCK_N)
-            value = tl.where(need[:, None], key_page_value(x0, CODE, False), value)
+        if PAGE_STEP == PAGE_ONE_LAUNCH:
+            need = in_call & live
+            # bulk stores: entry 0's key again, with the same arithmetic (before x: the two are never both live)
+            if tl.max(need.to(tl.int32), axis=0) > 0:
+                x0 = _transform_rows(keys_ptr, src, src_pos, need, w_ptr, b_ptr, table_ptr, keys_row_stride, eps,
+                                     cols, in_rope, is_second, partner_cols, pair, NORM, HAS_BIAS, ROPE_DIM, HADAMARD,
+                                     BLOCK_N)
+                value = tl.where(need[:, None], key_page_value(x0, CODE, False), value)
     x = _transform_rows(keys_ptr, rows, pos, live, w_ptr, b_ptr, table_ptr, keys_row_stride, eps, cols, in_rope,
                         is_second, partner_cols, pair, NORM, HAS_BIAS, ROPE_DIM, HADAMARD, BLOCK_N)
-    if PAGE_TERM:
+    if PAGE_STEP == PAGE_NONE:
+        store_key_rows(x, pool_ptr, page_base, value_base, scale_base, cols, live, CODE, UE8M0, FP4_RNE, BLOCK_N)
+    elif PAGE_STEP == PAGE_SIDES:
+        store_key_page_value(key_page_value(x, CODE, False), pool_ptr, page_base[:, None], cols[None, :],
+                             live[:, None], CODE)
+    else:
         first = entry == 0
         value = tl.where(first[:, None], key_page_value(x, CODE, False), value)
         store_key_page_rows(x, value, first, pool_ptr, page_base, value_base, scale_base, cols, live, CODE, UE8M0,
                             FP4_RNE, BLOCK_N)
-    else:
-        store_key_rows(x, pool_ptr, page_base, value_base, scale_base, cols, live, CODE, UE8M0, FP4_RNE, BLOCK_N)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -380,14 +397,15 @@ def _store_index_keys_kernel(
         n_rows, keys_row_stride, num_slots, max_position, eps,
         NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
         HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
-        VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr, PAGE_TERM: tl.constexpr,
+        VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr, PAGE_STEP: tl.constexpr,
         BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
     """Index keys with rope_dim 64: x [2, BLOCK_N, 8, 8] (half, row, piece, e), two lanes per row.
 
     Per-row values (slot, position, validity) are kept as [1, BLOCK_N, 1, 1] tensors from the start:
     1-D row vectors used in several layouts trip a Triton 3.6 layout pass (RemoveLayoutConversions).
-    PAGE_TERM (formats with a per-page side value: the page-centred keys): rows at entry 0 of a page make
-    and write their page's side value, the others code against it (see ``_page_sources``), in this launch.
+    PAGE_STEP (formats with a per-page side value: the page-centred keys; the PAGE_* constants): in one launch,
+    rows at entry 0 of a page make and write their page's side value and the others code against it (see
+    ``_page_sources``), or the same in two launches (side values, then entries).
     """
     PAGE: tl.constexpr = 64
     pid = tl.program_id(0)
@@ -400,25 +418,32 @@ def _store_index_keys_kernel(
     page_base = page * PAGE_BYTES
     value_base = page_base + entry * VALUE_BYTES  # [1, BLOCK_N, 1, 1] byte offsets
     scale_base = page_base + PAGE * VALUE_BYTES + entry * SCALE_BYTES
+    if PAGE_STEP == PAGE_SIDES:
+        live = live & (entry == 0)
     x = _transform_halves(keys_ptr, rows, pos, live, half, cols, w_ptr, b_ptr, table_ptr, keys_row_stride, eps,
                           NORM, HAS_BIAS, PAIRING, PLACEMENT, HADAMARD, BLOCK_N)
-    if PAGE_TERM:  # as in the generic kernel
+    if PAGE_STEP == PAGE_NONE:
+        store_key_halves(x, pool_ptr, page_base, value_base, scale_base, cols, half, live, CODE, UE8M0, FP4_RNE,
+                         NATIVE, BLOCK_N)
+    elif PAGE_STEP == PAGE_SIDES:
+        store_key_page_value(key_page_value(x, CODE, NATIVE), pool_ptr, page_base, cols, live, CODE)
+    else:  # as in the generic kernel
         src, src_pos, in_call, from_pool = _page_sources(rows, slot, entry, live, slots_ptr, positions_ptr, n_rows,
                                                          num_slots, max_position)
         live = live & (~from_pool | key_page_started(pool_ptr, page_base, from_pool, CODE, 128))
-        need = in_call & live
+        if PAGE_STEP == PAGE_ENTRIES:
+            from_pool = live & (entry > 0)
         first = entry == 0
         value = tl.where(first, key_page_value(x, CODE, NATIVE),
                          load_key_page_value(pool_ptr, page_base, cols, from_pool & live, CODE))
-        if tl.max(need.to(tl.int32)) > 0:  # bulk stores: entry 0's key again, the same arithmetic and layout
-            x0 = _transform_halves(keys_ptr, src, src_pos, need, half, cols, w_ptr, b_ptr, table_ptr, keys_row_stride,
-                                   eps, NORM, HAS_BIAS, PAIRING, PLACEMENT, HADAMARD, BLOCK_N)
-            value = tl.where(need, key_page_value(x0, CODE, NATIVE), value)
+        if PAGE_STEP == PAGE_ONE_LAUNCH:
+            need = in_call & live
+            if tl.max(need.to(tl.int32)) > 0:  # bulk stores: entry 0's key again, the same arithmetic and layout
+                x0 = _transform_halves(keys_ptr, src, src_pos, need, half, cols, w_ptr, b_ptr, table_ptr,
+                                       keys_row_stride, eps, NORM, HAS_BIAS, PAIRING, PLACEMENT, HADAMARD, BLOCK_N)
+                value = tl.where(need, key_page_value(x0, CODE, NATIVE), value)
         store_key_page_halves(x, value, first, pool_ptr, page_base, value_base, scale_base, cols, half, live, CODE,
                               UE8M0, FP4_RNE, NATIVE, BLOCK_N)
-    else:
-        store_key_halves(x, pool_ptr, page_base, value_base, scale_base, cols, half, live, CODE, UE8M0, FP4_RNE,
-                         NATIVE, BLOCK_N)
 
 
 @triton.jit

@@ -55,8 +55,8 @@ import triton
 
 from ...batch import check_pool_alignment
 from ...formats import ENTRIES_PER_PAGE, AttentionKVFormat, KeyFormat, key_codec
-from ._kernels import (_store_attention_kv_generic_kernel, _store_attention_kv_kernel,
-                       _store_index_keys_generic_kernel, _store_index_keys_kernel)
+from ._kernels import (PAGE_ENTRIES, PAGE_NONE, PAGE_ONE_LAUNCH, PAGE_SIDES, _store_attention_kv_generic_kernel,
+                       _store_attention_kv_kernel, _store_index_keys_generic_kernel, _store_index_keys_kernel)
 from .config import StoreConfig
 
 # compile-time codes of the options
@@ -88,28 +88,13 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def index_fast_path(rope_dim: int) -> bool:
-    """The quarter-tile index kernel covers rope_dim 64 (every preset); other widths use the generic one."""
-    return rope_dim == 64
-
-
-def attention_fast_path(rope_dim: int, placement: str, kind: str) -> bool:
-    """The fast attention kernel covers 64 rope dims at the tail (V4) for the fp8-rope-bf16 entry.
-
-    For the plain bf16 entry the generic kernel measured faster on the H200 (1M rows: 0.88 ms versus
-    1.39 ms, benchmarks/NOTES.md), so it keeps that format, and every other rope geometry.
-    """
-    return rope_dim == 64 and placement == "trailing" and kind == "fp8-rope-bf16"
-
-
 def launch_store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
                             rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor, norm_bias: Optional[torch.Tensor],
                             fmt: KeyFormat, norm: str, pairing: str, placement: str, hadamard: bool,
-                            eps: float, *, config: StoreConfig | None = None, generic: bool = False) -> None:
+                            eps: float, *, config: StoreConfig | None = None) -> None:
     """Launch the index-key kernel on validated inputs (see ``dsakit.ops.store.store_index_keys``).
 
-    ``config``: launch tuning (default: the measured table of the GPU); ``generic=True`` forces the
-    any-rope-width kernel (tests and benchmarks compare the two).
+    ``config``: every launch setting (default: the measured table of the GPU), :class:`StoreConfig`.
     """
     config = config or StoreConfig.for_device(pool.device)
     n = keys.shape[0]
@@ -125,27 +110,32 @@ def launch_store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: 
                   SCALE_BYTES=fmt.scale_bytes, PAGE_BYTES=fmt.page_bytes, **_launch_options(pool.device))
     args = (keys, positions, slots, pool, table, norm_weight, norm_weight if norm_bias is None else norm_bias,
             n, keys.stride(0), pool.shape[0] * ENTRIES_PER_PAGE, table.shape[0], float(eps))
-    # A format with a per-page side value (page-centred: the centre) stores in the same single launch: rows at
-    # entry 0 of a page write its side value, the others take it from entry 0's row of the same call or from
-    # the pool (_kernels._page_sources), so no ordering between the programs of the launch is needed.
-    common["PAGE_TERM"] = codec.page_term
-    if index_fast_path(table.shape[1]) and not generic:
-        _store_index_keys_kernel[(triton.cdiv(n, config.index_block_n),)](
-            *args, NATIVE=_native_casts(pool), BLOCK_N=config.index_block_n, num_warps=config.index_warps, **common)
+    # A format with a per-page side value (page-centred: the centre) stores in one launch: rows at entry 0 of
+    # a page write its side value, the others take it from entry 0's row of the same call or from the pool
+    # (_kernels._page_sources), so no ordering between the programs of a launch is needed; or, from
+    # config.page_term_two_launches_from rows on, in two (the side values, then the entries).
+    if not codec.page_term:
+        steps = (PAGE_NONE,)
+    elif config.page_term_launches(n) == 1:
+        steps = (PAGE_ONE_LAUNCH,)
     else:
-        _store_index_keys_generic_kernel[(triton.cdiv(n, config.generic_index_block_n),)](
-            *args, ROPE_DIM=table.shape[1], BLOCK_N=config.generic_index_block_n, num_warps=config.generic_warps,
-            **common)
+        steps = (PAGE_SIDES, PAGE_ENTRIES)
+    fast, block_n, warps = config.index_launch(table.shape[1], codec.page_term)
+    for step in steps:
+        if fast:
+            _store_index_keys_kernel[(triton.cdiv(n, block_n),)](
+                *args, NATIVE=_native_casts(pool), BLOCK_N=block_n, num_warps=warps, PAGE_STEP=step, **common)
+        else:
+            _store_index_keys_generic_kernel[(triton.cdiv(n, block_n),)](
+                *args, ROPE_DIM=table.shape[1], BLOCK_N=block_n, num_warps=warps, PAGE_STEP=step, **common)
 
 
 def launch_store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
                               rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor, fmt: AttentionKVFormat,
-                              pairing: str, placement: str, eps: float, *, config: StoreConfig | None = None,
-                              generic: bool = False) -> None:
+                              pairing: str, placement: str, eps: float, *, config: StoreConfig | None = None) -> None:
     """Launch the attention-KV kernel on validated inputs (see ``dsakit.ops.store.store_attention_kv``).
 
-    ``config``: launch tuning (default: the measured table of the GPU); ``generic=True`` forces the generic
-    kernel.
+    ``config``: every launch setting (default: the measured table of the GPU), :class:`StoreConfig`.
     """
     config = config or StoreConfig.for_device(pool.device)
     n = kv.shape[0]
@@ -158,7 +148,7 @@ def launch_store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: 
                   PAGE_BYTES=fmt.page_bytes, **_launch_options(pool.device))
     args = (kv, positions, slots, pool, table, norm_weight, n, kv.stride(0), pool.shape[0] * ENTRIES_PER_PAGE,
             table.shape[0], float(eps))
-    if attention_fast_path(table.shape[1], placement, fmt.kind) and not generic:
+    if config.fast_attention_kernel(table.shape[1], placement, fmt.kind):
         _store_attention_kv_kernel[(triton.cdiv(n, config.attention_block_n),)](
             *args, NATIVE=_native_casts(pool), BLOCK_N=config.attention_block_n, num_warps=config.attention_warps,
             **common)
