@@ -13,7 +13,9 @@ H 64, D 128, K 2048, every query sees every entry. Each run times:
            on the fp8 keys (q_scale folded into the weights).
   decode   B 64 x N 65536 / 131072, one query per sequence, CUDA-graph replays on every side
            (do_bench_cudagraph): dsakit's decode plan (``plan_decode_topk`` + ``index_topk_decode``) with fp8,
-           fp8-centred, fp4 and fp4-centred keys (fp8 q + q_scale), and DeepGEMM ``fp8_fp4_paged_mqa_logits``
+           fp8-centred, fp4 and fp4-centred keys (fp8 q + q_scale; the centred page copies also with other
+           register caps: fp8-centred at 248 (in effect uncapped), fp4-centred at 144, as variants), and DeepGEMM
+           ``fp8_fp4_paged_mqa_logits``
            (context_lens [B, 1], clean_logits=False, metadata computed once outside) + torch.topk captured whole.
 
 The centred pools hold the same residual bytes as the plain pools (random valid fp8 / fp4 pages) plus a bf16
@@ -201,24 +203,29 @@ def main() -> int:
                     pool, table, counts = timing_pool(KeyFormat.parse(plain_name), [n] * b, dev, seed=11)
                     pools[plain_name] = pool
                     pools[f"{plain_name}-centred"] = centred_pool(f"{plain_name}-centred", pool, seed=13)
-                for name in ("fp8", "fp8-centred", "fp4", "fp4-centred"):
+                # the last two: launch variants of the centred page copies (register caps), not defaults
+                decode_variants = [("fp8", None), ("fp8-centred", None), ("fp4", None), ("fp4-centred", None),
+                                   ("fp8-centred_uncapped", replace(ScoresConfig.for_device(dev), decode_maxnreg=248)),
+                                   ("fp4-centred_cap144", replace(ScoresConfig.for_device(dev), decode_maxnreg=144))]
+                for label, scores_config in decode_variants:
+                    name = label.split("_")[0]
                     fmt = KeyFormat.parse(name)
                     batch = PagedBatch.build(pools[name], fmt, table, counts, seq)
-                    plan = plan_decode_topk(b, 1, n, k, fmt, dev, num_heads=heads)
+                    plan = plan_decode_topk(b, 1, n, k, fmt, dev, num_heads=heads, scores=scores_config)
 
                     def ours(plan=plan, batch=batch):
                         return index_topk_decode(q, w, batch, k, plan=plan, q_scale=qs)
 
                     got = ours().clone()
                     check = same_selection(got, plan.workspace[:, :n], k)
-                    row[f"dsakit_{name}_check"] = check
+                    row[f"dsakit_{label}_check"] = check
                     if name in PLAIN:
-                        row[f"dsakit_{name}_rule_error"] = centred_rule_error(
+                        row[f"dsakit_{label}_rule_error"] = centred_rule_error(
                             name, pools[name], table, q, w, qs, plan.workspace, [0, b - 1], n)
-                    row[f"dsakit_{name}_ms"] = bench(ours, graph_on=True)
+                    row[f"dsakit_{label}_ms"] = bench(ours, graph_on=True)
                     del plan, batch
-                for name in ("fp8-centred", "fp4-centred", "fp4"):
-                    ratio(row, f"dsakit_{name}_ms", "dsakit_fp8_ms")
+                for label, _ in decode_variants[1:]:
+                    ratio(row, f"dsakit_{label}_ms", "dsakit_fp8_ms")
                 if "dsakit_fp4-centred_ms" in row and "dsakit_fp4_ms" in row:
                     row["dsakit_fp4-centred_vs_dsakit_fp4"] = row["dsakit_fp4-centred_ms"] / row["dsakit_fp4_ms"]
                 if dg is not None:

@@ -870,3 +870,17 @@ def test_resolved_launch_settings_equal_the_launcher_before(overrides):
                     got = config.tma_launch(fmt_name == "fp4", columns, width)
                     assert (got.block_n, got.per_program, got.warps, got.stages, got.maxnreg) == \
                         _settings_before(config, fmt_name, "tma", 0, columns, width), (fmt_name, columns, width)
+
+
+def test_centred_page_copy_register_caps():
+    """The page copies of page-centred keys at <= 64 query-head columns: fp8-centred capped at 96 registers
+    (plain fp8's count, no spill on sm_90a), fp4-centred at plain fp4's 128; an explicit cap wins; wider
+    programs and plain fp8 stay uncapped."""
+    from dsakit.ops.scores.config import ScoresConfig
+
+    config = ScoresConfig()
+    assert config.tma_launch(False, 64, 1 << 16, page_term=True).maxnreg == 96
+    assert config.tma_launch(True, 64, 1 << 16, page_term=True).maxnreg == 128
+    assert config.tma_launch(False, 64, 1 << 16).maxnreg is None
+    assert config.tma_launch(False, 128, 1 << 16, page_term=True).maxnreg is None
+    assert ScoresConfig(decode_maxnreg=248).tma_launch(False, 64, 1 << 16, page_term=True).maxnreg == 248

@@ -74,9 +74,10 @@ class ScoresConfig:
     decode_*: BLOCK_N (None = the key format's ``FormatLaunch.decode_block_n`` / ``blocks_block_n``; 64 from 128
     query-head columns per program on), key tiles per program (None = min(the format's ``decode_tiles``, enough
     to cover W in four programs' worth)), warps and stages (None = the format's ``decode_stages``; 8 tiles and 3
-    stages above 64 query-head columns per program) of the group kernel; decode_maxnreg / prefill_maxnreg: a register cap per thread for the group / tile kernel
-    (None = the launch default: the compiler's choice, except 128 for fp4 keys read by page copies at <= 64
-    query-head columns per program; a lower cap lets more programs share an SM, at the risk of spills).
+    stages above 64 query-head columns per program) of the group kernel; decode_maxnreg / prefill_maxnreg: a
+    register cap per thread for the group / tile kernel (None = the launch default: the compiler's choice,
+    except, for keys read by page copies at <= 64 query-head columns per program, 128 for fp4 and fp4-centred
+    and 96 for fp8-centred; a lower cap lets more programs share an SM, at the risk of spills).
     decode_fp4: how the group kernel reads fp4 keys: "blocks" (one dot per 32-element scale block on the e2m1
     codes placed in e4m3 bits, each block's scale applied to its dot's result per entry; fp8 tensor cores when
     q is fp8 e4m3, bf16 otherwise) or "dequant" (the keys dequantized to a bf16 tile in registers, one bf16
@@ -176,9 +177,10 @@ class ScoresConfig:
             warps = max(warps, 8)
         return Launch(bn, per_program, warps, self.decode_stages or stages_default, self.decode_maxnreg)
 
-    def tma_launch(self, fp4: bool, columns: int, width: int) -> Launch:
-        """Decode page-copy kernel (one 64-entry page per key tile) for fp8 (``fp4`` False) or fp4 residual
-        codes, ``columns`` = queries x heads per program, ``width`` score columns."""
+    def tma_launch(self, fp4: bool, columns: int, width: int, page_term: bool = False) -> Launch:
+        """Decode page-copy kernel (one 64-entry page per key tile) for fp8 (``fp4`` False) or fp4 entry
+        codes, ``columns`` = queries x heads per program, ``width`` score columns; ``page_term``: page-centred
+        keys (the residuals of those codes plus each page's q . c)."""
         # fp8: 32 pages per program (the gather path's 16 x 128 entries) and 5 stages, at every next_n: 0.151 /
         # 0.299 ms at 64 x 64K / 128K against 0.167 / 0.325 gathering (3.7 TB/s of keys; sweep_topk_h200_b4b4485;
         # 16-64 pages and 3-6 stages within 2 %, 8 warps 20 % slower); next_n 2 / 4 at 64K: 0.215 / 0.353 ms
@@ -197,6 +199,12 @@ class ScoresConfig:
                 stages = 3
             if columns <= 64 and warps == 4 and maxnreg is None:
                 maxnreg = 128
+        elif page_term and columns <= 64 and warps == 4 and maxnreg is None:
+            # fp8-centred: uncapped, ptxas gives the page-copy kernel 114 registers at 1 x 64 heads (four
+            # programs per SM); under a 96 cap it needs 94 and spills nothing (sm_90a compile), the same as
+            # plain fp8 (94), so it keeps plain fp8's five programs per SM. Not yet timed against the uncapped
+            # kernel (bench_centred_targets.py times both)
+            maxnreg = 96
         return Launch(64, per_program, warps, stages, maxnreg)
 
     def page_term_launch(self) -> Launch:

@@ -382,7 +382,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
                   H=num_heads, D=d, INTERPRET=triton_interpreted(), PAGE_TERM=codec.page_term)
     columns = tiles.size * num_heads
     if tiles.kernel == "group" and config.decode_loads == "tma" and _tma_pages(codec, fp8_dot, pool, config):
-        launch = config.tma_launch(codec.entry_code == KeyCode.FP4, columns, width)
+        launch = config.tma_launch(codec.entry_code == KeyCode.FP4, columns, width, codec.page_term)
         grid = (tiles.num_tiles, triton.cdiv(width, 64 * launch.per_program))
         row_bytes = _tma_row_bytes(codec)
         if codec.entry_code == KeyCode.FP4:
