@@ -65,6 +65,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ...checks import INDEX_DTYPES, check_choice, check_instance, check_int, check_power_of_two, check_tensor
 from ...batch import PagedBatch, check_batch, check_batch_queries, check_same_device, upload
 from ...formats import INDEX_HEAD_DIM, KeyFormat, key_codec
 from .._backend import triton_interpreted
@@ -153,14 +154,10 @@ def plan_query_tiles(query_seq: torch.Tensor, num_seqs: int, num_heads: int, ker
     kernel: "auto" (group kernel when each sequence has <= 4 queries and H is a power of two >= 16),
     "tile" or "group".
     """
-    if kernel not in ("auto", "tile", "group"):
-        raise ValueError(f"kernel must be 'auto', 'tile' or 'group', got {kernel!r}")
-    if block_t is not None and (not isinstance(block_t, int) or block_t < 16 or block_t & (block_t - 1)):
-        raise ValueError(f"block_t must be a power of two >= 16, got {block_t!r}")
-    if query_seq.dim() != 1 or query_seq.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"query_seq must be int [T], got {query_seq.dtype} {list(query_seq.shape)}")
-    if isinstance(num_seqs, bool) or not isinstance(num_seqs, int) or num_seqs < 0:
-        raise ValueError(f"num_seqs must be an int >= 0, got {num_seqs!r}")
+    check_choice("kernel", kernel, ("auto", "tile", "group"))
+    check_power_of_two("block_t", block_t, 16, allow_none=True)
+    check_tensor("query_seq", query_seq, dims=1, dtypes=INDEX_DTYPES, message="query_seq must be int [T]")
+    check_int("num_seqs", num_seqs, 0)
     seq = query_seq.long()
     out_of_range = ((seq < 0) | (seq >= num_seqs)).sum()
     # clamped so that bincount never sees a negative value; out-of-range values are refused below
@@ -192,9 +189,8 @@ def plan_decode_tiles(batch: int, next_n: int, num_heads: int, device: "torch.de
     Same plan as :func:`plan_query_tiles` on query_seq = repeat_interleave(arange(B), next_n): every sequence
     has next_n rows, so its tiles (cdiv(next_n, size) of them) follow from the shape alone.
     """
-    for name, value, minimum in (("batch", batch, 0), ("next_n", next_n, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    check_int("batch", batch, 0)
+    check_int("next_n", next_n, 1)
     kernel = "group" if _group_kernel_fits(num_heads, next_n) else "tile"
     size = _tile_size(kernel, next_n, None)
     tiles_per_seq = -(-next_n // size)
@@ -258,10 +254,9 @@ def check_q_inputs(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, q_
         raise ValueError(f"q dtype must be one of {[str(x) for x in Q_DTYPES]}, got {q.dtype}")
     if not weights.is_floating_point() or weights.dtype in _FP8_Q_DTYPES:
         raise ValueError(f"weights must be fp32 / fp16 / bf16, got {weights.dtype}")
-    if q_scale is not None and (not isinstance(q_scale, torch.Tensor) or q_scale.shape != (t, num_heads)
-                                or q_scale.dtype != torch.float32):
-        raise ValueError(f"q_scale must be fp32 [T, H] = [{t}, {num_heads}], got "
-                         f"{getattr(q_scale, 'dtype', type(q_scale).__name__)} {list(getattr(q_scale, 'shape', []))}")
+    if q_scale is not None:
+        check_tensor("q_scale", q_scale, shape=(t, num_heads), dtypes=torch.float32,
+                     message=f"q_scale must be fp32 [T, H] = [{t}, {num_heads}]")
     check_same_device(batch.device, q=q, weights=weights, q_scale=q_scale)
 
 
@@ -438,8 +433,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
     check_q_scale_values(q_scale)
     t, num_heads, _ = q.shape
     config = config or ScoresConfig.for_device(batch.device)
-    if not isinstance(config, ScoresConfig):
-        raise ValueError(f"config must be a ScoresConfig, got {type(config).__name__}")
+    check_instance("config", config, ScoresConfig)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 2 \
                 or out.shape[0] < t or (out.shape[1] > 1 and out.stride(1) != 1):
@@ -480,9 +474,9 @@ def index_scores_decode(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         raise ValueError(f"q must be [B, next_n, H, D], got "
                          f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     b, next_n, h, d = q.shape
-    for name, value in (("weights", weights), ("q_scale", q_scale)):
-        if value is not None and not isinstance(value, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    check_tensor("weights", weights)
+    if q_scale is not None:
+        check_tensor("q_scale", q_scale)
     check_batch(batch)
     if next_n < 1:
         raise ValueError(f"next_n must be >= 1, got q of shape {list(q.shape)}")
