@@ -207,9 +207,15 @@ class ScoresConfig:
             maxnreg = 96
         return Launch(64, per_program, warps, stages, maxnreg)
 
-    def page_term_launch(self) -> Launch:
-        """The page-term pass (page-centred formats): block_n = page columns per program."""
-        return Launch(self.page_term_pages, 1, self.page_term_warps, 2)
+    def page_term_launch(self, columns: int = 0) -> Launch:
+        """The page-term pass (page-centred formats): block_n = page columns per program; ``columns`` = query-head
+        columns of a group plan's program (0 for tile plans, whose pass takes one head at a time)."""
+        warps = self.page_term_warps
+        if columns >= 256:
+            # the [64 pages, 256] fp32 terms of a 4 x 64-head group spill 486 bytes at 4 warps on sm_90a
+            # (255 registers); 8 warps: 191 registers, no spill
+            warps = max(warps, 8)
+        return Launch(self.page_term_pages, 1, warps, 2)
 
     @staticmethod
     def for_device(device: "torch.device | str | None" = None) -> "ScoresConfig":

@@ -367,7 +367,7 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
             q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), *qs_strides,
             table.stride(0), out.stride(0), page_terms, *pt_strides)
     if codec.page_term:
-        term = config.page_term_launch()
+        term = config.page_term_launch(0 if tiles.kernel == "tile" else tiles.size * num_heads)
         grid = (tiles.num_tiles, triton.cdiv(triton.cdiv(width, 64), term.block_n))
         pass_kernel = _page_term_tile_kernel if tiles.kernel == "tile" else _page_term_group_kernel
         size = {"BLOCK_T": tiles.size} if tiles.kernel == "tile" else {"GROUP": tiles.size}
