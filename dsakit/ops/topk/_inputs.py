@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from ...checks import INDEX_DTYPES, check_bool, check_tensor
+
 
 def lru_get(cache: OrderedDict, key, kept: int, make: Callable[[], object]):
     """cache[key], made with make() on a miss; the ``kept`` most recently used entries stay (so a
@@ -23,11 +25,13 @@ def lru_get(cache: OrderedDict, key, kept: int, make: Callable[[], object]):
     return found
 
 
-def check_scores_matrix(scores) -> None:
-    """scores must be an fp32 [T, W] tensor, else ValueError."""
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"scores must be an fp32 [T, W] tensor, got "
-                         f"{(scores.dtype, list(scores.shape)) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
+def check_scores_matrix(scores, sort=False) -> None:
+    """scores must be an fp32 [T, W] tensor with unit stride along W (the selects read rows as vectors), and
+    ``sort`` a bool, else ValueError."""
+    check_tensor("scores", scores, dims=2, dtypes=torch.float32, message="scores must be an fp32 [T, W] tensor")
+    if scores.shape[1] > 1 and scores.stride(1) != 1:
+        raise ValueError(f"scores must have unit stride along W, got strides {scores.stride()}")
+    check_bool("sort", sort)
 
 
 def row_counts_int32(scores: torch.Tensor, row_counts: torch.Tensor | None) -> torch.Tensor:
@@ -36,12 +40,8 @@ def row_counts_int32(scores: torch.Tensor, row_counts: torch.Tensor | None) -> t
     t, w = scores.shape
     if row_counts is None:
         return torch.full((t,), w, dtype=torch.int32, device=scores.device)
-    if not isinstance(row_counts, torch.Tensor) or row_counts.shape != (t,) \
-            or row_counts.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"row_counts must be int [T] = [{t}], got {getattr(row_counts, 'dtype', None)} "
-                         f"{list(getattr(row_counts, 'shape', []))}")
-    if row_counts.device != scores.device:
-        raise ValueError(f"row_counts is on {row_counts.device}, scores on {scores.device}")
+    check_tensor("row_counts", row_counts, shape=(t,), dtypes=INDEX_DTYPES, device=scores.device,
+                 owner="scores", message=f"row_counts must be int [T] = [{t}]")
     if t and (bool((row_counts < 0).any()) or bool((row_counts > w).any())):
         raise ValueError(f"row_counts must be in 0..{w} (the scores width), got range "
                          f"{int(row_counts.min())}..{int(row_counts.max())}")

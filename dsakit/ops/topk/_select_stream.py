@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ...checks import check_instance, check_int
 from ._inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
 from ._select_kernels import (STATS, _filter_kernel, _final_kernel, _order_chunk_kernel, _order_kernel,
                               _order_merge_kernel)
@@ -60,8 +61,7 @@ class SelectBuffers:
         """Buffers for ``rows`` x ``width`` and k with ``config`` (default: the launch rule of the device's
         :class:`SelectConfig`)."""
         config = config or SelectConfig.for_device(device).stream_for(rows, width, k)
-        if not isinstance(config, StreamConfig):
-            raise ValueError(f"config must be a StreamConfig, got {type(config).__name__}")
+        check_instance("config", config, StreamConfig)
         r, s, lanes = max(rows, 1), config.splits, config.lanes
         empty = lambda *shape: torch.empty(shape, dtype=torch.int32, device=device)  # noqa: E731
         return SelectBuffers(rows=rows, width=width, k=k, config=config,
@@ -212,13 +212,8 @@ def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
     config: launch parameters (default: :meth:`SelectConfig.stream_for` of the device's select config);
     buffers: reusable scratch (:meth:`SelectBuffers.allocate`), else allocated here. k <= STREAM_MAX_K.
     """
-    check_scores_matrix(scores)
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= STREAM_MAX_K:
-        raise ValueError(f"k must be an int in 1..{STREAM_MAX_K} for the streaming select, got {k!r}")
-    if scores.shape[1] > 1 and scores.stride(1) != 1:
-        raise ValueError(f"scores must have unit stride along W, got strides {scores.stride()}")
-    if not isinstance(sort, bool):
-        raise ValueError(f"sort must be a bool, got {sort!r}")
+    check_scores_matrix(scores, sort)
+    check_int("k", k, 1, STREAM_MAX_K, message=f"k must be an int in 1..{STREAM_MAX_K} for the streaming select")
     t, w = scores.shape
     counts = row_counts_int32(scores, row_counts)
     if buffers is None:

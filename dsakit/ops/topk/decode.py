@@ -51,7 +51,7 @@ import torch
 
 from ..._memory import check_fits, parse_device
 from ...batch import PagedBatch, check_batch, check_k, check_positive_int
-from ...checks import check_bool
+from ...checks import check_bool, check_instance, check_tensor
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from ..scores.config import ScoresConfig
 from ..scores.triton import QueryTiles, check_q_inputs, launch_index_scores, plan_decode_tiles, prepare_q
@@ -128,8 +128,7 @@ def plan_decode_topk(batch: int, next_n: int, max_entries: int, k: int, fmt: "Ke
     check_bool("sort", sort)
     device = parse_device(device)
     select = select or SelectConfig()
-    if not isinstance(select, SelectConfig):
-        raise ValueError(f"select must be a SelectConfig or None, got {type(select).__name__}")
+    check_instance("select", select, SelectConfig, label="SelectConfig or None")
     rows = batch * next_n
     per_row = 4 * (max_entries + 1 + k * (2 if return_slots else 1)) + 8 * select.cap
     check_fits(rows * per_row, device, f"a decode plan for {rows:,} rows x max_entries {max_entries:,}")
@@ -149,10 +148,10 @@ def plan_decode_topk(batch: int, next_n: int, max_entries: int, k: int, fmt: "Ke
 
 def _check_plan(q, weights, batch, k, plan, q_scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Host-only checks of q / weights / q_scale against the plan and the batch; returns them as [R, ...]."""
-    if not isinstance(plan, DecodeTopkPlan):
-        raise ValueError(f"plan must be a DecodeTopkPlan from plan_decode_topk, got {type(plan).__name__}")
+    check_instance("plan", plan, DecodeTopkPlan, label="DecodeTopkPlan from plan_decode_topk")
     check_batch(batch)
-    if not isinstance(q, torch.Tensor) or q.dim() not in (3, 4) or q.shape[-1] != INDEX_HEAD_DIM:
+    check_tensor("q", q, message=f"q must be [B, next_n, H, {INDEX_HEAD_DIM}] or [B * next_n, H, {INDEX_HEAD_DIM}]")
+    if q.dim() not in (3, 4) or q.shape[-1] != INDEX_HEAD_DIM:
         raise ValueError(f"q must be [B, next_n, H, {INDEX_HEAD_DIM}] or [B * next_n, H, {INDEX_HEAD_DIM}], got "
                          f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     rows, h = plan.rows, plan.num_heads

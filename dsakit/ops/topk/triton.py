@@ -67,6 +67,7 @@ from collections.abc import Sequence
 import torch
 import triton
 
+from ...checks import check_bool, check_instance
 from ...batch import PagedBatch, check_k
 from ..scores.triton import (QueryTiles, check_q_inputs, check_q_scale_values, launch_index_scores,
                              plan_query_tiles, prepare_q, tiles_from_lens)
@@ -153,12 +154,8 @@ def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
     buffer order otherwise) and skips the final sort. ``config``: select tuning (:class:`SelectConfig`).
     Memory: the [T, k] output plus a candidate scratch of 8 * cap bytes per row.
     """
-    check_scores_matrix(scores)
+    check_scores_matrix(scores, sort)
     check_k(k, MAX_K)
-    if scores.stride(1) != 1:
-        raise ValueError(f"scores must have unit stride along W, got strides {scores.stride()}")
-    if not isinstance(sort, bool):
-        raise ValueError(f"sort must be a bool, got {sort!r}")
     t = scores.shape[0]
     counts = row_counts_int32(scores, row_counts)
     out = torch.empty((t, k), dtype=torch.int32, device=scores.device)
@@ -305,11 +302,8 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
     """
     check_q_inputs(q, weights, batch, q_scale)
     check_k(k, MAX_K)
-    if not isinstance(return_slots, bool):
-        raise ValueError(f"return_slots must be a bool, got {return_slots!r}")
-    config = config or TopkConfig.for_device(batch.device)
-    if not isinstance(config, TopkConfig):
-        raise ValueError(f"config must be a TopkConfig, got {type(config).__name__}")
+    check_bool("return_slots", return_slots)
+    config = check_instance("config", config or TopkConfig.for_device(batch.device), TopkConfig)
     check_q_scale_values(q_scale)
     device = batch.device
     t, num_heads, _ = q.shape
