@@ -103,6 +103,19 @@ def _tile_rows(counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr, tile
 
 
 @triton.jit
+def _page_block_centres(values_ptr, block_table_ptr, seq, stride_bt, col0, visible, num_pages, max_pages,
+                        CODE: tl.constexpr, PAGE_BLOCK: tl.constexpr, D: tl.constexpr):
+    """Block-table columns col0 .. col0 + PAGE_BLOCK - 1 of sequence seq [PAGE_BLOCK], which of them hold an
+    entry below ``visible``, and their pages' centres, bf16 [PAGE_BLOCK, D] (0 for the others)."""
+    cols = col0 + tl.arange(0, PAGE_BLOCK)
+    col_ok = cols * 64 < visible
+    pages = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + tl.minimum(cols, max_pages - 1),
+                    mask=col_ok, other=0)
+    pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)  # memory safety, as _load_pages
+    return cols, col_ok, load_key_page_rows(values_ptr, pages, col_ok, CODE, D)
+
+
+@triton.jit
 def _page_term_tile_kernel(
     q_ptr, w_ptr, q_scale_ptr, values_ptr, scales_ptr, block_table_ptr, counts_ptr, pos_ptr, rows_ptr,
     tile_seq_ptr, tile_start_ptr, tile_len_ptr, out_ptr,
@@ -122,12 +135,9 @@ def _page_term_tile_kernel(
         num_seqs, HAS_POS, BLOCK_T)
     col0 = tl.program_id(1) * PAGE_BLOCK
     if col0 * 64 < tile_visible:
-        cols = col0 + tl.arange(0, PAGE_BLOCK)
-        col_ok = cols * 64 < tile_visible
-        pages = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + tl.minimum(cols, max_pages - 1),
-                        mask=col_ok, other=0)
-        pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)  # memory safety, as _load_pages
-        c_t = tl.trans(load_key_page_rows(values_ptr, pages, col_ok, CODE, D))  # [D, PAGE_BLOCK] bf16
+        cols, col_ok, centres = _page_block_centres(values_ptr, block_table_ptr, seq, stride_bt, col0, tile_visible,
+                                                    num_pages, max_pages, CODE, PAGE_BLOCK, D)
+        c_t = tl.trans(centres)  # [D, PAGE_BLOCK] bf16
         dims = tl.arange(0, D)
         q_ptrs = q_ptr + rows[:, None] * stride_qt + dims[None, :]
         pos = (first + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -156,12 +166,8 @@ def _page_term_group_kernel(
         HAS_POS, False, H, GROUP, D)
     col0 = tl.program_id(1) * PAGE_BLOCK
     if col0 * 64 < group_visible:
-        cols = col0 + tl.arange(0, PAGE_BLOCK)
-        col_ok = cols * 64 < group_visible
-        pages = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + tl.minimum(cols, max_pages - 1),
-                        mask=col_ok, other=0)
-        pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)  # memory safety, as _load_pages
-        centres = load_key_page_rows(values_ptr, pages, col_ok, CODE, D)  # [PAGE_BLOCK, D] bf16
+        cols, col_ok, centres = _page_block_centres(values_ptr, block_table_ptr, seq, stride_bt, col0,
+                                                    group_visible, num_pages, max_pages, CODE, PAGE_BLOCK, D)
         terms = _dot(centres, q_t.to(tl.bfloat16), INTERPRET)  # [PAGE_BLOCK, GROUP * H]
         tl.store(pt_ptr + c_pos[None, :] * stride_ps + cols[:, None].to(tl.int64) * stride_pp
                  + c_head[None, :] * stride_ph, terms, mask=col_ok[:, None] & c_ok[None, :])
