@@ -21,7 +21,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...formats import ATTENTION_FP8_BLOCK, ENTRIES_PER_PAGE, AttentionKVFormat
+
 # log2(e) and ln(2) appear as literals inside the kernels (scores run in base 2)
+
+# The entry layouts, from the format objects (dsakit.formats), as compile-time constants of the kernels
+_FP8_KV = AttentionKVFormat.FP8_ROPE_BF16
+KV_DIM = tl.constexpr(_FP8_KV.head_dim)  # 512 dims per token (K = V)
+FP8_ROW_BYTES = tl.constexpr(_FP8_KV.value_bytes)  # 576: 448 e4m3 + 64 bf16 rope
+FP8_NOPE = tl.constexpr(_FP8_KV.nope_dim)  # 448 fp8 dims, then the rope dims as bf16
+FP8_SCALE_BYTES = tl.constexpr(_FP8_KV.scale_bytes)  # 8: 7 ue8m0 scales + 1 pad byte
+FP8_BLOCK = tl.constexpr(ATTENTION_FP8_BLOCK)  # 64 fp8 dims per scale
+FP8_SCALES = tl.constexpr(_FP8_KV.nope_dim // ATTENTION_FP8_BLOCK)  # 7
+BF16_ROW_BYTES = tl.constexpr(AttentionKVFormat.BF16.value_bytes)  # 1024
+ENTRIES = tl.constexpr(ENTRIES_PER_PAGE)  # 64 entries per page
 
 
 @triton.jit
@@ -51,7 +64,7 @@ def _load_kv_tile(pool_ptr, num_slots, idx_row_ptr, start, end,
     """-> (kv bf16 [BLOCK_N, 512] (zeros where not valid; those rows are not read), valid [BLOCK_N]) for the
     index positions start + [0, BLOCK_N) (those >= end skipped)."""
     slot, valid = _tile_slots(idx_row_ptr, start, end, num_slots, BLOCK_N)
-    return _load_kv_cols(pool_ptr, slot, valid, 0, 512, FP8, PAGE_BYTES, BLOCK_N), valid
+    return _load_kv_cols(pool_ptr, slot, valid, 0, KV_DIM, FP8, PAGE_BYTES, BLOCK_N), valid
 
 
 @triton.jit
@@ -69,26 +82,27 @@ def _load_kv_cols(pool_ptr, slot, valid, COL0: tl.constexpr, W: tl.constexpr, FP
                   PAGE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
     """Dims [COL0, COL0 + W) of the slots' rows, dequantized -> bf16 [BLOCK_N, W] (zeros where not valid)."""
     offs_d = COL0 + tl.arange(0, W)
-    page_base = (slot // 64) * PAGE_BYTES
-    entry = slot % 64
+    page_base = (slot // ENTRIES) * PAGE_BYTES
+    entry = slot % ENTRIES
     if FP8:
-        base = page_base + entry * 576  # [BLOCK_N] first data byte of the token
-        is_nope = offs_d < 448
+        base = page_base + entry * FP8_ROW_BYTES  # [BLOCK_N] first data byte of the token
+        is_nope = offs_d < FP8_NOPE
         nope = tl.load(pool_ptr + base[:, None] + offs_d[None, :],
                        mask=valid[:, None] & is_nope[None, :], other=0)  # uint8 e4m3 [BLOCK_N, W]
-        rope_ptr = (pool_ptr + base + 448).to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_ptr[:, None] + (offs_d - 448)[None, :],
-                       mask=valid[:, None] & (offs_d >= 448)[None, :], other=0.0)  # bf16, dims 448..511
-        NB: tl.constexpr = W // 64
-        offs_s = COL0 // 64 + tl.arange(0, NB)
-        sc = tl.load(pool_ptr + (page_base + 64 * 576 + entry * 8)[:, None] + offs_s[None, :],
-                     mask=valid[:, None] & (offs_s < 7)[None, :], other=127)  # ue8m0 [BLOCK_N, NB]
+        rope_ptr = (pool_ptr + base + FP8_NOPE).to(tl.pointer_type(tl.bfloat16))
+        rope = tl.load(rope_ptr[:, None] + (offs_d - FP8_NOPE)[None, :],
+                       mask=valid[:, None] & (offs_d >= FP8_NOPE)[None, :], other=0.0)  # bf16, dims 448..511
+        NB: tl.constexpr = W // FP8_BLOCK
+        offs_s = COL0 // FP8_BLOCK + tl.arange(0, NB)
+        sc = tl.load(pool_ptr + (page_base + ENTRIES * FP8_ROW_BYTES + entry * FP8_SCALE_BYTES)[:, None]
+                     + offs_s[None, :], mask=valid[:, None] & (offs_s < FP8_SCALES)[None, :],
+                     other=127)  # ue8m0 [BLOCK_N, NB]
         scale = tl.exp2(sc.to(tl.float32) - 127.0)
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, NB, 64)), (BLOCK_N, W))
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, NB, FP8_BLOCK)), (BLOCK_N, W))
         nope_f = nope.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
         kv = tl.where(is_nope[None, :], nope_f, rope.to(tl.float32)).to(tl.bfloat16)
     else:
-        row_ptr = (pool_ptr + page_base + entry * 1024).to(tl.pointer_type(tl.bfloat16))
+        row_ptr = (pool_ptr + page_base + entry * BF16_ROW_BYTES).to(tl.pointer_type(tl.bfloat16))
         kv = tl.load(row_ptr[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
     return kv
 

@@ -197,9 +197,9 @@ def _store_index_keys_generic_kernel(
         NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ROPE_DIM: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
         HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
         VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr, PAGE_STEP: tl.constexpr,
-        BLOCK_N: tl.constexpr):
-    D: tl.constexpr = 128
-    PAGE: tl.constexpr = 64
+        D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Index keys [N, D] for any rope width / placement (D = 128, PAGE = 64 entries per page: the format's)."""
+    tl.static_assert(D == 128, "the index kernels rotate 128-dim keys (Hadamard 128)")
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     cols = tl.arange(0, D)  # [D]
@@ -254,10 +254,11 @@ def _store_attention_kv_generic_kernel(
         n_rows, kv_row_stride, num_slots, max_position, eps,
         ROPE_DIM: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr, KIND: tl.constexpr,
         VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr,
-        BLOCK_N: tl.constexpr):
-    D: tl.constexpr = 512
-    NOPE: tl.constexpr = 448  # fp8 part of the fp8-rope-bf16 entry: 7 blocks of 64
-    PAGE: tl.constexpr = 64
+        D: tl.constexpr, NOPE: tl.constexpr, FP8_BLOCK: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Attention KV [N, D] for any rope geometry. Layout constants from the format (dsakit.formats): D = 512
+    dims, NOPE = 448 fp8 dims of the fp8-rope-bf16 entry in blocks of FP8_BLOCK = 64 with one ue8m0 scale each
+    (then SCALE_BYTES - NOPE / FP8_BLOCK zero pad bytes), PAGE = 64 entries per page."""
+    BLOCKS: tl.constexpr = D // FP8_BLOCK
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, D)
@@ -281,8 +282,8 @@ def _store_attention_kv_generic_kernel(
         tl.store(halfword_ptr + (value_base // 2)[:, None] + cols[None, :], bits, mask=live[:, None])
     else:
         # 8 blocks of 64: blocks 0..6 are fp8 with a ue8m0 scale each, block 7 the bf16 tail
-        blocks = tl.reshape(x, [BLOCK_N, 8, 64])
-        amax = tl.maximum(tl.max(finite_abs_tl(blocks), axis=2), 1e-4)  # [BLOCK_N, 8]
+        blocks = tl.reshape(x, [BLOCK_N, BLOCKS, FP8_BLOCK])
+        amax = tl.maximum(tl.max(finite_abs_tl(blocks), axis=2), 1e-4)  # [BLOCK_N, BLOCKS]
         exponent = ue8m0_ceil_tl(tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
         v = sanitize_tl(blocks) * pow2_tl(254 - exponent)[:, :, None]  # exact: dividing by 2^k
         v = tl.minimum(tl.maximum(v, -448.0), 448.0)
@@ -293,8 +294,9 @@ def _store_attention_kv_generic_kernel(
         tl.store(halfword_ptr + ((value_base + NOPE) // 2)[:, None] + tail[None, :], bits,
                  mask=live[:, None] & (cols >= NOPE)[None, :])
         # scale part: 7 exponent bytes then one zero pad byte
-        block_ids = tl.arange(0, 8)
-        scale_bytes = tl.where(block_ids[None, :] < 7, exponent, 0).to(tl.uint8)
+        tl.static_assert(SCALE_BYTES == BLOCKS, "one scale byte per 64-dim block (the rope block's is the pad)")
+        block_ids = tl.arange(0, SCALE_BYTES)
+        scale_bytes = tl.where(block_ids[None, :] < NOPE // FP8_BLOCK, exponent, 0).to(tl.uint8)
         tl.store(pool_ptr + scale_base[:, None] + block_ids[None, :], scale_bytes, mask=live[:, None])
 
 
@@ -398,16 +400,17 @@ def _store_index_keys_kernel(
         NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
         HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
         VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr, PAGE_STEP: tl.constexpr,
-        BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
+        D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
     """Index keys with rope_dim 64: x [2, BLOCK_N, 8, 8] (half, row, piece, e), two lanes per row.
 
     Per-row values (slot, position, validity) are kept as [1, BLOCK_N, 1, 1] tensors from the start:
     1-D row vectors used in several layouts trip a Triton 3.6 layout pass (RemoveLayoutConversions).
     PAGE_STEP (formats with a per-page side value: the page-centred keys; the PAGE_* constants): in one launch,
     rows at entry 0 of a page make and write their page's side value and the others code against it (see
-    ``_page_sources``), or the same in two launches (side values, then entries).
+    ``_page_sources``), or the same in two launches (side values, then entries). D / PAGE: the format's dims
+    and entries per page (the tile is built for 128 dims).
     """
-    PAGE: tl.constexpr = 64
+    tl.static_assert(D == 128, "the tile [2, BLOCK_N, 8, 8] holds 128-dim keys")
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None]  # [1, BLOCK_N, 1, 1]
     slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
@@ -452,16 +455,18 @@ def _store_attention_kv_kernel(
         n_rows, kv_row_stride, num_slots, max_position, eps,
         PAIRING: tl.constexpr,
         VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr,
+        D: tl.constexpr, NOPE: tl.constexpr, FP8_BLOCK: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
-    """V4 attention KV in the fp8-rope-bf16 entry, rope on the trailing 64 dims (either pairing).
+    """V4 attention KV in the fp8-rope-bf16 entry, rope on the trailing 64 dims (either pairing); layout
+    constants as in the generic kernel (from the format).
 
     The tile is x [8, BLOCK_N, 8, 8]: (64-dim block, row, piece, e), dim = 64 * block + 8 * piece + e.
     Listing the block first makes Triton spread a row's 8 blocks over 8 lanes of one warp, each lane
     holding one whole 64-dim block: the fp8 block amax and the rope pairs stay in registers and the norm
     sum is one 8-lane shuffle reduction. Block 7 is the rope segment (stored as bf16).
     """
-    NOPE: tl.constexpr = 448
-    PAGE: tl.constexpr = 64
+    tl.static_assert((D == 512) and (NOPE == 448) and (FP8_BLOCK == 64) and (SCALE_BYTES == 8),
+                     "the tile [8, BLOCK_N, 8, 8] holds 7 fp8 blocks of 64 and the 64 rope dims")
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None]  # [1, BLOCK_N, 1, 1]
     slot, pos, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)

@@ -54,7 +54,7 @@ import torch
 import triton
 
 from ...batch import check_pool_alignment
-from ...formats import ENTRIES_PER_PAGE, AttentionKVFormat, KeyFormat, key_codec
+from ...formats import ATTENTION_FP8_BLOCK, ENTRIES_PER_PAGE, AttentionKVFormat, KeyFormat, key_codec
 from ._kernels import (PAGE_ENTRIES, PAGE_NONE, PAGE_ONE_LAUNCH, PAGE_SIDES, _store_attention_kv_generic_kernel,
                        _store_attention_kv_kernel, _store_index_keys_generic_kernel, _store_index_keys_kernel)
 from .config import StoreConfig
@@ -107,7 +107,8 @@ def launch_store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: 
     common = dict(NORM=_NORMS[norm], HAS_BIAS=norm_bias is not None, PAIRING=_PAIRINGS[pairing],
                   PLACEMENT=_PLACEMENTS[placement], HADAMARD=bool(hadamard), CODE=int(codec.code),
                   UE8M0=fmt.scale_fmt == "ue8m0", FP4_RNE=fmt.rounding == "rne", VALUE_BYTES=fmt.value_bytes,
-                  SCALE_BYTES=fmt.scale_bytes, PAGE_BYTES=fmt.page_bytes, **_launch_options(pool.device))
+                  SCALE_BYTES=fmt.scale_bytes, PAGE_BYTES=fmt.page_bytes, D=fmt.head_dim, PAGE=fmt.entries_per_page,
+                  **_launch_options(pool.device))
     args = (keys, positions, slots, pool, table, norm_weight, norm_weight if norm_bias is None else norm_bias,
             n, keys.stride(0), pool.shape[0] * ENTRIES_PER_PAGE, table.shape[0], float(eps))
     # A format with a per-page side value (page-centred: the centre) stores in one launch: rows at entry 0 of
@@ -144,8 +145,10 @@ def launch_store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: 
     kv = _rows_view(kv)
     positions, slots = positions.contiguous(), slots.contiguous()
     table = rope_cos_sin.contiguous()
+    # the entry layout from the format object (dsakit.formats), as compile-time constants
     common = dict(PAIRING=_PAIRINGS[pairing], VALUE_BYTES=fmt.value_bytes, SCALE_BYTES=fmt.scale_bytes,
-                  PAGE_BYTES=fmt.page_bytes, **_launch_options(pool.device))
+                  PAGE_BYTES=fmt.page_bytes, D=fmt.head_dim, NOPE=fmt.nope_dim, FP8_BLOCK=ATTENTION_FP8_BLOCK,
+                  PAGE=fmt.entries_per_page, **_launch_options(pool.device))
     args = (kv, positions, slots, pool, table, norm_weight, n, kv.stride(0), pool.shape[0] * ENTRIES_PER_PAGE,
             table.shape[0], float(eps))
     if config.fast_attention_kernel(table.shape[1], placement, fmt.kind):
