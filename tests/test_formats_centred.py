@@ -484,6 +484,32 @@ def test_entries_before_their_page_entry_zero_are_refused(name, v4):
     assert not bool(pool[1].any()) and bool(pool[0].any())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs a CUDA device (graph capture)")
+@pytest.mark.parametrize("name", CENTRED)
+def test_gpu_decode_append_captured_in_a_cuda_graph(name, v4):
+    """A decode step of a centred cache (one sequence mid-page, one starting a page) captured in a CUDA graph
+    (the store's host checks are skipped under capture) writes what the eager store writes."""
+    table, transform = (t.cuda() if isinstance(t, torch.Tensor) else t for t in v4)
+    fmt = KeyFormat.parse(name)
+    keys = shared_keys(130, 20.0, seed=8).cuda()
+    weight = torch.ones(128, device="cuda")
+    pools = [torch.zeros(3, fmt.page_bytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    for pool in pools:  # the sequences so far: entries 0..99 (pages 0 and 1)
+        store_ops.store_index_keys(keys[:100], torch.arange(100, device="cuda"), torch.arange(100, device="cuda"),
+                                   pool, fmt, table, weight, None, transform)
+    step = (keys[100:102], torch.tensor([100, 0], device="cuda"), torch.tensor([100, 128], device="cuda"))
+    eager, captured = pools
+    store_ops.store_index_keys(*step, eager, fmt, table, weight, None, transform)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        store_ops.store_index_keys(*step, captured, fmt, table, weight, None, transform)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
 @pytest.mark.skipif(not TRITON_OK, reason="Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device")
 @pytest.mark.parametrize("name", CENTRED)
 def test_triton_scores_and_topk_match_reference(name):
