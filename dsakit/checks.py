@@ -137,7 +137,9 @@ def check_instance(name: str, value, cls: type, hint: str = "", label: str | Non
     """``value`` if it is a ``cls``, else ValueError ("batch must be a dsakit.PagedBatch (hint), got str";
     ``label`` names the class, default its bare name)."""
     if not isinstance(value, cls):
-        raise ValueError(f"{name} must be a {label or cls.__name__}{f' ({hint})' if hint else ''}, got "
+        label = label or cls.__name__
+        article = "an" if label[0].lower() in "aeiou" else "a"
+        raise ValueError(f"{name} must be {article} {label}{f' ({hint})' if hint else ''}, got "
                          f"{type(value).__name__}")
     return value
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_choice, check_tensor
 from ..formats import KeyFormat, decode_e4m3, is_centred
 
 
@@ -95,8 +96,7 @@ def parse_faults(names: "str | list[str]") -> list[Fault]:
             return list(FAULTS.values())
         names = [n.strip() for n in text.split(",") if n.strip()]
     for name in names:
-        if name not in FAULTS:
-            raise ValueError(f"unknown fault {name!r}; choose from {sorted(FAULTS)} or 'all'")
+        check_choice("fault", name, sorted(FAULTS) + ["all"])
     if not names:
         return []
     # each fault once, in the order given, after the baseline (wherever, or whether, 'none' was named)
@@ -105,12 +105,11 @@ def parse_faults(names: "str | list[str]") -> list[Fault]:
 
 def decode_fp8_entries(values: torch.Tensor, scales: torch.Tensor, fault: Fault) -> torch.Tensor:
     """fp8 entry bytes (values uint8 [N, 128], scales uint8 [N, 4]) -> fp32 [N, 128] as the fault reads them."""
-    if values.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"fp8 entry bytes must be uint8, got {values.dtype} / {scales.dtype}")
-    if values.dim() != 2 or values.shape[1] != 128 or scales.shape != (values.shape[0], 4):
-        # a wrong width would pair scales with the wrong entries (or fail inside view()) instead
-        raise ValueError(f"fp8 entry bytes must be values [N, 128] and scales [N, 4], got {list(values.shape)} "
-                         f"and {list(scales.shape)}")
+    # a wrong width would pair scales with the wrong entries (or fail inside view()) instead
+    check_tensor("values", values, shape=(None, 128), dtypes=torch.uint8,
+                 message="fp8 entry bytes must be uint8 values [N, 128]")
+    check_tensor("scales", scales, shape=(values.shape[0], 4), dtypes=torch.uint8,
+                 message=f"fp8 entry bytes must be uint8 scales [N, 4] = [{values.shape[0]}, 4]")
     if fault.fp8_read == "e4m3fnuz":
         decoded = values.contiguous().view(torch.float8_e4m3fnuz).to(torch.float32)
     elif fault.fp8_read == "e4m3fn":

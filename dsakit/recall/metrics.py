@@ -12,11 +12,11 @@ import math
 
 import torch
 
+from ..checks import check_tensor
+
 
 def _row(scores: torch.Tensor, what: str = "scores") -> torch.Tensor:
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
-        raise ValueError(f"{what} must be a 1-D score row [N], got "
-                         f"{list(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
+    check_tensor(what, scores, dims=1, message=f"{what} must be a 1-D score row [N]")
     return scores.detach().cpu().float()
 
 
@@ -65,9 +65,7 @@ def worst_rank_index(ranks: "list[int | None]") -> int | None:
 
 def topk_contains(topk_row: torch.Tensor, needle_entries) -> bool:
     """Whether a top-k index row [K] (-1 padded) holds any needle entry."""
-    if not isinstance(topk_row, torch.Tensor) or topk_row.dim() != 1:
-        raise ValueError(f"topk_row must be a 1-D index row [K], got "
-                         f"{list(topk_row.shape) if isinstance(topk_row, torch.Tensor) else type(topk_row).__name__}")
+    check_tensor("topk_row", topk_row, dims=1, message="topk_row must be a 1-D index row [K]")
     row = topk_row.detach().cpu().long()
     wanted = torch.as_tensor(needle_entries, dtype=torch.long).flatten().cpu()
     return bool(torch.isin(row[row >= 0], wanted).any())

@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from ...checks import check_instance
 from ...pool import num_slots
 from ...formats import AttentionKVFormat
 from .._backend import triton_interpreted
@@ -64,8 +65,8 @@ def sparse_attention_triton(a: SparseAttentionInputs, config: AttentionConfig | 
     single settings of it, for benchmarks and tests."""
     if config is None:
         config = AttentionConfig.for_device(a.q.device)
-    elif not isinstance(config, AttentionConfig):
-        raise ValueError(f"config must be an AttentionConfig or None, got {type(config).__name__}")
+    else:
+        check_instance("config", config, AttentionConfig, label="AttentionConfig or None")
     if overrides:
         config = config.replace(**overrides)
     block_n, dv_split = config.block_n, config.dv_split

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import check_tensor
+from ...checks import INDEX_DTYPES, check_tensor
 from ...batch import PagedBatch, check_batch_queries, check_queries, check_ratio, visible_counts
 from ...pool import dequantize_entries, read_centres, read_entries, sequence_slots
 from ...formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
@@ -62,10 +62,8 @@ def index_scores_dense(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
         out[start:start + chunk] = (logits.relu() * wf[start:start + chunk].unsqueeze(-1)).sum(dim=1)
     counts = torch.full((t,), n, dtype=torch.long)
     if query_positions is not None:
-        if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (t,) \
-                or query_positions.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"query_positions must be int [T] = [{t}] or None, got "
-                             f"{(query_positions.dtype, list(query_positions.shape)) if isinstance(query_positions, torch.Tensor) else query_positions!r}")
+        check_tensor("query_positions", query_positions, shape=(t,), dtypes=INDEX_DTYPES,
+                     message=f"query_positions must be int [T] = [{t}] or None")
         counts = visible_counts(counts, query_positions.cpu(), ratio)
     masked = torch.arange(n).unsqueeze(0) >= counts.unsqueeze(1)
     return out.masked_fill_(masked, float("-inf"))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...checks import check_bool, check_float, check_instance, check_int, check_power_of_two
+from ...checks import check_bool, check_choice, check_float, check_instance, check_int, check_power_of_two
 from .._tuning import gpu_key
 from ..scores.config import ScoresConfig
 
@@ -121,8 +121,7 @@ class StreamConfig:
         check_power_of_two("order_chunks", oc, 1, 64)
         for name in ("num_warps", "final_warps", "order_warps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or value not in (1, 2, 4, 8, 16, 32):
-                raise ValueError(f"{name} must be 1..32 (power of two), got {value!r}")
+            check_power_of_two(name, value, 1, 32)
         check_float("margin", self.margin, positive=True, allow_none=True,
                     message="margin must be a positive number or None")
 
@@ -178,8 +177,7 @@ class SelectConfig:
     cached_bytes: int = 256 << 20
 
     def __post_init__(self):
-        if self.algorithm not in ("auto", "stream", "multipass"):
-            raise ValueError(f"algorithm must be 'auto', 'stream' or 'multipass', got {self.algorithm!r}")
+        check_choice("algorithm", self.algorithm, ("auto", "stream", "multipass"))
         _power_of_two("block", self.block, 16, MAX_SELECT_BLOCK)
         _power_of_two("bins", self.bins, 32, 1024)
         _power_of_two("cap", self.cap, 32)
@@ -257,8 +255,8 @@ class TopkConfig:
         check_int("workspace_bytes", wb, 1, message="workspace_bytes must be a positive int")
         check_bool("sort", self.sort)
         check_bool("overlap", self.overlap)
-        if not isinstance(self.scores, ScoresConfig) or not isinstance(self.select, SelectConfig):
-            raise ValueError("scores / select must be a ScoresConfig / SelectConfig")
+        check_instance("scores", self.scores, ScoresConfig)
+        check_instance("select", self.select, SelectConfig)
 
     def overlaps(self, rows: int, columns: int) -> bool:
         """Whether ``overlap`` applies to ``rows`` query rows over a workspace of ``columns``: they need
