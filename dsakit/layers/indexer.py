@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checks import check_float, check_instance, check_int, check_positive_int
+from ..checks import INDEX_DTYPES, check_float, check_instance, check_int, check_positive_int, check_tensor
 from ..cache import PagedCache
 from ..formats import INDEX_HEAD_DIM, KeyFormat
 from ..ops.compress import compress
@@ -55,28 +55,19 @@ __all__ = ["V4Indexer", "DSAIndexer", "rope_from_transformers"]
 
 
 def _as_matrix(value: Any, shape: tuple[int, ...], what: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{what} must be a torch.Tensor, got {type(value).__name__}")
-    if tuple(value.shape) != shape:
-        raise ValueError(f"{what} must have shape {list(shape)}, got {list(value.shape)}")
-    if not value.is_floating_point():
-        raise ValueError(f"{what} must be a floating tensor, got {value.dtype}")
+    check_tensor(what, value)
+    check_tensor(what, value, shape=shape, floating=True, message=f"{what} must have shape {list(shape)}")
     return value.detach().float()
 
 
 def _check_rows(x: Any, width: int, what: str) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != width:
-        raise ValueError(f"{what} must be a [rows, {width}] tensor, got "
-                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    if not x.is_floating_point():
-        raise ValueError(f"{what} must be a floating tensor, got {x.dtype}")
+    check_tensor(what, x, shape=(None, width), message=f"{what} must be a [rows, {width}] tensor")
+    check_tensor(what, x, floating=True)
 
 
 def _check_positions(positions: Any, t: int) -> torch.Tensor:
-    if not isinstance(positions, torch.Tensor) or positions.shape != (t,) \
-            or positions.dtype not in (torch.int32, torch.int64):
-        got = (positions.dtype, list(positions.shape)) if isinstance(positions, torch.Tensor) else positions
-        raise ValueError(f"positions must be an int32/int64 [T] = [{t}] tensor, got {got!r}")
+    check_tensor("positions", positions, shape=(t,), dtypes=INDEX_DTYPES,
+                 message=f"positions must be an int32/int64 [T] = [{t}] tensor")
     pos = positions.detach().cpu().long()
     if t and int(pos.min()) < 0:
         raise ValueError(f"positions must be >= 0, got {int(pos.min())}")
@@ -316,13 +307,9 @@ class DSAIndexer(V4Indexer):
                  ape: torch.Tensor, norm_weight: torch.Tensor, preset: "str | DSAPreset" = "deepseek-v4-flash",
                  rope: RopeConfig | None = None, index_topk: int | None = None, norm_eps: float | None = None):
         preset = _v4_indexer_preset(preset)  # before the weights: their shapes follow from it
-        if not isinstance(weights_proj, torch.Tensor) or weights_proj.dim() != 2:
-            got = list(weights_proj.shape) if isinstance(weights_proj, torch.Tensor) else weights_proj
-            raise ValueError(f"weights_proj must be a [H, hidden] tensor, got {got!r}")
+        check_tensor("weights_proj", weights_proj, dims=2, message="weights_proj must be a [H, hidden] tensor")
         heads, hidden = weights_proj.shape
-        if not isinstance(wq_b, torch.Tensor) or wq_b.dim() != 2:
-            got = list(wq_b.shape) if isinstance(wq_b, torch.Tensor) else type(wq_b).__name__
-            raise ValueError(f"wq_b must be a [H * D, q_lora_rank] tensor, got {got}")
+        check_tensor("wq_b", wq_b, dims=2, message="wq_b must be a [H * D, q_lora_rank] tensor")
         d, ratio = INDEX_HEAD_DIM, preset.compress_ratio
         weights = {"q_b_proj.weight": _as_matrix(wq_b, (heads * d, wq_b.shape[1]), "wq_b"),
                    "scorer.weights_proj.weight": _as_matrix(weights_proj, (heads, hidden), "weights_proj"),
