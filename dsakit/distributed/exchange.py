@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_device, check_instance
 from ..cache import check_pool, check_slots, num_slots
 from ..formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat
 from .split import ContextParallelPlan
@@ -224,8 +225,7 @@ def _check_ids(ids, limit: int, what: str, device: torch.device) -> torch.Tensor
 
 def _check_pool_on(pool, fmt, device: torch.device) -> None:
     check_pool(pool, fmt)
-    if pool.device != device:
-        raise ValueError(f"pool is on {pool.device} but the group's collectives run on {device}")
+    check_device("pool", pool, device, owner="the group's collectives")
 
 
 def _parse_format(fmt) -> EntryFormat:
@@ -311,8 +311,7 @@ def all_gather_entries(pool: torch.Tensor, fmt: "EntryFormat | str", slots: torc
 
 
 def _check_plan(plan, world: int, rank: int) -> ContextParallelPlan:
-    if not isinstance(plan, ContextParallelPlan):
-        raise ValueError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
+    check_instance("plan", plan, ContextParallelPlan)
     if (world, rank) != (plan.world_size, plan.rank):
         raise ValueError(f"plan is for rank {plan.rank} of {plan.world_size}, the group has rank {rank} of {world}")
     return plan

@@ -24,12 +24,12 @@ from functools import cached_property
 
 import torch
 
+from ..checks import INDEX_DTYPES, check_instance, check_int, check_int_list, check_tensor
+
 
 def _check_world(world_size, rank) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
+    check_int("world_size", world_size, 1, message="world_size must be a positive int")
+    check_int("rank", rank, 0, world_size - 1)
 
 
 def zigzag_ranges(n: int, world_size: int, rank: int, *, align: int = 1) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -39,10 +39,8 @@ def zigzag_ranges(n: int, world_size: int, rank: int, *, align: int = 1) -> tupl
     ``align``: chunk boundaries are rounded down to multiples of it (the last one stays n), e.g. ``align=64``
     splits a sequence's cache entries at page boundaries so that each page has exactly one writer rank.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
-    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
-        raise ValueError(f"align must be a positive int, got {align!r}")
+    check_int("n", n, 0, message="n must be a non-negative int")
+    check_int("align", align, 1, message="align must be a positive int")
     _check_world(world_size, rank)
     parts = 2 * world_size
 
@@ -54,13 +52,8 @@ def zigzag_ranges(n: int, world_size: int, rank: int, *, align: int = 1) -> tupl
 
 def zigzag_owner(query_seq: torch.Tensor, world_size: int) -> torch.Tensor:
     """int64 [T] on the CPU: the rank that owns each query row of a ragged batch (query_seq int [T])."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(query_seq, torch.Tensor) or query_seq.dim() != 1 \
-            or query_seq.dtype not in (torch.int32, torch.int64):
-        got = (query_seq.dtype, list(query_seq.shape)) if isinstance(query_seq, torch.Tensor) \
-            else type(query_seq).__name__
-        raise ValueError(f"query_seq must be an int32/int64 tensor [T], got {got}")
+    check_int("world_size", world_size, 1, message="world_size must be a positive int")
+    check_tensor("query_seq", query_seq, dims=1, dtypes=INDEX_DTYPES, message="query_seq must be an int32/int64 tensor [T]")
     seq = query_seq.detach().cpu().long()  # metadata: one copy to the host
     t = seq.shape[0]
     if t == 0:
@@ -117,17 +110,15 @@ class ContextParallelPlan:
     def __post_init__(self) -> None:
         _check_world(self.world_size, self.rank)
         counts = self.counts
-        if not isinstance(counts, tuple) or len(counts) != self.world_size \
-                or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
-            raise ValueError(f"counts must be a tuple of {self.world_size} non-negative ints, got {counts!r}")
+        check_instance("counts", counts, tuple)
+        check_int_list("counts", counts, 0, length=self.world_size,
+                       message=f"counts must be a tuple of {self.world_size} non-negative ints")
         if isinstance(self.num_queries, bool) or not isinstance(self.num_queries, int) \
                 or self.num_queries != sum(counts):
             raise ValueError(f"num_queries must be sum(counts) = {sum(counts)}, got {self.num_queries!r}")
         for what, x, n in (("rows", self.rows, counts[self.rank]), ("order", self.order, self.num_queries)):
-            if not isinstance(x, torch.Tensor) or x.dtype != torch.int64 or x.device.type != "cpu" \
-                    or tuple(x.shape) != (n,):
-                raise ValueError(f"{what} must be an int64 CPU tensor [{n}], got "
-                                 f"{(x.dtype, x.device.type, list(x.shape)) if isinstance(x, torch.Tensor) else x!r}")
+            check_tensor(what, x, shape=(n,), dtypes=torch.int64, device=torch.device("cpu"), owner="the plan",
+                         message=f"{what} must be an int64 CPU tensor [{n}]")
         order = self.order
         if order.numel() and (int(order.min()) < 0 or int(order.max()) >= self.num_queries
                               or bool((torch.bincount(order, minlength=self.num_queries) != 1).any())):

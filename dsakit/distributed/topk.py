@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_bool, check_instance
 from ..batch import PagedBatch
 from . import _batch
 from .exchange import _gather_rows
@@ -38,8 +39,7 @@ def context_parallel_index_topk(q: torch.Tensor, weights: torch.Tensor, batch: P
         return _local_topk(q, weights, batch, k, plan, backend, return_slots, local_rows)
 
     def local():  # inside the agreement: whatever it raises (on any rank) is a refusal every rank sees
-        if gather is not True:
-            raise ValueError(f"gather must be a bool, got {gather!r}")
+        check_bool("gather", gather)
         if local_rows is not None:
             raise ValueError("gather=True needs every local row in one call (local_rows=None)")
         out = _local_topk(q, weights, batch, k, plan, backend, return_slots, None)
@@ -50,8 +50,7 @@ def context_parallel_index_topk(q: torch.Tensor, weights: torch.Tensor, batch: P
 
 
 def _local_topk(q, weights, batch, k, plan, backend, return_slots, local_rows):
-    if not isinstance(plan, ContextParallelPlan):
-        raise ValueError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
+    check_instance("plan", plan, ContextParallelPlan)
     _batch.check_batch(batch)
     if batch.num_queries != plan.num_queries:
         raise ValueError(f"plan covers {plan.num_queries} queries, the batch has {batch.num_queries}")
