@@ -13,6 +13,7 @@ byte is written, so bad input leaves the pool unchanged.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .checks import INDEX_DTYPES, check_int, check_tensor
@@ -189,35 +190,38 @@ def check_centre_order(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor
     """
     if not is_centred(fmt) or slots.numel() == 0:
         return
+    # numpy on the host copy: a decode step runs this per call, and a few numpy ops cost microseconds where
+    # as many small torch ops cost tens of them
+    s = slots.numpy()
     per_page = fmt.entries_per_page
-    live = slots >= 0
-    entry = torch.where(live, slots % per_page, torch.zeros_like(slots))
-    page = torch.where(live, slots // per_page, torch.full_like(slots, -1))
+    live = s >= 0
+    entry = np.where(live, s % per_page, 0)
+    page = np.where(live, s // per_page, -1)
     later = live & (entry > 0)
-    if not bool(later.any()):
+    if not later.any():
         return
-    started_here = torch.unique(page[live & (entry == 0)])
-    in_call = later & torch.isin(page, started_here)
+    in_call = later & np.isin(page, page[live & (entry == 0)])
     if in_row_order:
-        src = torch.arange(slots.numel()) - entry
-        at_src = slots[src.clamp(min=0)] == slots - entry
-        bad = in_call & ~((src >= 0) & at_src)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise ValueError(f"slot {int(slots[i])} (row {i}) is entry {int(entry[i])} of page {int(page[i])}, whose "
+        src = np.arange(s.shape[0]) - entry
+        bad = in_call & ~((src >= 0) & (s[np.maximum(src, 0)] == s - entry))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"slot {int(s[i])} (row {i}) is entry {int(entry[i])} of page {int(page[i])}, whose "
                              f"entry 0 is in the same call but not {int(entry[i])} rows before it: the store op "
                              f"takes a page-centred page's centre from entry 0's row, so a page's rows must run in "
                              f"order from its entry 0, without padding rows between them (as an append gives them)")
     pending = later & ~in_call
-    if not bool(pending.any()):
+    if not pending.any():
         return
-    pages = torch.unique(page[pending])
-    marker = pages.unsqueeze(1) * fmt.page_bytes + fmt.scale_offset_in_page + torch.arange(fmt.scale_bytes)
-    started = pool.view(-1)[marker.to(pool.device)].cpu().ne(0).any(dim=1)
-    if not bool(started.all()):
+    pages = np.unique(page[pending])
+    # entry 0's scale bytes of those pages, gathered on the pool's device (one small copy back)
+    marker = (torch.from_numpy(pages).unsqueeze(1) * fmt.page_bytes + fmt.scale_offset_in_page
+              + torch.arange(fmt.scale_bytes))
+    started = pool.view(-1)[marker.to(pool.device)].cpu().ne(0).any(dim=1).numpy()
+    if not started.all():
         p = int(pages[~started][0])
-        i = int((pending & (page == p)).nonzero()[0])
-        raise ValueError(f"slot {int(slots[i])} is entry {int(entry[i])} of page {p}, whose entry 0 was never "
+        i = int(np.flatnonzero(pending & (page == p))[0])
+        raise ValueError(f"slot {int(s[i])} is entry {int(entry[i])} of page {p}, whose entry 0 was never "
                          f"stored: a page of {fmt.name} takes its centre from its entry 0, so store entry 0 first "
                          f"(in this call or an earlier one); nothing was written")
 
