@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .checks import check_bool, check_choice, check_float
 from .formats import KeyFormat
 from .transforms import NORMS, ROPE_V4, ROPE_V32, RopeConfig, RopeLayout, YarnConfig
 
@@ -24,18 +25,15 @@ class KeyTransform:
     eps: float = 1e-6
 
     def __post_init__(self):
-        if self.norm not in NORMS:
-            raise ValueError(f"unknown norm {self.norm!r}; choose one of {NORMS}")
+        check_choice("norm", self.norm, NORMS)
         # a layout given by name is stored as a RopeLayout: callers use .segment() / .pairing on it
         object.__setattr__(self, "rope_layout", RopeLayout.parse(self.rope_layout))
         if not isinstance(self.rope_dim, int) or isinstance(self.rope_dim, bool) or self.rope_dim <= 0 \
                 or self.rope_dim % 2:
             raise ValueError(f"rope_dim must be a positive even int, got {self.rope_dim!r}")
-        if not isinstance(self.hadamard, bool):
-            raise ValueError(f"hadamard must be a bool, got {self.hadamard!r}")
+        check_bool("hadamard", self.hadamard)
         # a string failed with TypeError; inf made every key zero; NaN every key NaN
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0 <= self.eps < float("inf"):
-            raise ValueError(f"eps must be a finite number >= 0, got {self.eps!r}")
+        check_float("eps", self.eps, 0)
 
 
 @dataclass(frozen=True)
@@ -96,6 +94,5 @@ def get_preset(name: "str | DSAPreset") -> DSAPreset:
     """'deepseek-v4-flash' | 'deepseek-v4-pro' | 'deepseek-v3.2' (or a DSAPreset) -> DSAPreset."""
     if isinstance(name, DSAPreset):
         return name
-    if not isinstance(name, str) or name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    check_choice("preset", name, sorted(PRESETS))
     return PRESETS[name]

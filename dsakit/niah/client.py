@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import random
 import re
 import time
@@ -29,6 +28,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
+
+from ..checks import check_choice, check_float, check_int
 
 ENDPOINTS = ("chat", "completions")
 RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
@@ -121,18 +122,13 @@ class EndpointConfig:
             parts.port  # noqa: B018 - urlsplit checks the port range only when it is read
         except ValueError as exc:  # "Port out of range 0-65535": httpx would raise OverflowError much later
             raise ValueError(f"base_url {self.base_url!r}: {exc}") from None
-        if self.endpoint not in ENDPOINTS:
-            raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
+        check_choice("endpoint", self.endpoint, ENDPOINTS)
         if not self.model:
             raise ValueError("model name must not be empty")
         for name, low in (("max_tokens", 1), ("max_retries", 0), ("max_response_bytes", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+            check_int(name, getattr(self, name), low)
         for name in ("temperature", "timeout_s", "backoff_s", "backoff_max_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            check_float(name, getattr(self, name))
         if self.timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
         if self.backoff_s < 0 or self.backoff_max_s < 0:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..checks import check_float, check_int
 from ..cache import PagedCache
 from ..formats import ENTRIES_PER_PAGE, KeyFormat
 from ..presets import get_preset
@@ -94,17 +95,13 @@ class RetrievalConfig:
         KeyFormat.parse(self.key_format)
         for name, low in (("topk", 1), ("compress_ratio", 1), ("read_ahead_tokens", 0), ("max_context", 1),
                           ("embed_seed", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+            check_int(name, getattr(self, name), low)
         from ..ops.topk.config import MAX_K
 
         if self.topk > MAX_K:
             raise ValueError(f"topk must be <= {MAX_K} (what the top-k ops select at most), got {self.topk}")
         for name in ("common_scale", "rope_scale", "query_common_share"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+            check_float(name, getattr(self, name), 0)
 
 
 @dataclass
@@ -221,8 +218,7 @@ class RetrievalModel:
         cfg = self.config
         fmt = KeyFormat.parse(key_format or cfg.key_format)
         k = cfg.topk if topk is None else topk
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"topk must be a positive int, got {k!r}")
+        check_int("topk", k, 1, message="topk must be a positive int")
         tokens, spans = self.tokenizer.tokenize(prompt)
         s = len(tokens)
         if s > cfg.max_context:

@@ -38,6 +38,7 @@ import uuid
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from ..checks import check_choice, check_float, check_int
 from ..formats import KeyFormat
 from ..ops.topk.config import MAX_K
 from .retrieval import RetrievalConfig, RetrievalModel, SimpleTokenizer, question_paragraph
@@ -59,8 +60,7 @@ class FaultConfig:
     def __post_init__(self):
         for name in ("fail_rate", "drop_connection", "latency"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+            check_float(name, value)
         for name in ("fail_rate", "drop_connection"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -127,8 +127,7 @@ class ReferenceService:
     """Turns request bodies into OpenAI-style response bodies (no HTTP here, so it is easy to test)."""
 
     def __init__(self, model: RetrievalModel, model_name: str = DEFAULT_MODEL_NAME, reasoning: str = "none"):
-        if reasoning not in REASONING_MODES:
-            raise ValueError(f"reasoning must be one of {REASONING_MODES}, got {reasoning!r}")
+        check_choice("reasoning", reasoning, REASONING_MODES)
         self.model = model
         self.model_name = model_name
         self.reasoning = reasoning
@@ -401,9 +400,8 @@ class ReferenceHTTPServer(ThreadingHTTPServer):
             raise ValueError(f"request_timeout must be a finite number of seconds > 0, got {request_timeout!r}")
         self.request_timeout = request_timeout
         port = address[1]
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            # socket.bind would raise OverflowError (not an OSError) for -1 or 70000
-            raise ValueError(f"port must be an int in 0..65535 (0 = any free port), got {port!r}")
+        # socket.bind would raise OverflowError (not an OSError) for -1 or 70000
+        check_int("port", port, 0, 65535, message="port must be an int in 0..65535 (0 = any free port)")
         host = check_loopback(address[0])
         if ":" in host:
             self.address_family = socket.AF_INET6

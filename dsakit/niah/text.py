@@ -18,6 +18,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from ..checks import check_int
+
 DEFAULT_NEEDLE = "The secret passphrase is {code}."
 DEFAULT_QUESTION = "What is the secret passphrase mentioned in the text above? Reply with the passphrase only."
 DEFAULT_MULTI_QUESTION = ("What is each secret passphrase mentioned in the text above? "
@@ -88,15 +90,13 @@ class FillerStream:
 
     def lines(self, count: int) -> list[str]:
         """The first ``count`` lines."""
-        if not isinstance(count, int) or count < 0:
-            raise ValueError(f"count must be a non-negative int, got {count!r}")
+        check_int("count", count, 0, message="count must be a non-negative int")
         self._extend(count)
         return self._lines[:count]
 
     def words(self, count: int) -> list[str]:
         """Lines holding the first ``count`` words of the stream (the last line cut after a word)."""
-        if not isinstance(count, int) or count < 0:
-            raise ValueError(f"word count must be a non-negative int, got {count!r}")
+        check_int("count", count, 0, message="word count must be a non-negative int")
         while self._words[-1] < count:
             self._extend(len(self._lines) + 64)
         full = bisect.bisect_right(self._words, count) - 1  # whole lines that fit
