@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 import typer
 
+from .checks import check_choice, check_int
 from .formats import KeyFormat
 from .niah.server import (FaultConfig, ReferenceHTTPServer, ReferenceService, RequestError, check_loopback,
                           render_chat)
@@ -102,8 +103,7 @@ class ModelRunner:
         if max_context is None:
             max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 131072
         self.config = _Limits(max_context=int(max_context))
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, 1, message="max_new_tokens must be a positive int")
         self.max_new_tokens = max_new_tokens
         self.eos_ids = self._eos_ids()
         self._lock = threading.Lock()
@@ -252,11 +252,9 @@ def serve_model(model_dir: str, *, index_key_format: str = "bf16", topk: int | N
     """Load ``model_dir`` and serve it until SIGINT/SIGTERM (``port = 0`` picks a free port)."""
     host = check_loopback(host)
     KeyFormat.parse(index_key_format)
-    if topk is not None and (not isinstance(topk, int) or topk < 1):
-        raise ValueError(f"--topk must be a positive int, got {topk!r}")
+    check_int("--topk", topk, 1, message="--topk must be a positive int", allow_none=True)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if dtype not in dtypes:
-        raise ValueError(f"--dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    check_choice("--dtype", dtype, sorted(dtypes))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if threads:
         torch.set_num_threads(threads)

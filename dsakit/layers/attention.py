@@ -42,6 +42,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..checks import check_int, check_tensor
 from ..cache import PagedCache
 from ..formats import ATTENTION_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ..ops import attention as attention_ops
@@ -209,10 +210,8 @@ class V4Attention(nn.Module):
         return self._rope_table.get(max_position, device)
 
     def _check_hidden(self, hidden) -> None:
-        if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() != 2 \
-                or hidden.shape[1] != self.hidden_size:
-            got = f"{hidden.dtype} {list(hidden.shape)}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
-            raise ValueError(f"hidden must be a floating [S, {self.hidden_size}] tensor, got {got}")
+        check_tensor("hidden", hidden, shape=(None, self.hidden_size), floating=True,
+                     message=f"hidden must be a floating [S, {self.hidden_size}] tensor")
 
     # -- stages (public so benchmarks can time them alone) ---------------------------------------------
     def queries(self, hidden: torch.Tensor, positions: torch.Tensor,
@@ -385,8 +384,7 @@ class V4Attention(nn.Module):
 
     @staticmethod
     def _check_seq(cache: V4LayerCache, seq) -> None:
-        if not isinstance(seq, int) or isinstance(seq, bool):
-            raise ValueError(f"seq must be a sequence id (int) for a [S, hidden] input, got {seq!r}")
+        check_int("seq", seq, message="seq must be a sequence id (int) for a [S, hidden] input")
         cache._check(seq)
 
     def _forward_one(self, hidden: torch.Tensor, cache: V4LayerCache, seq: int) -> torch.Tensor:

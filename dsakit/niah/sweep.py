@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..checks import check_int, check_int_list, is_int
 from .client import EndpointConfig, EndpointError, OpenAIClient
 from .results import ResultStore
 from .text import (FillerStream, Haystack, Templates, build_haystack, chat_content, code_found,
@@ -66,7 +67,7 @@ MAX_LENGTH = 1 << 24
 
 
 def _not_int(value) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int)
+    return not is_int(value)
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,9 @@ class SweepConfig:
     def __post_init__(self):
         object.__setattr__(self, "lengths", tuple(self.lengths))  # frozen; lists accepted, stored as tuples
         object.__setattr__(self, "depths", tuple(self.depths))
-        if not self.lengths or any(_not_int(n) or n < 1 for n in self.lengths):
-            raise ValueError(f"lengths must be positive token counts, got {self.lengths!r}")
+        check_int_list("lengths", self.lengths, 1, message="lengths must be positive token counts")
+        if not self.lengths:
+            raise ValueError("lengths must be positive token counts, got none")
         too_long = [n for n in self.lengths if n > MAX_LENGTH]
         if too_long:
             raise ValueError(f"lengths {too_long} exceed the longest supported context of {MAX_LENGTH} tokens")
@@ -108,9 +110,7 @@ class SweepConfig:
                                   for d in self.depths):
             raise ValueError(f"depths must lie in [0, 1], got {self.depths!r}")
         for name in ("trials", "max_calibration_probes", "concurrency"):
-            value = getattr(self, name)
-            if _not_int(value) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1)
         if not 0 < self.tolerance < 0.5:
             raise ValueError(f"tolerance must be in (0, 0.5), got {self.tolerance}")
         count = self.cell_count
