@@ -32,12 +32,10 @@ def num_slots(pool: torch.Tensor) -> int:
 
 def check_pool(pool: torch.Tensor, fmt, what: str = "pool") -> None:
     """uint8 [P, fmt.page_bytes], contiguous, starting on a 16-byte boundary, else ValueError (no sync)."""
-    check_tensor(what, pool)
-    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != fmt.page_bytes:
-        raise ValueError(f"{what} must be uint8 [P, {fmt.page_bytes}] for format {fmt.name}, "
-                         f"got {pool.dtype} {list(pool.shape)}")
-    if not pool.is_contiguous():
-        raise ValueError(f"{what} must be contiguous (cache writes never go through a silent copy)")
+    check_tensor(what, pool)  # "pool must be a torch.Tensor, got list"
+    # contiguous: cache writes never go through a silent copy
+    check_tensor(what, pool, shape=(None, fmt.page_bytes), dtypes=torch.uint8, contiguous=True,
+                 message=f"{what} must be uint8 [P, {fmt.page_bytes}] for format {fmt.name}")
     if not torch.compiler.is_compiling():  # the address is not traceable: the store's custom ops check it
         check_pool_alignment(pool, what)
 

@@ -170,9 +170,8 @@ class EntryFormat(ABC):
 
     def split_pages(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 [P, page_bytes] -> (values [P * 64, value_bytes], scales [P * 64, scale_bytes])."""
-        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != self.page_bytes:
-            raise ValueError(f"pages must be uint8 [P, {self.page_bytes}] for format {self.name}, "
-                             f"got {pages.dtype} {list(pages.shape)}")
+        check_tensor("pages", pages, shape=(None, self.page_bytes), dtypes=torch.uint8,
+                     message=f"pages must be uint8 [P, {self.page_bytes}] for format {self.name}")
         end = self.scale_offset_in_page + self.entries_per_page * self.scale_bytes
         values = pages[:, : self.scale_offset_in_page].reshape(-1, self.value_bytes)
         # explicit row count: formats without scales (bf16) have 0 scale bytes and reshape(-1, 0) is ambiguous

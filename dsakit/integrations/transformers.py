@@ -28,7 +28,7 @@ import types
 import torch
 from torch import nn
 
-from ..checks import check_positive_int
+from ..checks import check_positive_int, check_tensor
 from ..formats import AttentionKVFormat, KeyFormat
 from ..layers.attention import V4Attention
 from ..layers.config import resolve_index_key_format
@@ -82,9 +82,7 @@ class PatchedDeepseekV4Attention(V4Attention):
         dsakit's cache, and the window / compressed-entry visibility rules replace the mask."""
         if kwargs.get("past_key_values") is not None and cache is None:
             cache = kwargs["past_key_values"]
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
-            raise ValueError(f"hidden_states must be [B, S, hidden], got "
-                             f"{list(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else hidden_states!r}")
+        check_tensor("hidden_states", hidden_states, dims=3, message="hidden_states must be [B, S, hidden]")
         batch, seq_len, _ = hidden_states.shape
         with _layer_transaction(cache, self.layer_idx):
             state = self._state(cache, batch, seq_len, hidden_states)
