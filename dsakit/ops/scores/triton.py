@@ -474,9 +474,6 @@ def index_scores_decode(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         raise ValueError(f"q must be [B, next_n, H, D], got "
                          f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     b, next_n, h, d = q.shape
-    check_tensor("weights", weights)
-    if q_scale is not None:
-        check_tensor("q_scale", q_scale)
     check_batch(batch)
     if next_n < 1:
         raise ValueError(f"next_n must be >= 1, got q of shape {list(q.shape)}")
@@ -484,15 +481,22 @@ def index_scores_decode(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         raise ValueError(f"q is [B, next_n] = [{b}, {next_n}] but the batch has {batch.num_seqs} sequences"
                          f"{'' if batch.next_n is None else f' of {batch.next_n} queries each'}")
     rows = b * next_n
-    if weights.shape not in ((rows, h), (b, next_n, h)):
-        raise ValueError(f"weights must be [B * next_n, H] = [{rows}, {h}] or [B, next_n, H], "
-                         f"got {list(weights.shape)}")
-    if q_scale is not None and q_scale.shape not in ((rows, h), (b, next_n, h)):
-        raise ValueError(f"q_scale must be [B * next_n, H] or [B, next_n, H], got {list(q_scale.shape)}")
     return index_scores_triton(
-        q.reshape(rows, h, d), weights.reshape(rows, h), batch, out=out,
-        q_scale=None if q_scale is None else q_scale.reshape(rows, h),
-        tiles=plan_decode_tiles(b, next_n, h, q.device), config=config)
+        q.reshape(rows, h, d), decode_rows("weights", weights, b, next_n, h), batch, out=out,
+        q_scale=decode_rows("q_scale", q_scale, b, next_n, h), tiles=plan_decode_tiles(b, next_n, h, q.device),
+        config=config)
+
+
+def decode_rows(name: str, x, b: int, next_n: int, h: int) -> torch.Tensor | None:
+    """A per-head decode input (weights, q_scale) given as [B * next_n, H] or [B, next_n, H] -> [B * next_n, H]
+    (None stays None), else ValueError."""
+    if x is None and name == "q_scale":
+        return None
+    check_tensor(name, x)
+    if x.shape not in ((b * next_n, h), (b, next_n, h)):
+        raise ValueError(f"{name} must be [B * next_n, H] = [{b * next_n}, {h}] or [B, next_n, H], "
+                         f"got {list(x.shape)}")
+    return x.reshape(b * next_n, h)
 
 
 def flops(visible_pairs: int, num_heads: int, head_dim: int = INDEX_HEAD_DIM) -> int:

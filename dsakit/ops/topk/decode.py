@@ -54,7 +54,8 @@ from ...batch import PagedBatch, check_batch, check_k, check_positive_int
 from ...checks import check_bool, check_instance, check_tensor
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from ..scores.config import ScoresConfig
-from ..scores.triton import QueryTiles, check_q_inputs, launch_index_scores, plan_decode_tiles, prepare_q
+from ..scores.triton import (QueryTiles, check_q_inputs, decode_rows, launch_index_scores, plan_decode_tiles,
+                             prepare_q)
 from ._select_stream import SelectBuffers
 from .config import MAX_K, SelectConfig
 from .triton import launch_select, launch_visible
@@ -150,10 +151,10 @@ def _check_plan(q, weights, batch, k, plan, q_scale) -> tuple[torch.Tensor, torc
     """Host-only checks of q / weights / q_scale against the plan and the batch; returns them as [R, ...]."""
     check_instance("plan", plan, DecodeTopkPlan, label="DecodeTopkPlan from plan_decode_topk")
     check_batch(batch)
-    check_tensor("q", q, message=f"q must be [B, next_n, H, {INDEX_HEAD_DIM}] or [B * next_n, H, {INDEX_HEAD_DIM}]")
+    q_shapes = f"q must be [B, next_n, H, {INDEX_HEAD_DIM}] or [B * next_n, H, {INDEX_HEAD_DIM}]"
+    check_tensor("q", q, message=q_shapes)
     if q.dim() not in (3, 4) or q.shape[-1] != INDEX_HEAD_DIM:
-        raise ValueError(f"q must be [B, next_n, H, {INDEX_HEAD_DIM}] or [B * next_n, H, {INDEX_HEAD_DIM}], got "
-                         f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        raise ValueError(f"{q_shapes}, got {list(q.shape)}")
     rows, h = plan.rows, plan.num_heads
     if q.dim() == 4 and tuple(q.shape[:3]) != (plan.batch, plan.next_n, h) or q.dim() == 3 and q.shape[:2] != (rows, h):
         raise ValueError(f"q is {list(q.shape[:-1])} but the plan was built for [B, next_n, H] = "
@@ -172,15 +173,9 @@ def _check_plan(q, weights, batch, k, plan, q_scale) -> tuple[torch.Tensor, torc
                          f"has a sequence of {batch.max_entries} entries")
     if batch.device != plan.device:
         raise ValueError(f"the batch is on {batch.device} but the plan is on {plan.device}")
-    if not isinstance(weights, torch.Tensor) or weights.shape not in ((rows, h), (plan.batch, plan.next_n, h)):
-        raise ValueError(f"weights must be [B * next_n, H] = [{rows}, {h}] or [B, next_n, H], got "
-                         f"{list(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__}")
-    if q_scale is not None and (not isinstance(q_scale, torch.Tensor)
-                                or q_scale.shape not in ((rows, h), (plan.batch, plan.next_n, h))):
-        raise ValueError(f"q_scale must be fp32 [B * next_n, H] = [{rows}, {h}] or [B, next_n, H], got "
-                         f"{getattr(q_scale, 'dtype', type(q_scale).__name__)} {list(getattr(q_scale, 'shape', []))}")
-    q, weights = q.reshape(rows, h, INDEX_HEAD_DIM), weights.reshape(rows, h)
-    q_scale = None if q_scale is None else q_scale.reshape(rows, h)
+    weights = decode_rows("weights", weights, plan.batch, plan.next_n, h)
+    q_scale = decode_rows("q_scale", q_scale, plan.batch, plan.next_n, h)
+    q = q.reshape(rows, h, INDEX_HEAD_DIM)
     check_q_inputs(q, weights, batch, q_scale)
     return q, weights, q_scale
 
