@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from ._memory import check_fits
-from .checks import (INDEX_DTYPES, check_bool, check_instance, check_int, check_int_list,  # noqa: F401
-                     check_positive_int, check_same_device, check_tensor, describe)
+from .checks import (INDEX_DTYPES, check_bool, check_instance, check_int, check_int_list, check_k,  # noqa: F401
+                     check_positive_int, check_ratio, check_same_device, check_tensor, describe)
 from .formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from .pool import check_pool, check_pool_alignment  # noqa: F401  (importable from here as before)
 
@@ -55,18 +55,6 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-
-
-def check_ratio(ratio) -> int:
-    return check_int("ratio", ratio, 1, message="ratio must be a positive int")
-
-
-def check_k(k, limit: int | None = None) -> int:
-    """k a positive int (<= limit when given), else ValueError."""
-    check_int("k", k, 1, message="k must be a positive int")
-    if limit is not None and k > limit:
-        raise ValueError(f"k must be <= {limit} here, got {k}")
-    return k
 
 
 def check_batch(batch) -> "PagedBatch":

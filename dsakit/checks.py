@@ -32,11 +32,6 @@ def describe(x) -> str:
     return type(x).__name__
 
 
-def shape_of(x) -> str:
-    """``[2, 3]`` for a tensor, its type name otherwise (the older, shorter form used by shape messages)."""
-    return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
-
-
 def is_int(value) -> bool:
     """True for a Python int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -80,6 +75,19 @@ def check_power_of_two(name: str, value, minimum: int = 1, maximum: int | None =
 def check_positive_int(name: str, value, minimum: int = 1) -> int:
     """``value`` as an int >= minimum (bools refused), else ValueError naming it."""
     return check_int(name, value, minimum)
+
+
+def check_ratio(ratio) -> int:
+    """Tokens per cache entry: an int >= 1."""
+    return check_int("ratio", ratio, 1, message="ratio must be a positive int")
+
+
+def check_k(k, limit: int | None = None) -> int:
+    """k a positive int (<= limit when given), else ValueError."""
+    check_int("k", k, 1, message="k must be a positive int")
+    if limit is not None and k > limit:
+        raise ValueError(f"k must be <= {limit} here, got {k}")
+    return k
 
 
 def check_int_list(name: str, values, minimum: int | None = None, *, length: int | None = None,
@@ -205,5 +213,5 @@ def check_same_device(device: torch.device, **tensors) -> None:
 
 
 __all__ = ["FLOAT_DTYPES", "INDEX_DTYPES", "check_bool", "check_choice", "check_device", "check_dtype",
-           "check_float", "check_instance", "check_int", "check_int_list", "check_positive_int", "check_power_of_two",
-           "check_same_device", "check_tensor", "describe", "is_int", "shape_of"]
+           "check_float", "check_instance", "check_int", "check_int_list", "check_k", "check_positive_int",
+           "check_power_of_two", "check_ratio", "check_same_device", "check_tensor", "describe", "is_int"]

@@ -22,14 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import check_instance, check_int, check_same_device, is_int
+from ...checks import check_instance, check_int, check_ratio, check_same_device, is_int
 from .reference import check_hidden, check_projected
 
 __all__ = ["CompressorState", "compress_step", "compress_device", "pool_blocks"]
-
-
-def _check_ratio(ratio) -> int:
-    return check_int("ratio", ratio, 1, message="ratio must be a positive int")
 
 
 class CompressorState:
@@ -40,7 +36,7 @@ class CompressorState:
     """
 
     def __init__(self, ratio: int, width: int, device: "str | torch.device" = "cpu"):
-        _check_ratio(ratio)
+        check_ratio(ratio)
         self.ratio = ratio
         self.overlap = ratio == 4
         check_int("width", width, 1, message=f"width must be a positive int"
@@ -161,7 +157,7 @@ def compress_device(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape
     The projections run in the weights' dtype (as a model would), pooling in fp32. ``chunk_tokens`` bounds
     the working memory to that many tokens' rows (a multiple of ratio; default: all at once).
     """
-    _check_ratio(ratio)
+    check_ratio(ratio)
     check_hidden(x, wkv, wgate)
     if chunk_tokens is not None and (not is_int(chunk_tokens) or chunk_tokens < ratio or chunk_tokens % ratio):
         raise ValueError(f"chunk_tokens must be a positive multiple of ratio {ratio}, got {chunk_tokens!r}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import check_int, check_tensor
+from ...checks import check_ratio, check_tensor
 
 
 def check_floating(**tensors) -> None:
@@ -29,7 +29,7 @@ def check_floating(**tensors) -> None:
 
 def check_projected(kv, gate, ape, ratio: int) -> None:
     """Projected rows kv, gate [S, c*d] and ape [ratio, c*d] (c = 2 for ratio 4, else 1), else ValueError."""
-    check_int("ratio", ratio, 1, message="ratio must be a positive int")
+    check_ratio(ratio)
     check_floating(kv=kv, gate=gate, ape=ape)
     check_tensor("kv", kv, dims=2, message="kv and gate must be the same [S, c*d] shape")
     check_tensor("gate", gate, shape=tuple(kv.shape), message=f"kv and gate must be the same [S, c*d] shape "
