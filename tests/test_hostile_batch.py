@@ -14,12 +14,14 @@ from dsakit.formats import KeyFormat
 from dsakit.ops.topk import index_topk, index_topk_reference
 from dsakit.ops.topk.triton import TopkConfig
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+#: the Triton top-k runs on a GPU, or on the CPU under the interpreter
+TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _two_sequences(fmt: str = "bf16"):
+def _two_sequences(fmt: str = "bf16", device: str = "cpu"):
     """Two sequences of 70 and 20 entries in a 4-page pool; block table [2, 2]."""
-    cache = PagedCache(fmt, num_pages=4)
+    cache = PagedCache(fmt, num_pages=4, device=device)
     g = torch.Generator().manual_seed(5)
     for n in (70, 20):
         seq = cache.add_sequence()
@@ -29,7 +31,7 @@ def _two_sequences(fmt: str = "bf16"):
 
 def _unchecked(cache, query_seq):
     return PagedBatch.build(cache.pool, cache.fmt, cache.block_table(), cache.entry_counts(),
-                            torch.tensor(query_seq), validate=False, max_entries=100)
+                            torch.tensor(query_seq, device=cache.pool.device), validate=False, max_entries=100)
 
 
 def test_unchecked_query_seq_is_clamped_into_the_batch():
@@ -42,33 +44,33 @@ def test_unchecked_query_seq_is_clamped_into_the_batch():
     assert negative.query_seq.tolist() == [0, 0, 1]
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="the Triton top-k runs on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON, reason="the Triton top-k needs a GPU or TRITON_INTERPRET=1")
 def test_unchecked_batch_slots_come_from_the_block_table():
     """index_topk(return_slots=True) with a small workspace on the unchecked batch: every slot it returns is
     a slot of the block table's pages (row 1 = sequence 1), the same as a checked batch of query_seq [0, 1, 1]."""
-    cache = _two_sequences()
+    cache = _two_sequences(device=DEVICE)
     g = torch.Generator().manual_seed(6)
-    q, w = torch.randn(3, 4, 128, generator=g), torch.randn(3, 4, generator=g)
+    q, w = torch.randn(3, 4, 128, generator=g).to(DEVICE), torch.randn(3, 4, generator=g).to(DEVICE)
     config = TopkConfig(workspace_bytes=4 * 128)  # one row per chunk
     indices, slots = index_topk(q, w, _unchecked(cache, [0, 40, 1]), 8, backend="triton", return_slots=True,
                                 config=config)
     checked = PagedBatch.build(cache.pool, cache.fmt, cache.block_table(), cache.entry_counts(),
-                               torch.tensor([0, 1, 1]))
+                               torch.tensor([0, 1, 1], device=DEVICE))
     want_idx, want_slots = index_topk(q, w, checked, 8, backend="triton", return_slots=True, config=config)
     assert torch.equal(indices, want_idx) and torch.equal(slots, want_slots)
     pages = set(cache.block_table().flatten().tolist()) - {-1}
     assert all(s // 64 in pages for s in slots[slots >= 0].tolist())
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="the Triton top-k runs on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON, reason="the Triton top-k needs a GPU or TRITON_INTERPRET=1")
 def test_unchecked_batch_decode_plan_slots_come_from_the_block_table():
     """index_topk_decode with a return-slots plan on an unchecked batch of query_seq [0, 40] (B = 2)."""
     from dsakit.ops.topk import index_topk_decode, plan_decode_topk
 
-    cache = _two_sequences()
+    cache = _two_sequences(device=DEVICE)
     g = torch.Generator().manual_seed(7)
-    q, w = torch.randn(2, 1, 16, 128, generator=g), torch.randn(2, 1, 16, generator=g)
-    plan = plan_decode_topk(2, 1, 100, 8, cache.fmt, "cpu", num_heads=16, return_slots=True)
+    q, w = torch.randn(2, 1, 16, 128, generator=g).to(DEVICE), torch.randn(2, 1, 16, generator=g).to(DEVICE)
+    plan = plan_decode_topk(2, 1, 100, 8, cache.fmt, DEVICE, num_heads=16, return_slots=True)
     _, slots = index_topk_decode(q, w, _unchecked(cache, [0, 40]), 8, plan=plan)
     pages = set(cache.block_table()[1].tolist()) - {-1}
     assert slots[1][slots[1] >= 0].numel() and all(s // 64 in pages for s in slots[1][slots[1] >= 0].tolist())

@@ -12,7 +12,15 @@ from dsakit.ops.store import AttentionKVStore, IndexKeyStore, store_checked, sto
 from dsakit.presets import KeyTransform
 from dsakit.transforms import ROPE_V4
 
-BACKENDS = ["reference"] + (["triton"] if __import__("os").environ.get("TRITON_INTERPRET") == "1" else [])
+#: the Triton store runs on a GPU, or on the CPU under the interpreter; the reference runs on the CPU
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ["reference"] + (["triton"] if torch.cuda.is_available()
+                            or __import__("os").environ.get("TRITON_INTERPRET") == "1" else [])
+
+
+def _on(backend: str, *tensors: torch.Tensor) -> tuple:
+    """The tensors on the backend's device (the Triton store's device, the CPU for the reference)."""
+    return tuple(t.to(TRITON_DEVICE if backend == "triton" else "cpu") for t in tensors)
 
 
 def _inputs(n: int, dim: int, rope_dim: int, pages: int, page_bytes: int, in_order: bool = False):
@@ -30,8 +38,8 @@ def _inputs(n: int, dim: int, rope_dim: int, pages: int, page_bytes: int, in_ord
 @pytest.mark.parametrize("fmt", ["fp8", "fp4-centred"])
 def test_trusted_path_writes_the_public_ops_bytes(backend, fmt):
     fmt = KeyFormat.parse(fmt)
-    keys, positions, slots, pool, table = _inputs(70, 128, 64, 3, fmt.page_bytes, in_order=is_centred(fmt))
-    weight = torch.rand(128) + 0.5
+    keys, positions, slots, pool, table, weight = _on(
+        backend, *_inputs(70, 128, 64, 3, fmt.page_bytes, in_order=is_centred(fmt)), torch.rand(128) + 0.5)
     public = pool.clone()
     store_index_keys(keys, positions, slots, public, fmt, table, weight, backend=backend)
     record = IndexKeyStore.check(keys, positions, slots, pool, fmt, table, weight, None, KeyTransform(),
@@ -43,8 +51,8 @@ def test_trusted_path_writes_the_public_ops_bytes(backend, fmt):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_attention_kv_record_matches_public_op(backend):
     fmt = AttentionKVFormat.FP8_ROPE_BF16
-    kv, positions, slots, pool, table = _inputs(9, 512, 64, 1, fmt.page_bytes)
-    weight = torch.rand(512) + 0.5
+    kv, positions, slots, pool, table, weight = _on(backend, *_inputs(9, 512, 64, 1, fmt.page_bytes),
+                                                    torch.rand(512) + 0.5)
     from dsakit.ops.store import store_attention_kv
 
     public = pool.clone()
