@@ -120,7 +120,12 @@ def write_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor, val
 def read_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Encoded bytes of the entries at slots [N] (all >= 0): (values [N, value_bytes], scales [N, scale_bytes])."""
     check_pool(pool, fmt)
-    slots = check_slots(slots, num_slots(pool), allow_padding=False)
+    return read_checked_entries(pool, fmt, check_slots(slots, num_slots(pool), allow_padding=False))
+
+
+def read_checked_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`read_entries` for slots already checked (CPU int64, all in 0..num_slots - 1): no host copy, no
+    deduplication."""
     value_idx, scale_idx = _byte_index(fmt, slots)
     flat = pool.view(-1)  # gather on the pool's device: only the requested bytes come to the host
     return flat[value_idx.to(pool.device)].cpu(), flat[scale_idx.to(pool.device)].cpu()
@@ -250,5 +255,5 @@ def sequence_slots(block_table_row: torch.Tensor, length: int) -> torch.Tensor:
 
 
 __all__ = ["check_centre_order", "check_pool", "check_pool_alignment", "check_slots", "dequantize_entries", "num_slots", "read_centres",
-           "read_entries", "sequence_slots", "store_checked_entries", "store_entries", "write_checked_entries",
+           "read_checked_entries", "read_entries", "sequence_slots", "store_checked_entries", "store_entries", "write_checked_entries",
            "write_entries"]

@@ -22,7 +22,8 @@ import torch
 
 from ...checks import INDEX_DTYPES, check_tensor
 from ...batch import PagedBatch, check_batch_queries, check_queries, check_ratio, visible_counts
-from ...pool import dequantize_entries, read_centres, read_entries, sequence_slots
+from ...pool import (check_slots, dequantize_entries, num_slots, read_centres, read_checked_entries, read_entries,
+                     sequence_slots)
 from ...formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
 
 # Queries processed per chunk so that [chunk, H, N] stays small on the CPU.
@@ -86,6 +87,21 @@ def gather_sequence_residuals(pool: torch.Tensor, fmt: "KeyFormat | str", block_
     return fmt.dequantize_residual(values, scales), read_centres(pool, fmt, first_slots)
 
 
+def _batch_sequence_keys(batch: PagedBatch, row: torch.Tensor, length: int
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One sequence's keys fp32 [length, 128] (residuals for centred formats) and page centres (or None) read
+    from the batch's pool. A validated batch guarantees its pages, so its slots are read as they are; an
+    unchecked one (validate=False) has its slots checked against the pool here, so bad pages are a ValueError."""
+    slots = sequence_slots(row, length)
+    if batch.query_lens is None:
+        slots = check_slots(slots, num_slots(batch.pool), allow_padding=False)
+    values, scales = read_checked_entries(batch.pool, batch.fmt, slots)
+    if is_centred(batch.fmt):
+        return batch.fmt.dequantize_residual(values, scales), read_centres(batch.pool, batch.fmt,
+                                                                           slots[::ENTRIES_PER_PAGE])
+    return batch.fmt.dequantize(values, scales), None
+
+
 def index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
     """Scores of a ragged batch against paged keys -> fp32 [T, batch.max_entries] (CPU), -inf where invisible.
 
@@ -105,10 +121,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch) -> t
             continue
         length = min(int(counts[b]), batch.max_entries)
         pos = None if positions is None else positions[rows]
-        if is_centred(batch.fmt):
-            keys, centres = gather_sequence_residuals(batch.pool, batch.fmt, table[b], length)
-        else:
-            keys, centres = gather_sequence_keys(batch.pool, batch.fmt, table[b], length), None
+        keys, centres = _batch_sequence_keys(batch, table[b], length)
         out[rows, : keys.shape[0]] = index_scores_dense(q[rows], weights[rows], keys, pos, batch.ratio,
                                                         centres=centres)
     return out
