@@ -314,5 +314,6 @@ class PagedBatch:
                 f"device={self.device})")
 
 
-__all__ = ["PagedBatch", "upload", "check_batch", "check_batch_queries", "check_pool", "check_queries", "check_same_device",
+__all__ = ["PagedBatch", "upload", "check_batch", "check_batch_queries", "check_pool", "check_queries",
+           "check_same_device",
            "check_positive_int", "check_ratio", "check_k", "visible_counts"]

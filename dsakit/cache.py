@@ -121,7 +121,8 @@ class PagedCache:
         Undoes an :meth:`append` whose entries could not be written (their bytes are left as they are)."""
         self._check_seq(seq_id)
         current = self._lengths[seq_id]
-        check_int("length", length, 0, current, message=f"truncate length must be an int in 0..{current} (sequence {seq_id})")
+        check_int("length", length, 0, current,
+                  message=f"truncate length must be an int in 0..{current} (sequence {seq_id})")
         table = self._tables[seq_id]
         keep = (length + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
         self._table_rows.pop(seq_id, None)

@@ -123,7 +123,8 @@ def read_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor) -> t
     return read_checked_entries(pool, fmt, check_slots(slots, num_slots(pool), allow_padding=False))
 
 
-def read_checked_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def read_checked_entries(pool: torch.Tensor, fmt: EntryFormat,
+                         slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`read_entries` for slots already checked (CPU int64, all in 0..num_slots - 1): no host copy, no
     deduplication."""
     value_idx, scale_idx = _byte_index(fmt, slots)
@@ -254,6 +255,6 @@ def sequence_slots(block_table_row: torch.Tensor, length: int) -> torch.Tensor:
     return row[i // ENTRIES_PER_PAGE] * ENTRIES_PER_PAGE + i % ENTRIES_PER_PAGE
 
 
-__all__ = ["check_centre_order", "check_pool", "check_pool_alignment", "check_slots", "dequantize_entries", "num_slots", "read_centres",
-           "read_checked_entries", "read_entries", "sequence_slots", "store_checked_entries", "store_entries", "write_checked_entries",
-           "write_entries"]
+__all__ = ["check_centre_order", "check_pool", "check_pool_alignment", "check_slots", "dequantize_entries", "num_slots",
+           "read_centres", "read_checked_entries", "read_entries", "sequence_slots", "store_checked_entries",
+           "store_entries", "write_checked_entries", "write_entries"]

@@ -12,7 +12,8 @@ from dsakit.ops.compress import compress, compress_reference
 def test_device_path_matches_the_reference(ratio):
     g = torch.Generator().manual_seed(ratio)
     width = 16 if ratio == 4 else 8
-    x, wkv, wgate = torch.randn(300, 12, generator=g), torch.randn(width, 12, generator=g), torch.randn(width, 12, generator=g)
+    x = torch.randn(300, 12, generator=g)
+    wkv, wgate = torch.randn(width, 12, generator=g), torch.randn(width, 12, generator=g)
     ape = torch.randn(ratio, width, generator=g)
     want = compress_reference(x, wkv, wgate, ape, ratio)
     assert torch.equal(compress(x, wkv, wgate, ape, ratio), want)  # auto on CPU tensors: the reference

@@ -53,7 +53,8 @@ def zigzag_ranges(n: int, world_size: int, rank: int, *, align: int = 1) -> tupl
 def zigzag_owner(query_seq: torch.Tensor, world_size: int) -> torch.Tensor:
     """int64 [T] on the CPU: the rank that owns each query row of a ragged batch (query_seq int [T])."""
     check_int("world_size", world_size, 1, message="world_size must be a positive int")
-    check_tensor("query_seq", query_seq, dims=1, dtypes=INDEX_DTYPES, message="query_seq must be an int32/int64 tensor [T]")
+    check_tensor("query_seq", query_seq, dims=1, dtypes=INDEX_DTYPES,
+                 message="query_seq must be an int32/int64 tensor [T]")
     seq = query_seq.detach().cpu().long()  # metadata: one copy to the host
     t = seq.shape[0]
     if t == 0:

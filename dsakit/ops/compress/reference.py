@@ -36,7 +36,8 @@ def check_projected(kv, gate, ape, ratio: int) -> None:
                                                               f"(kv {list(kv.shape)})")
     check_tensor("ape", ape, shape=(ratio, kv.shape[1]), message=f"ape must be [ratio, c*d] = [{ratio}, {kv.shape[1]}]")
     if ratio == 4 and kv.shape[1] % 2:
-        raise ValueError(f"ratio 4 overlaps two halves: the feature dim W = c*d must be divisible by 2, got {kv.shape[1]}")
+        raise ValueError(f"ratio 4 overlaps two halves: the feature dim W = c*d must be divisible by 2, "
+                         f"got {kv.shape[1]}")
 
 
 def check_hidden(x, wkv, wgate) -> None:

@@ -59,7 +59,8 @@ def check_eps(eps: float) -> None:
 
 
 def check_rope_inputs(positions: torch.Tensor, rope_cos_sin: torch.Tensor, n: int, rope_dim: int) -> None:
-    check_tensor("positions", positions, shape=(n,), dtypes=INDEX_DTYPES, message=f"positions must be int32/int64 [{n}]")
+    check_tensor("positions", positions, shape=(n,), dtypes=INDEX_DTYPES,
+                 message=f"positions must be int32/int64 [{n}]")
     check_tensor("rope_cos_sin", rope_cos_sin, shape=(None, rope_dim), dtypes=torch.float32,
                  message=f"rope_cos_sin must be [max_position, {rope_dim}] (cos then sin)")
     check_rope_positions(positions, rope_cos_sin)
