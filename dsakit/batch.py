@@ -37,9 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._memory import check_fits
-from .checks import (INDEX_DTYPES, check_bool, check_instance, check_int, check_int_list, check_k,  # noqa: F401
-                     check_positive_int, check_ratio, check_same_device, check_tensor, describe)
+from ._memory import (INDEX_DTYPES, check_bool, check_fits, check_instance, check_int, check_int_list,  # noqa: F401
+                      check_k, check_positive_int, check_ratio, check_same_device, check_tensor, describe)
 from .formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from .pool import check_pool, check_pool_alignment  # noqa: F401  (importable from here as before)
 

@@ -16,9 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ._memory import check_fits, parse_device
+from ._memory import check_fits, check_int, parse_device
 from .batch import PagedBatch, check_table_size
-from .checks import check_int
 from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat
 # the raw pool access lives one floor down (dsakit.pool); these names stay importable from here
 from .pool import (check_pool, check_slots, dequantize_entries, num_slots, read_entries, sequence_slots,  # noqa: F401

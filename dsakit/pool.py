@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .checks import INDEX_DTYPES, check_int, check_tensor
+from ._memory import INDEX_DTYPES, check_int, check_tensor
 from .formats import ENTRIES_PER_PAGE, EntryFormat, centre_of, decode_centres, is_centred
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .checks import check_bool, check_choice, check_float
+from ._memory import check_bool, check_choice, check_float
 from .formats import KeyFormat
 from .transforms import NORMS, ROPE_V4, ROPE_V32, RopeConfig, RopeLayout, YarnConfig
 

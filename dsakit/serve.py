@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 import typer
 
-from .checks import check_choice, check_int
+from ._memory import check_choice, check_int
 from .formats import KeyFormat
 from .niah.server import (FaultConfig, ReferenceHTTPServer, ReferenceService, RequestError, check_loopback,
                           render_chat)

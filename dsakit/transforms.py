@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import check_choice, check_instance, check_int, check_power_of_two, check_tensor, is_int
+from ._memory import check_choice, check_instance, check_int, check_power_of_two, check_tensor, is_int
 
 HADAMARD_DIM = 128
 

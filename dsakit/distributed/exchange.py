@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_device, check_instance
+from .._memory import check_device, check_instance
 from ..cache import check_pool, check_slots, num_slots
 from ..formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat
 from .split import ContextParallelPlan

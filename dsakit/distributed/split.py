@@ -24,7 +24,7 @@ from functools import cached_property
 
 import torch
 
-from ..checks import INDEX_DTYPES, check_instance, check_int, check_int_list, check_tensor
+from .._memory import INDEX_DTYPES, check_instance, check_int, check_int_list, check_tensor
 
 
 def _check_world(world_size, rank) -> None:

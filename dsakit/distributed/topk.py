@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_bool, check_instance
+from .._memory import check_bool, check_instance
 from ..batch import PagedBatch
 from . import _batch
 from .exchange import _gather_rows

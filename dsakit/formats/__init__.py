@@ -67,7 +67,7 @@ from typing import ClassVar
 
 import torch
 
-from ..checks import INDEX_DTYPES, check_tensor
+from .._memory import INDEX_DTYPES, check_tensor
 from .bf16 import dequantize_bf16, quantize_bf16
 from .codes import KEY_CODECS, KeyCode, KeyCodec
 from .common import SCALE_FLOOR, finite_amax, sanitize, ue8m0_exponent_ceil, ue8m0_to_float

@@ -28,7 +28,7 @@ import types
 import torch
 from torch import nn
 
-from ..checks import check_positive_int, check_tensor
+from .._memory import check_positive_int, check_tensor
 from ..formats import AttentionKVFormat, KeyFormat
 from ..layers.attention import V4Attention
 from ..layers.config import resolve_index_key_format

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..checks import check_int, check_tensor
+from .._memory import check_int, check_tensor
 from ..cache import PagedCache
 from ..formats import ATTENTION_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ..ops import attention as attention_ops

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from ..checks import check_choice, check_float, check_instance, check_positive_int
+from .._memory import check_choice, check_float, check_instance, check_positive_int
 from ..formats import ATTENTION_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ..ops._backend import BACKENDS
 from ..presets import DSAPreset, get_preset

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checks import INDEX_DTYPES, check_float, check_instance, check_int, check_positive_int, check_tensor
+from .._memory import INDEX_DTYPES, check_float, check_instance, check_int, check_positive_int, check_tensor
 from ..cache import PagedCache
 from ..formats import INDEX_HEAD_DIM, KeyFormat
 from ..ops.compress import compress

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batch import upload
-from ..checks import check_positive_int
+from .._memory import check_positive_int
 from ..cache import PagedCache
 from ..formats import ENTRIES_PER_PAGE
 from ..ops.compress.device import CompressorState

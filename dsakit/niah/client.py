@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ..checks import check_choice, check_float, check_int
+from .._memory import check_choice, check_float, check_int
 
 ENDPOINTS = ("chat", "completions")
 RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})

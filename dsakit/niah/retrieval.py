@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..checks import check_float, check_int
+from .._memory import check_float, check_int
 from ..cache import PagedCache
 from ..formats import ENTRIES_PER_PAGE, KeyFormat
 from ..presets import get_preset

@@ -38,7 +38,7 @@ import uuid
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from ..checks import check_choice, check_float, check_int
+from .._memory import check_choice, check_float, check_int
 from ..formats import KeyFormat
 from ..ops.topk.config import MAX_K
 from .retrieval import RetrievalConfig, RetrievalModel, SimpleTokenizer, question_paragraph

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..checks import check_int, check_int_list, is_int
+from .._memory import check_int, check_int_list, is_int
 from .client import EndpointConfig, EndpointError, OpenAIClient
 from .results import ResultStore
 from .text import (FillerStream, Haystack, Templates, build_haystack, chat_content, code_found,

@@ -18,7 +18,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from ..checks import check_int
+from .._memory import check_int
 
 DEFAULT_NEEDLE = "The secret passphrase is {code}."
 DEFAULT_QUESTION = "What is the secret passphrase mentioned in the text above? Reply with the passphrase only."

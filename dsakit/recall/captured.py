@@ -29,7 +29,7 @@ import torch
 
 from ..batch import visible_counts
 from ..cache import PagedCache
-from ..checks import check_choice, check_instance, check_int, check_int_list, check_tensor
+from .._memory import check_choice, check_instance, check_int, check_int_list, check_tensor
 from ..formats import KeyFormat
 from ..ops import scores as scores_ops
 from ..ops import topk as topk_ops

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_choice, check_tensor
+from .._memory import check_choice, check_tensor
 from ..formats import KeyFormat, decode_e4m3, is_centred
 
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..checks import check_tensor
+from .._memory import check_tensor
 
 
 def _row(scores: torch.Tensor, what: str = "scores") -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import check_choice, check_instance, check_int, check_int_list, is_int
+from .._memory import check_choice, check_instance, check_int, check_int_list, is_int
 from ..formats import KeyFormat
 from ..ops._backend import resolve_backend, triton_available
 from ..ops.topk.config import MAX_K

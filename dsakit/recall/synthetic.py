@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..checks import check_float, check_int, check_tensor
+from .._memory import check_float, check_int, check_tensor
 from ..ops.compress import compress_projected
 from ..presets import DSAPreset, KeyTransform, get_preset
 from ..transforms import RopeLayout, apply_rope, hadamard_transform

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...checks import check_choice, check_int, check_power_of_two
+from ..._memory import check_choice, check_int, check_power_of_two
 from .._tuning import gpu_key
 
 # head counts the kernel takes: programs own HEAD_BLOCK heads of one query, and one program's [64, 512] fp32

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_float, check_int, check_tensor
+from ..._memory import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_float, check_int, check_tensor
 from ...pool import check_pool, num_slots
 from ...formats import ATTENTION_HEAD_DIM, AttentionKVFormat
 

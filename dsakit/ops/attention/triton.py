@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from ...checks import check_instance
+from ..._memory import check_instance
 from ...pool import num_slots
 from ...formats import AttentionKVFormat
 from .._backend import triton_interpreted

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import check_choice
+from ..._memory import check_choice
 from .device import CompressorState, compress_device, compress_step, pool_blocks
 from .reference import compress as compress_reference
 from .reference import compress_projected

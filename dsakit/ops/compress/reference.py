@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import check_ratio, check_tensor
+from ..._memory import check_ratio, check_tensor
 
 
 def check_floating(**tensors) -> None:

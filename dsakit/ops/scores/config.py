@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...checks import check_int, check_power_of_two
+from ..._memory import check_int, check_power_of_two
 from .._tuning import gpu_key
 
 KERNELS = ("auto", "tile", "group")

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import INDEX_DTYPES, check_int, check_tensor
+from ..._memory import INDEX_DTYPES, check_int, check_tensor
 from ...batch import PagedBatch
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from .triton import index_scores_triton, plan_decode_tiles

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import INDEX_DTYPES, check_tensor
+from ..._memory import INDEX_DTYPES, check_tensor
 from ...batch import PagedBatch, check_batch_queries, check_queries, check_ratio, visible_counts
 from ...pool import (check_slots, dequantize_entries, num_slots, read_centres, read_checked_entries, read_entries,
                      sequence_slots)

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ...checks import INDEX_DTYPES, check_choice, check_instance, check_int, check_power_of_two, check_tensor
+from ..._memory import INDEX_DTYPES, check_choice, check_instance, check_int, check_power_of_two, check_tensor
 from ...batch import PagedBatch, check_batch, check_batch_queries, check_same_device, upload
 from ...formats import INDEX_HEAD_DIM, KeyFormat, key_codec
 from .._backend import triton_interpreted

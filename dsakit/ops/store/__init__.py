@@ -27,7 +27,7 @@ import torch
 
 from dataclasses import dataclass
 
-from ...checks import FLOAT_DTYPES, INDEX_DTYPES, check_bool, check_choice, check_instance, check_tensor
+from ..._memory import FLOAT_DTYPES, INDEX_DTYPES, check_bool, check_choice, check_instance, check_tensor
 from ...pool import check_centre_order, check_pool, check_slots, num_slots
 from ...formats import ATTENTION_HEAD_DIM, INDEX_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ...presets import KeyTransform

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...checks import check_choice, check_int, check_power_of_two
+from ..._memory import check_choice, check_int, check_power_of_two
 from .._tuning import gpu_key
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import FLOAT_DTYPES, INDEX_DTYPES, check_float, check_instance, check_tensor
+from ..._memory import FLOAT_DTYPES, INDEX_DTYPES, check_float, check_instance, check_tensor
 from ...formats import AttentionKVFormat, KeyFormat
 from ...pool import check_pool, check_slots, num_slots, store_checked_entries
 from ...presets import KeyTransform

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...batch import PagedBatch, check_batch
-from ...checks import check_bool, check_instance
+from ..._memory import check_bool, check_instance
 from .._backend import resolve_backend
 from .config import SelectConfig, TopkConfig
 from .reference import index_topk as index_topk_reference

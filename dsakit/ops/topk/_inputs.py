@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...checks import INDEX_DTYPES, check_bool, check_tensor
+from ..._memory import INDEX_DTYPES, check_bool, check_tensor
 
 
 def lru_get(cache: OrderedDict, key, kept: int, make: Callable[[], object]):

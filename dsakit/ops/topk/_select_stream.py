@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ...checks import check_instance, check_int
+from ..._memory import check_instance, check_int
 from ._inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
 from ._select_kernels import (STATS, _filter_kernel, _final_kernel, _order_chunk_kernel, _order_kernel,
                               _order_merge_kernel)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...checks import check_bool, check_choice, check_float, check_instance, check_int, check_power_of_two
+from ..._memory import check_bool, check_choice, check_float, check_instance, check_int, check_power_of_two
 from .._tuning import gpu_key
 from ..scores.config import ScoresConfig
 

@@ -49,9 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._memory import check_fits, parse_device
+from ..._memory import check_bool, check_fits, check_instance, check_tensor, parse_device
 from ...batch import PagedBatch, check_batch, check_k, check_positive_int
-from ...checks import check_bool, check_instance, check_tensor
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
 from ..scores.config import ScoresConfig
 from ..scores.triton import (QueryTiles, check_q_inputs, decode_rows, launch_index_scores, plan_decode_tiles,

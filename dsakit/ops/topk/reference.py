@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import INDEX_DTYPES, check_tensor
+from ..._memory import INDEX_DTYPES, check_tensor
 from ...batch import PagedBatch, check_k
 from .config import MAX_K
 from ..scores.reference import index_scores

@@ -67,7 +67,7 @@ from collections.abc import Sequence
 import torch
 import triton
 
-from ...checks import check_bool, check_instance
+from ..._memory import check_bool, check_instance
 from ...batch import PagedBatch, check_k
 from ..scores.triton import (QueryTiles, check_q_inputs, check_q_scale_values, launch_index_scores,
                              plan_query_tiles, prepare_q, tiles_from_lens)
