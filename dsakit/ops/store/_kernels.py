@@ -423,13 +423,16 @@ def _store_index_keys_kernel(
     scale_base = page_base + PAGE * VALUE_BYTES + entry * SCALE_BYTES
     if PAGE_STEP == PAGE_SIDES:
         live = live & (entry == 0)
+        if tl.max(live.to(tl.int32)) > 0:  # only programs holding an entry 0 transform anything
+            x = _transform_halves(keys_ptr, rows, pos, live, half, cols, w_ptr, b_ptr, table_ptr, keys_row_stride,
+                                  eps, NORM, HAS_BIAS, PAIRING, PLACEMENT, HADAMARD, BLOCK_N)
+            store_key_page_value(key_page_value(x, CODE, NATIVE), pool_ptr, page_base, cols, live, CODE)
+        return
     x = _transform_halves(keys_ptr, rows, pos, live, half, cols, w_ptr, b_ptr, table_ptr, keys_row_stride, eps,
                           NORM, HAS_BIAS, PAIRING, PLACEMENT, HADAMARD, BLOCK_N)
     if PAGE_STEP == PAGE_NONE:
         store_key_halves(x, pool_ptr, page_base, value_base, scale_base, cols, half, live, CODE, UE8M0, FP4_RNE,
                          NATIVE, BLOCK_N)
-    elif PAGE_STEP == PAGE_SIDES:
-        store_key_page_value(key_page_value(x, CODE, NATIVE), pool_ptr, page_base, cols, live, CODE)
     else:  # as in the generic kernel
         src, src_pos, in_call, from_pool = _page_sources(rows, slot, entry, live, slots_ptr, positions_ptr, n_rows,
                                                          num_slots, max_position)
