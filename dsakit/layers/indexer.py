@@ -198,7 +198,9 @@ class V4Indexer(V4Compressor):
     def compressed_keys(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> pre-norm compressed entries fp32 [S // 4, D] (incomplete tail block dropped)."""
         _check_rows(hidden, self.hidden_size, "hidden")
-        return compress(hidden, self.wkv, self.wgate, self.ape, self.ratio)
+        # computed where the weights live, like queries() / weights(): a CPU-held indexer given CUDA hidden
+        # states (DSAIndexer.topk on a GPU cache) must not hand the device path CPU weights
+        return compress(hidden.to(self.wkv.device), self.wkv, self.wgate, self.ape, self.ratio)
 
     @torch.no_grad()
     def keys(self, hidden: torch.Tensor, *, hadamard: bool | None = None) -> torch.Tensor:
