@@ -379,11 +379,9 @@ class CentredKeyFormat(KeyFormat):
 
     # -- entry codec (centres given) ------------------------------------------------------------------
     def check_centres(self, centres, n: int) -> torch.Tensor:
-        if not isinstance(centres, torch.Tensor) or centres.dim() != 2 or centres.shape != (n, self.head_dim) \
-                or not centres.is_floating_point():
-            raise ValueError(f"format {self.name} needs centres: a floating [N, {self.head_dim}] tensor with "
-                             f"N = {n} (the centre of each entry's page), got "
-                             f"{(centres.dtype, list(centres.shape)) if isinstance(centres, torch.Tensor) else centres!r}")
+        check_tensor("centres", centres, shape=(n, self.head_dim), floating=True,
+                     message=f"format {self.name} needs centres: a floating [N, {self.head_dim}] tensor with "
+                             f"N = {n} (the centre of each entry's page)")
         return centres.detach().to("cpu", torch.float32)
 
     def quantize(self, x: torch.Tensor, centres: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

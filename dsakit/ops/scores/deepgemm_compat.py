@@ -63,8 +63,7 @@ def _as_pool(kv_cache: torch.Tensor, entry_bytes: tuple[int, ...] = (INDEX_HEAD_
                          f"{list(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
     if kv_cache.element_size() != 1:
         raise ValueError(f"kv_cache must hold bytes (uint8 or fp8 view), got {kv_cache.dtype}")
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous (its pages are read through the page layout)")
+    check_tensor("kv_cache", kv_cache, contiguous=True)  # its pages are read through the page layout
     return kv_cache.view(torch.uint8).view(kv_cache.shape[0], ENTRIES_PER_PAGE * kv_cache.shape[3])
 
 
@@ -132,8 +131,8 @@ def _paged_logits(q: torch.Tensor, pool: torch.Tensor, fmt: KeyFormat, weights: 
         positions = context_lens.long() - 1
     if out is None:
         out = torch.empty(rows, max_context_len, dtype=torch.float32, device=q.device)
-    elif out.shape != (rows, max_context_len):
-        raise ValueError(f"out must be [{rows}, {max_context_len}], got {list(out.shape)}")
+    else:
+        check_tensor("out", out, shape=(rows, max_context_len), message=f"out must be [{rows}, {max_context_len}]")
     query_seq = torch.arange(b, device=q.device, dtype=torch.int32).repeat_interleave(next_n)
     # validate=True: one sync checks the batch (and lengths <= max_context_len through out's width)
     batch = PagedBatch.build(pool, fmt, block_table, entry_counts, query_seq, positions.reshape(rows), 1,
@@ -174,10 +173,9 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], weigh
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
         raise ValueError("kv must be a pair (fp8 values [N, D], fp32 scales [N])")
     values, scales = kv
-    n = values.shape[0] if isinstance(values, torch.Tensor) and values.dim() == 2 else -1
-    if n < 0 or values.shape[1] != INDEX_HEAD_DIM or values.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"kv values must be float8_e4m3fn [N, {INDEX_HEAD_DIM}], got "
-                         f"{getattr(values, 'dtype', None)} {list(getattr(values, 'shape', []))}")
+    check_tensor("kv values", values, shape=(None, INDEX_HEAD_DIM), dtypes=torch.float8_e4m3fn,
+                 message=f"kv values must be float8_e4m3fn [N, {INDEX_HEAD_DIM}]")
+    n = values.shape[0]
     check_tensor("kv scales", scales, shape=(n,), dtypes=torch.float32, message=f"kv scales must be fp32 [N] = [{n}]")
     t, h, _ = q.shape
     for name, bound in (("ks", ks), ("ke", ke)):

@@ -22,20 +22,14 @@ from ...transforms import ROPE_V4, RopeLayout, apply_norm, apply_rope, hadamard_
 
 
 def _check_rows(x: torch.Tensor, dim: int, what: str) -> None:
-    check_tensor(what, x, shape=(None, dim), message=f"{what} must be a [N, {dim}] tensor")
-    _check_float_dtype(x, what)
+    check_tensor(what, x, shape=(None, dim), dtypes=FLOAT_DTYPES, message=f"{what} must be an fp32, bf16 or fp16 "
+                                                                           f"[N, {dim}] tensor")
 
 
 def _check_vector(v: torch.Tensor | None, dim: int, what: str) -> None:
-    if v is None:
-        return
-    check_tensor(what, v, shape=(dim,), message=f"{what} must be a [{dim}] tensor")
-    _check_float_dtype(v, what)
-
-
-def _check_float_dtype(x: torch.Tensor, what: str) -> None:
-    if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{what} must be fp32, bf16 or fp16, got {x.dtype}")
+    if v is not None:
+        check_tensor(what, v, shape=(dim,), dtypes=FLOAT_DTYPES, message=f"{what} must be an fp32, bf16 or fp16 "
+                                                                          f"[{dim}] tensor")
 
 
 def check_rope_dim(rope_dim: int, dim: int) -> None:
