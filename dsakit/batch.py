@@ -22,9 +22,10 @@ given, j < (pos + 1) // ratio.
 Two ways to get one:
 
 * :meth:`PagedBatch.build` validates explicit tensors once, with at most one device->host sync (one
-  ``tolist`` of every statistic at once). ``validate=False`` (with ``max_entries``) checks shapes, dtypes and
-  devices only and makes no sync: the kernels then still clamp every page id and block-table column, so
-  wrong values give wrong scores but never an out-of-bounds access.
+  ``tolist`` of every statistic at once; int64 values are checked before they are narrowed to int32).
+  ``validate=False`` (with ``max_entries``) checks shapes, dtypes and devices only and makes no sync:
+  ``query_seq`` is clamped into 0..B-1 (one device op) and the kernels clamp every page id and block-table
+  column, so wrong values give wrong scores (or slots) but never an out-of-bounds access.
 * :meth:`dsakit.PagedCache.batch` builds one from the host-side metadata the cache already holds (no sync).
 
 This module also holds the cheap (sync-free) checks of the query-side inputs shared by every op.
@@ -182,8 +183,8 @@ class PagedBatch:
         ``validate=True``: one device->host sync checks every value (counts in 0..64 * W, the pages holding
         each sequence's entries inside the pool, query_seq in 0..B-1) and records max_entries and the
         queries per sequence. ``validate=False`` needs ``max_entries`` (the workspace width of the ops) and
-        makes no sync: values are trusted; the kernels clamp every page id and column, so bad values give
-        wrong results but never an out-of-bounds access.
+        makes no sync: values are trusted; ``query_seq`` is clamped into 0..B-1 here and the kernels clamp
+        every page id and column, so bad values give wrong results but never an out-of-bounds access.
         """
         fmt = KeyFormat.parse(fmt)
         check_pool(pool, fmt)
