@@ -80,7 +80,6 @@ except ImportError:  # pragma: no cover - the pinned triton has it
     TensorDescriptor = None
 
 _FP8_Q_DTYPES = (torch.float8_e4m3fn,)
-Q_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + _FP8_Q_DTYPES
 # Tile plans of batches seen recently, keyed by shape (device, H, kernel choice, queries per sequence), so a
 # steady-state call neither syncs nor uploads a plan.
 _TILE_CACHE: "OrderedDict[tuple, QueryTiles]" = OrderedDict()
@@ -247,13 +246,10 @@ def plan_batch_tiles(batch: PagedBatch, num_heads: int, config: ScoresConfig | N
 
 
 def check_q_inputs(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, q_scale: torch.Tensor | None) -> None:
-    """q / weights / q_scale against the batch: shapes, dtypes, devices (no sync)."""
+    """q / weights / q_scale against the batch: shapes, dtypes (q in batch.QUERY_DTYPES, weights in
+    batch.WEIGHT_DTYPES: :func:`dsakit.batch.check_batch_queries`, shared with the reference), devices (no sync)."""
     check_batch_queries(q, weights, batch)
     t, num_heads, _ = q.shape
-    if q.dtype not in Q_DTYPES:
-        raise ValueError(f"q dtype must be one of {[str(x) for x in Q_DTYPES]}, got {q.dtype}")
-    if not weights.is_floating_point() or weights.dtype in _FP8_Q_DTYPES:
-        raise ValueError(f"weights must be fp32 / fp16 / bf16, got {weights.dtype}")
     if q_scale is not None:
         check_tensor("q_scale", q_scale, shape=(t, num_heads), dtypes=torch.float32,
                      message=f"q_scale must be fp32 [T, H] = [{t}, {num_heads}]")
