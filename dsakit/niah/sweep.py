@@ -66,10 +66,6 @@ MAX_CELLS = 100_000
 MAX_LENGTH = 1 << 24
 
 
-def _not_int(value) -> bool:
-    return not is_int(value)
-
-
 @dataclass(frozen=True)
 class Cell:
     length: int
@@ -251,7 +247,7 @@ class Calibration:
         try:
             calibration = Calibration.from_json(data)
             for p in calibration.probes:
-                if not isinstance(p, dict) or _not_int(p.get("words")) or _not_int(p.get("prompt_tokens")):
+                if not isinstance(p, dict) or not is_int(p.get("words")) or not is_int(p.get("prompt_tokens")):
                     raise ValueError(f"probe {p!r:.80} needs int 'words' and 'prompt_tokens'")
         except (ValueError, TypeError, AttributeError) as exc:
             raise ValueError(f"{path} is not a calibration file ({exc}); delete it to calibrate again") from None
