@@ -14,7 +14,7 @@ H 64, D 128, K 2048, every query sees every entry. Each run times:
   decode   B 64 x N 65536 / 131072, one query per sequence, CUDA-graph replays on every side
            (do_bench_cudagraph): dsakit's decode plan (``plan_decode_topk`` + ``index_topk_decode``) with fp8,
            fp8-centred, fp4 and fp4-centred keys (fp8 q + q_scale; the centred page copies also with other
-           register caps: fp8-centred at 248 (in effect uncapped), fp4-centred at 144, as variants), and DeepGEMM
+           register caps: fp8-centred at 248 (in effect uncapped), fp4-centred at 128, as variants), and DeepGEMM
            ``fp8_fp4_paged_mqa_logits``
            (context_lens [B, 1], clean_logits=False, metadata computed once outside) + torch.topk captured whole.
 
@@ -112,6 +112,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2, help="repeat every case (run-to-run spread)")
     ap.add_argument("--rep", type=int, default=60, help="do_bench rep (ms)")
     ap.add_argument("--sections", default="prefill,decode")
+    ap.add_argument("--decode-n", default="65536,131072", help="decode entry counts N")
+    ap.add_argument("--no-variants", action="store_true", help="time the default launch settings only")
     args = ap.parse_args()
     dev = args.device
     smoke = args.smoke or dev != "cuda"
@@ -150,7 +152,7 @@ def main() -> int:
             variants = [("fp8", None), ("fp8-centred", None),
                         ("fp8-centred_warps8", replace(TopkConfig.for_device(dev),
                                                        scores=replace(ScoresConfig.for_device(dev), prefill_warps=8)))]
-            for label, config in variants:
+            for label, config in variants[:2] if args.no_variants else variants:
                 name = label.split("_")[0]
                 batch = PagedBatch.build(pools[name], KeyFormat.parse(name), table, counts, seq)
 
@@ -191,7 +193,7 @@ def main() -> int:
 
         if "decode" in args.sections:
             b = 2 if smoke else 64
-            for n in ([300] if smoke else [65536, 131072]):
+            for n in ([300] if smoke else [int(x) for x in args.decode_n.split(",")]):
                 row = {"run": run, "case": "decode", "B": b, "next_n": 1, "N": n, "K": k, "H": heads,
                        "timing": "graph" if graph else "eager"}
                 seq = torch.arange(b, device=dev, dtype=torch.int32)
@@ -206,7 +208,9 @@ def main() -> int:
                 # the last two: launch variants of the centred page copies (register caps), not defaults
                 decode_variants = [("fp8", None), ("fp8-centred", None), ("fp4", None), ("fp4-centred", None),
                                    ("fp8-centred_uncapped", replace(ScoresConfig.for_device(dev), decode_maxnreg=248)),
-                                   ("fp4-centred_cap144", replace(ScoresConfig.for_device(dev), decode_maxnreg=144))]
+                                   ("fp4-centred_cap128", replace(ScoresConfig.for_device(dev), decode_maxnreg=128))]
+                if args.no_variants:
+                    decode_variants = decode_variants[:4]
                 for label, scores_config in decode_variants:
                     name = label.split("_")[0]
                     fmt = KeyFormat.parse(name)

@@ -47,35 +47,24 @@ def _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, ma
 
 
 @triton.jit
-def _tile_page_terms(row_ptrs, first_col, num_cols, row_ok, stride_pp, BLOCK_N: tl.constexpr):
-    """Page terms of a tile kernel's key tile for one head -> fp32 [BLOCK_T, BLOCK_N]: entry n of row t gets
-    the term of its page, read from the page-term buffer at row_ptrs[t] + page column * stride_pp (the tile
-    starts on page column first_col and spans BLOCK_N / 64 pages; columns >= num_cols are not read). One load
-    per row and page; the broadcast to a page's entries is a select per page boundary."""
-    term = tl.load(row_ptrs + first_col.to(tl.int64) * stride_pp, mask=row_ok, other=0.0)
-    out = tl.broadcast_to(term[:, None], (term.shape[0], BLOCK_N))
-    page_of = tl.arange(0, BLOCK_N) // 64
-    for p in tl.static_range(1, BLOCK_N // 64):
-        col = first_col + p
-        term = tl.load(row_ptrs + col.to(tl.int64) * stride_pp, mask=row_ok & (col < num_cols), other=0.0)
-        out = tl.where(page_of[None, :] == p, term[:, None], out)
-    return out
+def _load_terms(ptrs, col, num_cols, ok, stride_pp):
+    """One page column's terms from the page-term buffer: ptrs [X] (a row or query-head column each) + col *
+    stride_pp, 0 where not ``ok`` or col >= num_cols."""
+    return tl.load(ptrs + col.to(tl.int64) * stride_pp, mask=ok & (col < num_cols), other=0.0)
 
 
 @triton.jit
-def _group_page_terms(pt_group, first_col, num_cols, c_ok, stride_pp, BLOCK_N: tl.constexpr):
-    """Page terms of a group kernel's key tile -> fp32 [BLOCK_N, COLS]: entry n of dot column c gets the term
-    of its page. The group plans' buffer is [pages, rows, H], so a page's terms for the group's COLS = GROUP * H
-    query-head columns are COLS contiguous floats at pt_group (the group's first row) + column * stride_pp:
-    addresses from an arange, no per-column pointers kept across the key loop."""
-    offs = tl.arange(0, c_ok.shape[0])
-    term = tl.load(pt_group + first_col.to(tl.int64) * stride_pp + offs, mask=c_ok, other=0.0)
-    out = tl.broadcast_to(term[None, :], (BLOCK_N, term.shape[0]))
-    page_of = tl.arange(0, BLOCK_N) // 64
-    for p in tl.static_range(1, BLOCK_N // 64):
-        col = first_col + p
-        term = tl.load(pt_group + col.to(tl.int64) * stride_pp + offs, mask=c_ok & (col < num_cols), other=0.0)
-        out = tl.where(page_of[:, None] == p, term[None, :], out)
+def _page_bias(term0, term1, ENTRY_AXIS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page term of each logit of a key tile spanning one page (BLOCK_N <= 64: term0) or two (term1 for its
+    entries 64..127): [X] -> [X, BLOCK_N] (ENTRY_AXIS 1) or [BLOCK_N, X] (ENTRY_AXIS 0)."""
+    if ENTRY_AXIS == 1:
+        out = tl.broadcast_to(term0[:, None], (term0.shape[0], BLOCK_N))
+        if BLOCK_N > 64:
+            out = tl.where((tl.arange(0, BLOCK_N) >= 64)[None, :], term1[:, None], out)
+    else:
+        out = tl.broadcast_to(term0[None, :], (BLOCK_N, term0.shape[0]))
+        if BLOCK_N > 64:
+            out = tl.where((tl.arange(0, BLOCK_N) >= 64)[:, None], term1[None, :], out)
     return out
 
 
@@ -207,11 +196,21 @@ def _index_scores_tile_kernel(
         if PAGE_TERM:
             # page-centred formats: logit = s * (q . r) + q . c, where q . c comes from the page-term pass (one
             # value per row, head and page) and s is the residual's per-entry scale (fp8-centred; 1 otherwise),
-            # applied per head because the page term is added before the relu
+            # applied per head because the page term is added before the relu. The terms of head h + 2 are
+            # loaded while head h is scored: they come from memory the pass wrote long before (DRAM latency),
+            # which a load in the same iteration would expose once per head (H200, b548897: 2.4x plain fp8)
             logit_scale = load_logit_scales(scales_ptr, pages, slot, entry_ok, CODE, D)
             pt_rows = pt_ptr + (first + tl.arange(0, BLOCK_T)).to(tl.int64) * stride_ps
             page_col = n_start // 64
             num_cols = tl.cdiv(width, 64)
+            now0 = _load_terms(pt_rows, page_col, num_cols, row_ok, stride_pp)
+            now1 = _load_terms(pt_rows, page_col + 1, num_cols, row_ok & (BLOCK_N > 64), stride_pp)
+            next0 = _load_terms(pt_rows + stride_ph, page_col, num_cols, row_ok & (H > 1), stride_pp)
+            next1 = _load_terms(pt_rows + stride_ph, page_col + 1, num_cols, row_ok & (H > 1) & (BLOCK_N > 64),
+                                stride_pp)
+        else:
+            now0 = tl.zeros([BLOCK_T], dtype=tl.float32)  # unused
+            now1, next0, next1 = now0, now0, now0
 
         dims = tl.arange(0, D)
         q_ptrs = q_ptr + rows[:, None] * stride_qt + dims[None, :]
@@ -227,8 +226,12 @@ def _index_scores_tile_kernel(
                 w_h *= tl.load(q_scale_ptr + rows * stride_st + h * stride_sh, mask=row_ok, other=0.0)
             logits = _dot(q_h, k_t, INTERPRET)  # [BLOCK_T, BLOCK_N] fp32
             if PAGE_TERM:
-                logits = scale_key_logits(logits, logit_scale, CODE, 1) \
-                    + _tile_page_terms(pt_rows + h * stride_ph, page_col, num_cols, row_ok, stride_pp, BLOCK_N)
+                logits = scale_key_logits(logits, logit_scale, CODE, 1) + _page_bias(now0, now1, 1, BLOCK_N)
+                ahead = row_ok & (h + 2 < H)
+                now0, now1 = next0, next1
+                next0 = _load_terms(pt_rows + (h + 2) * stride_ph, page_col, num_cols, ahead, stride_pp)
+                next1 = _load_terms(pt_rows + (h + 2) * stride_ph, page_col + 1, num_cols, ahead & (BLOCK_N > 64),
+                                    stride_pp)
             # NaN propagates like torch.relu so that a NaN key or query is visible downstream
             acc += tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL) * w_h[:, None]
         acc = scale_key_scores(acc, scales_ptr, pages, slot, entry_ok, CODE, D, 1)
@@ -317,21 +320,31 @@ def _index_scores_group_kernel(
         q_blocks = (q_t, q_t, q_t, q_t)  # unused
 
     chunk_start = tl.program_id(1) * (TILES_PER_PROGRAM * BLOCK_N)
+    # page terms (PAGE_TERM) of a tile are loaded one tile ahead: they come from memory the pass wrote long
+    # before, whose latency a load in the same iteration would expose once per tile
+    num_cols = tl.cdiv(width, 64)
+    now0, now1 = _tile_terms(pt_group, chunk_start, num_cols, c_ok, stride_pp, PAGE_TERM, BLOCK_N)
     if INTERPRET:
         # the interpreter cannot take a computed loop bound: score every tile (invisible ones come out -inf)
         for i in range(TILES_PER_PROGRAM):
-            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible,
-                              group_visible, values_ptr, scales_ptr, block_table_ptr, out_ptr, pt_group, width,
-                              stride_bt, stride_out, stride_pp, num_pages, max_pages, CODE, FP8_DOT, GROUP, H,
-                              BLOCK_N, D, INTERPRET, PAGE_TERM, FP4_BLOCKS)
+            next0, next1 = _tile_terms(pt_group, chunk_start + (i + 1) * BLOCK_N, num_cols,
+                                       c_ok & (i + 1 < TILES_PER_PROGRAM), stride_pp, PAGE_TERM, BLOCK_N)
+            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_blocks, w, seq, g_rows, g_ok, visible,
+                              group_visible, values_ptr, scales_ptr, block_table_ptr, out_ptr, now0, now1, width,
+                              stride_bt, stride_out, num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D,
+                              INTERPRET, PAGE_TERM, FP4_BLOCKS)
+            now0, now1 = next0, next1
     else:
         # tiles holding visible entries: a counted loop without a branch inside, so the key loads pipeline
         busy_tiles = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, BLOCK_N), 0), TILES_PER_PROGRAM)
         for i in range(0, busy_tiles):
-            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible,
-                              group_visible, values_ptr, scales_ptr, block_table_ptr, out_ptr, pt_group, width,
-                              stride_bt, stride_out, stride_pp, num_pages, max_pages, CODE, FP8_DOT, GROUP, H,
-                              BLOCK_N, D, INTERPRET, PAGE_TERM, FP4_BLOCKS)
+            next0, next1 = _tile_terms(pt_group, chunk_start + (i + 1) * BLOCK_N, num_cols,
+                                       c_ok & (i + 1 < busy_tiles), stride_pp, PAGE_TERM, BLOCK_N)
+            _score_group_tile(chunk_start + i * BLOCK_N, q_t, q_blocks, w, seq, g_rows, g_ok, visible,
+                              group_visible, values_ptr, scales_ptr, block_table_ptr, out_ptr, now0, now1, width,
+                              stride_bt, stride_out, num_pages, max_pages, CODE, FP8_DOT, GROUP, H, BLOCK_N, D,
+                              INTERPRET, PAGE_TERM, FP4_BLOCKS)
+            now0, now1 = next0, next1
         _fill_idle_tiles(busy_tiles, TILES_PER_PROGRAM, chunk_start, g_rows, g_ok, out_ptr, stride_out, width,
                          BLOCK_N, GROUP)
 
@@ -393,12 +406,13 @@ def _fill_idle_tiles(first, last, chunk_start, g_rows, g_ok, out_ptr, stride_out
 
 
 @triton.jit
-def _score_group_tile(n_start, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible, group_visible,
-                      values_ptr, scales_ptr, block_table_ptr, out_ptr, pt_group, width, stride_bt, stride_out,
-                      stride_pp, num_pages, max_pages, CODE: tl.constexpr, FP8_DOT: tl.constexpr,
+def _score_group_tile(n_start, q_t, q_blocks, w, seq, g_rows, g_ok, visible, group_visible,
+                      values_ptr, scales_ptr, block_table_ptr, out_ptr, term0, term1, width, stride_bt, stride_out,
+                      num_pages, max_pages, CODE: tl.constexpr, FP8_DOT: tl.constexpr,
                       GROUP: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                       INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr, FP4_BLOCKS: tl.constexpr):
-    """Scores of one key tile (entries n_start ..+BLOCK_N) for a query group: store [BLOCK_N, GROUP] columns."""
+    """Scores of one key tile (entries n_start ..+BLOCK_N) for a query group: store [BLOCK_N, GROUP] columns.
+    term0 / term1 [GROUP * H]: the page terms of the tile's first / second page (PAGE_TERM)."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     entry_ok = offs_n < group_visible
     pages = _load_pages(block_table_ptr, seq, stride_bt, offs_n, entry_ok, num_pages, max_pages)
@@ -419,8 +433,8 @@ def _score_group_tile(n_start, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visibl
         k = load_key_tile(values_ptr, scales_ptr, pages, slot, entry_ok, CODE, FP8_DOT, D)  # [BLOCK_N, D]
         logits = _dot(k, q_t, INTERPRET)  # [BLOCK_N, GROUP * H]
     if PAGE_TERM:
-        logits = _add_page_terms(logits, scales_ptr, pages, slot, entry_ok, pt_group, n_start // 64,
-                                 tl.cdiv(width, 64), c_ok, stride_pp, CODE, D, BLOCK_N, FP4_BLOCKS)
+        logits = _add_page_terms(logits, scales_ptr, pages, slot, entry_ok, term0, term1, CODE, D, BLOCK_N,
+                                 FP4_BLOCKS)
     scores = scale_key_scores(_head_sum(logits, w, GROUP, H), scales_ptr, pages, slot, entry_ok, CODE, D, 0)
     if FP4_BLOCKS:  # the block tiles hold the keys times 2^-6: relu(2^6 x) w = 2^6 relu(x) w, exactly
         scores = scores * KEY_BLOCK_FACTOR
@@ -428,16 +442,34 @@ def _score_group_tile(n_start, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visibl
 
 
 @triton.jit
-def _add_page_terms(logits, scales_ptr, pages, slot, entry_ok, pt_group, first_col, num_cols, c_ok, stride_pp,
-                    CODE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, FP4_BLOCKS: tl.constexpr):
+def _add_page_terms(logits, scales_ptr, pages, slot, entry_ok, term0, term1, CODE: tl.constexpr, D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, FP4_BLOCKS: tl.constexpr):
     """Residual logits [BLOCK_N, GROUP * H] of a page-centred key tile -> the full logits: times the residual's
-    per-entry scale (fp8-centred), plus q . c of each entry's page from the page-term buffer. FP4_BLOCKS: the
-    logits are the true ones times 2^-6 (the block tiles), so the term is added times 2^-6 (exact)."""
+    per-entry scale (fp8-centred), plus q . c of each entry's page (term0 / term1 [GROUP * H]: the tile's first
+    and second page). FP4_BLOCKS: the logits are the true ones times 2^-6 (the block tiles), so the term is
+    added times 2^-6 (exact)."""
     logits = scale_key_logits(logits, load_logit_scales(scales_ptr, pages, slot, entry_ok, CODE, D), CODE, 0)
-    terms = _group_page_terms(pt_group, first_col, num_cols, c_ok, stride_pp, BLOCK_N)
+    terms = _page_bias(term0, term1, 0, BLOCK_N)
     if FP4_BLOCKS:
         terms = terms * (1.0 / KEY_BLOCK_FACTOR)
     return logits + terms
+
+
+@triton.jit
+def _tile_terms(pt_group, n_start, num_cols, c_ok, stride_pp, PAGE_TERM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page terms [GROUP * H] of the pages of the group-kernel key tile starting at entry n_start (its first
+    page; its second, or zeros, for BLOCK_N > 64). The group plans' buffer is [pages, rows, H], so a page's terms
+    for the group's query-head columns are contiguous from pt_group (the group's first row). Zeros without
+    PAGE_TERM (nothing loaded)."""
+    offs = tl.arange(0, c_ok.shape[0])
+    if PAGE_TERM:
+        col = n_start // 64
+        term0 = _load_terms(pt_group + offs, col, num_cols, c_ok, stride_pp)
+        term1 = _load_terms(pt_group + offs, col + 1, num_cols, c_ok & (BLOCK_N > 64), stride_pp)
+    else:
+        term0 = tl.zeros([c_ok.shape[0]], dtype=tl.float32)
+        term1 = term0
+    return term0, term1
 
 
 @triton.jit
@@ -481,26 +513,33 @@ def _index_scores_group_tma_kernel(
                     _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 3, True))
 
     chunk_start = tl.program_id(1) * (PAGES_PER_PROGRAM * 64)
+    # page terms (PAGE_TERM) loaded one page ahead (see the group kernel)
+    num_cols = tl.cdiv(width, 64)
+    now, _ = _tile_terms(pt_group, chunk_start, num_cols, c_ok, stride_pp, PAGE_TERM, 64)
     if INTERPRET:
         # the interpreter cannot take a computed loop bound (see the group kernel)
         for i in range(PAGES_PER_PROGRAM):
-            _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible,
-                            group_visible, scales_ptr, block_table_ptr, out_ptr, pt_group, width, stride_bt,
-                            stride_out, stride_pp, num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET,
-                            PAGE_TERM)
+            nxt, _ = _tile_terms(pt_group, chunk_start + (i + 1) * 64, num_cols, c_ok & (i + 1 < PAGES_PER_PROGRAM),
+                                 stride_pp, PAGE_TERM, 64)
+            _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visible,
+                            group_visible, scales_ptr, block_table_ptr, out_ptr, now, width, stride_bt, stride_out,
+                            num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET, PAGE_TERM)
+            now = nxt
     else:
         busy = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, 64), 0), PAGES_PER_PROGRAM)
         for i in range(0, busy):
-            _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible,
-                            group_visible, scales_ptr, block_table_ptr, out_ptr, pt_group, width, stride_bt,
-                            stride_out, stride_pp, num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET,
-                            PAGE_TERM)
+            nxt, _ = _tile_terms(pt_group, chunk_start + (i + 1) * 64, num_cols, c_ok & (i + 1 < busy), stride_pp,
+                                 PAGE_TERM, 64)
+            _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visible,
+                            group_visible, scales_ptr, block_table_ptr, out_ptr, now, width, stride_bt, stride_out,
+                            num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET, PAGE_TERM)
+            now = nxt
         _fill_idle_tiles(busy, PAGES_PER_PROGRAM, chunk_start, g_rows, g_ok, out_ptr, stride_out, width, 64, GROUP)
 
 
 @triton.jit
-def _score_tma_page(n_start, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok, visible, group_visible,
-                    scales_ptr, block_table_ptr, out_ptr, pt_group, width, stride_bt, stride_out, stride_pp,
+def _score_tma_page(n_start, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visible, group_visible,
+                    scales_ptr, block_table_ptr, out_ptr, term, width, stride_bt, stride_out,
                     num_pages, max_pages, GROUP: tl.constexpr, H: tl.constexpr, PAGE_ROWS: tl.constexpr,
                     D: tl.constexpr, CODE: tl.constexpr, INTERPRET: tl.constexpr, PAGE_TERM: tl.constexpr):
     """Scores of the page holding entries n_start .. n_start + 63 (n_start a multiple of 64, < group_visible)."""
@@ -514,8 +553,7 @@ def _score_tma_page(n_start, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok
         k = key_desc.load([page * PAGE_ROWS, 0])  # [64, D] e4m3, unscaled
         logits = tl.dot(k, q_t)  # [64, GROUP * H]
         if PAGE_TERM:
-            logits = _add_page_terms(logits, scales_ptr, pages, offs_n % 64, entry_ok, pt_group, n_start // 64,
-                                     tl.cdiv(width, 64), c_ok, stride_pp, CODE, D, 64, False)
+            logits = _add_page_terms(logits, scales_ptr, pages, offs_n % 64, entry_ok, term, term, CODE, D, 64, False)
         scores = _head_sum(logits, w, GROUP, H)  # [64, GROUP]
         scores = scale_key_scores(scores, scales_ptr, pages, offs_n % 64, entry_ok, CODE, D, 0)
     else:
@@ -531,8 +569,7 @@ def _score_tma_page(n_start, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, c_ok
         logits += _tma_block_dot(key_desc, row, q_blocks[3], 3, CODE, INTERPRET) \
             * key_block_scale(words, 3, CODE)[:, None]
         if PAGE_TERM:
-            logits = _add_page_terms(logits, scales_ptr, pages, offs_n % 64, entry_ok, pt_group, n_start // 64,
-                                     tl.cdiv(width, 64), c_ok, stride_pp, CODE, D, 64, True)
+            logits = _add_page_terms(logits, scales_ptr, pages, offs_n % 64, entry_ok, term, term, CODE, D, 64, True)
         scores = _head_sum(logits, w, GROUP, H) * KEY_BLOCK_FACTOR
     _store_group_scores(scores, offs_n, visible, g_rows, g_ok, out_ptr, stride_out, width)
 

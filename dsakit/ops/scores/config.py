@@ -76,8 +76,8 @@ class ScoresConfig:
     to cover W in four programs' worth)), warps and stages (None = the format's ``decode_stages``; 8 tiles and 3
     stages above 64 query-head columns per program) of the group kernel; decode_maxnreg / prefill_maxnreg: a
     register cap per thread for the group / tile kernel (None = the launch default: the compiler's choice,
-    except, for keys read by page copies at <= 64 query-head columns per program, 128 for fp4 and fp4-centred
-    and 96 for fp8-centred; a lower cap lets more programs share an SM, at the risk of spills).
+    except, for keys read by page copies at <= 64 query-head columns per program, 128 for fp4, 168 for
+    fp4-centred and 96 for fp8-centred; a lower cap lets more programs share an SM, at the risk of spills).
     decode_fp4: how the group kernel reads fp4 keys: "blocks" (one dot per 32-element scale block on the e2m1
     codes placed in e4m3 bits, each block's scale applied to its dot's result per entry; fp8 tensor cores when
     q is fp8 e4m3, bf16 otherwise) or "dequant" (the keys dequantized to a bf16 tile in registers, one bf16
@@ -198,12 +198,14 @@ class ScoresConfig:
             if columns >= 256 and self.decode_stages is None:
                 stages = 3
             if columns <= 64 and warps == 4 and maxnreg is None:
-                maxnreg = 128
+                # fp4-centred (its page terms loaded a page ahead): 128 registers spill 180 bytes on sm_90a,
+                # 168 none (three programs per SM either way from 144 on); before the terms were prefetched
+                # (b548897) a 144 cap ran 0.617 ms against 0.680 at 128 (64 x 64K)
+                maxnreg = 168 if page_term else 128
         elif page_term and columns <= 64 and warps == 4 and maxnreg is None:
-            # fp8-centred: uncapped, ptxas gives the page-copy kernel 114 registers at 1 x 64 heads (four
-            # programs per SM); under a 96 cap it needs 94 and spills nothing (sm_90a compile), the same as
-            # plain fp8 (94), so it keeps plain fp8's five programs per SM. Not yet timed against the uncapped
-            # kernel (bench_centred_targets.py times both)
+            # fp8-centred: uncapped, ptxas gives the page-copy kernel 128 registers at 1 x 64 heads (four
+            # programs per SM); under a 96 cap it needs 96 and spills nothing (sm_90a compile), plain fp8's
+            # five programs per SM (94 registers)
             maxnreg = 96
         return Launch(64, per_program, warps, stages, maxnreg)
 

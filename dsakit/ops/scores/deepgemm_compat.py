@@ -56,8 +56,8 @@ _CENTRED_BY_ENTRY_BYTES = {KeyFormat.FP8_CENTRED.page_bytes // ENTRIES_PER_PAGE:
 def _as_pool(kv_cache: torch.Tensor, entry_bytes: tuple[int, ...] = (INDEX_HEAD_DIM + 4,)) -> torch.Tensor:
     """uint8 [pages, 64, 1, E] (or any 1-byte dtype), E one of ``entry_bytes`` -> uint8 [pages, 64 E] view,
     never a copy."""
-    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or tuple(kv_cache.shape[1:3]) != (
-            ENTRIES_PER_PAGE, 1) or kv_cache.shape[3] not in entry_bytes:
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 \
+            or tuple(kv_cache.shape[1:3]) != (ENTRIES_PER_PAGE, 1) or kv_cache.shape[3] not in entry_bytes:
         wanted = " or ".join(f"[pages, 64, 1, {e}]" for e in entry_bytes)
         raise ValueError(f"kv_cache must be {wanted}, got "
                          f"{list(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")

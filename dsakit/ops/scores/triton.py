@@ -312,6 +312,13 @@ def _has_tma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def _check_page_term_tile(codec, fmt, launch: Launch) -> None:
+    """The scores kernels add the page terms of at most two pages per key tile (BLOCK_N <= 128)."""
+    if codec.page_term and launch.block_n > 128:
+        raise ValueError(f"{fmt.name} keys take key tiles of at most 128 entries (two pages), got block_n = "
+                         f"{launch.block_n}")
+
+
 def page_term_buffer(kernel: str, rows: int, width: int, num_heads: int, device) -> tuple[torch.Tensor, tuple]:
     """The page-term buffer of a launch: fp32 q . c per (sorted query position s, page column p, head h) for
     ``rows`` queries and the cdiv(width, 64) page columns of ``width`` score columns, with its strides
@@ -393,12 +400,14 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
     if tiles.kernel == "group":
         fp4_blocks = codec.entry_code == KeyCode.FP4 and config.decode_fp4 == "blocks"
         launch = config.group_launch(name, columns, width, fp4_blocks)
+        _check_page_term_tile(codec, fmt, launch)
         grid = (tiles.num_tiles, triton.cdiv(width, launch.block_n * launch.per_program))
         _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=launch.block_n,
                                          TILES_PER_PROGRAM=launch.per_program, FP4_BLOCKS=fp4_blocks,
                                          **_launch_options(launch), **common)
         return out
     launch = config.tile_launch(name, tiles.size)
+    _check_page_term_tile(codec, fmt, launch)
     grid = (tiles.num_tiles * triton.cdiv(width, launch.block_n),)
     _index_scores_tile_kernel[grid](*args, BLOCK_T=tiles.size, BLOCK_N=launch.block_n, **_launch_options(launch),
                                     **common)
