@@ -481,7 +481,7 @@ def _index_scores_group_tma_kernel(
     pt_ptr, stride_ps, stride_pp, stride_ph,
     HAS_POS: tl.constexpr, HAS_Q_SCALE: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr,
     PAGES_PER_PROGRAM: tl.constexpr, PAGE_ROWS: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
-    CODE: tl.constexpr = FP8_CODE, PAGE_TERM: tl.constexpr = False,
+    CODE: tl.constexpr = FP8_CODE, PAGE_TERM: tl.constexpr = False, LOOKAHEAD: tl.constexpr = 1,
 ):
     """The group kernel with one whole page per key tile, loaded by the tensor memory accelerator, for fp8
     keys with e4m3 queries and fp4 keys (any query dtype). A page's key bytes are one contiguous box, so a
@@ -513,27 +513,39 @@ def _index_scores_group_tma_kernel(
                     _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 3, True))
 
     chunk_start = tl.program_id(1) * (PAGES_PER_PROGRAM * 64)
-    # page terms (PAGE_TERM) loaded one page ahead (see the group kernel)
+    # page terms (PAGE_TERM) loaded LOOKAHEAD (1 or 2) pages ahead: a load of memory the pass wrote long before
+    # waits on DRAM, under full bandwidth longer than a page's work at plain fp8 speed (~1.5 us per program;
+    # H200 b548897, loaded in the same iteration: 2.4x plain fp8)
     num_cols = tl.cdiv(width, 64)
     now, _ = _tile_terms(pt_group, chunk_start, num_cols, c_ok, stride_pp, PAGE_TERM, 64)
+    if LOOKAHEAD == 2:
+        nxt, _ = _tile_terms(pt_group, chunk_start + 64, num_cols, c_ok, stride_pp, PAGE_TERM, 64)
     if INTERPRET:
         # the interpreter cannot take a computed loop bound (see the group kernel)
         for i in range(PAGES_PER_PROGRAM):
-            nxt, _ = _tile_terms(pt_group, chunk_start + (i + 1) * 64, num_cols, c_ok & (i + 1 < PAGES_PER_PROGRAM),
-                                 stride_pp, PAGE_TERM, 64)
+            later, _ = _tile_terms(pt_group, chunk_start + (i + LOOKAHEAD) * 64, num_cols,
+                                   c_ok & (i + LOOKAHEAD < PAGES_PER_PROGRAM), stride_pp, PAGE_TERM, 64)
             _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visible,
                             group_visible, scales_ptr, block_table_ptr, out_ptr, now, width, stride_bt, stride_out,
                             num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET, PAGE_TERM)
-            now = nxt
+            if LOOKAHEAD == 2:
+                now = nxt
+                nxt = later
+            else:
+                now = later
     else:
         busy = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, 64), 0), PAGES_PER_PROGRAM)
         for i in range(0, busy):
-            nxt, _ = _tile_terms(pt_group, chunk_start + (i + 1) * 64, num_cols, c_ok & (i + 1 < busy), stride_pp,
-                                 PAGE_TERM, 64)
+            later, _ = _tile_terms(pt_group, chunk_start + (i + LOOKAHEAD) * 64, num_cols,
+                                   c_ok & (i + LOOKAHEAD < busy), stride_pp, PAGE_TERM, 64)
             _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visible,
                             group_visible, scales_ptr, block_table_ptr, out_ptr, now, width, stride_bt, stride_out,
                             num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET, PAGE_TERM)
-            now = nxt
+            if LOOKAHEAD == 2:
+                now = nxt
+                nxt = later
+            else:
+                now = later
         _fill_idle_tiles(busy, PAGES_PER_PROGRAM, chunk_start, g_rows, g_ok, out_ptr, stride_out, width, 64, GROUP)
 
 

@@ -395,7 +395,8 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         _index_scores_group_tma_kernel[grid](
             *tma_args, HAS_POS=has_pos, HAS_Q_SCALE=q_scale is not None, H=num_heads, GROUP=tiles.size,
             PAGES_PER_PROGRAM=launch.per_program, PAGE_ROWS=fmt.page_bytes // row_bytes, D=d,
-            INTERPRET=triton_interpreted(), CODE=int(codec.code), PAGE_TERM=codec.page_term, **_launch_options(launch))
+            INTERPRET=triton_interpreted(), CODE=int(codec.code), PAGE_TERM=codec.page_term,
+            LOOKAHEAD=launch.lookahead, **_launch_options(launch))
         return out
     if tiles.kernel == "group":
         fp4_blocks = codec.entry_code == KeyCode.FP4 and config.decode_fp4 == "blocks"
