@@ -18,7 +18,7 @@ import torch
 
 from ._memory import check_fits, check_int, parse_device
 from .batch import PagedBatch, check_table_size
-from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat
+from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat, is_centred
 # the raw pool access lives one floor down (dsakit.pool); these names stay importable from here
 from .pool import (check_pool, check_slots, dequantize_entries, num_slots, read_entries, sequence_slots,  # noqa: F401
                    store_entries, write_entries)
@@ -125,15 +125,26 @@ class PagedCache:
         table = self._tables[seq_id]
         keep = (length + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
         self._table_rows.pop(seq_id, None)
-        self._free.extend(reversed(table[keep:]))
+        self._release(table[keep:])
         del table[keep:]
         self._lengths[seq_id] = length
 
     def free_sequence(self, seq_id: int) -> None:
         self._check_seq(seq_id)
         self._table_rows.pop(seq_id, None)
-        self._free.extend(reversed(self._tables.pop(seq_id)))
+        self._release(self._tables.pop(seq_id))
         del self._lengths[seq_id]
+
+    def _release(self, pages: list[int]) -> None:
+        """Pages back to the free list. A page-centred page also loses its start mark (entry 0's scale bytes
+        zeroed: one small device write), so the next sequence that gets it must store its entry 0 before any
+        other entry, as on a fresh page (:func:`dsakit.pool.check_centre_order`), instead of coding entries
+        against the previous owner's centre."""
+        if pages and is_centred(self.fmt):
+            start = self.fmt.scale_offset_in_page
+            index = torch.tensor(pages, dtype=torch.long, device=self.pool.device)
+            self.pool[index, start: start + self.fmt.scale_bytes] = 0
+        self._free.extend(reversed(pages))
 
     def slots(self, seq_id: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Slots int64 [end - start] of a sequence's entries start..end-1."""

@@ -383,3 +383,31 @@ def test_paged_cache_batch_equals_the_validated_batch():
         cache.batch([a], ratio=0)
     with pytest.raises(ValueError, match="attention entries"):
         PagedCache(AttentionKVFormat.BF16, 1).batch([])
+
+
+@pytest.mark.parametrize("how", ["free", "truncate"])
+def test_a_reused_centred_page_must_be_started_again(how):
+    """A page-centred page freed by one sequence and handed to the next loses its start mark: writing its
+    entries 1.. before entry 0 is refused, as on a fresh page (it was coded against the old owner's centre)."""
+    cache = PagedCache(KeyFormat.FP8_CENTRED, num_pages=1)
+    first = cache.add_sequence()
+    cache.write(cache.append(first, 64), torch.randn(64, 128))
+    if how == "free":
+        cache.free_sequence(first)
+        seq = cache.add_sequence()
+    else:
+        cache.truncate(first, 0)
+        seq = first
+    slots = cache.append(seq, 3)
+    before = cache.pool.clone()
+    with pytest.raises(ValueError, match="entry 0"):
+        cache.write(slots[1:], torch.randn(2, 128))
+    assert torch.equal(cache.pool, before)
+    cache.write(slots, torch.randn(3, 128))  # entry 0 first (in the same call): the page starts again
+    # a plain format keeps its bytes: nothing to restart
+    plain = PagedCache(KeyFormat.FP8, num_pages=1)
+    s = plain.add_sequence()
+    plain.write(plain.append(s, 2), torch.randn(2, 128))
+    kept = plain.pool.clone()
+    plain.free_sequence(s)
+    assert torch.equal(plain.pool, kept)
