@@ -156,14 +156,17 @@ def gather_entries(pool: torch.Tensor, fmt: AttentionKVFormat, indices: torch.Te
     valid = (idx >= 0) & (idx < num_slots(pool))
     if length is not None:
         valid &= torch.arange(k).unsqueeze(0) < length.detach().cpu().long().unsqueeze(1)
-    slots = idx[valid]
+    # each distinct slot is dequantized once (a prefill's windows name every slot up to 128 times), then one
+    # gather lays the rows out; row `len(slots)` is the zero row of the invalid positions
+    slots, where = torch.unique(idx[valid], return_inverse=True)
     value_start, scale_start = fmt.byte_offsets(slots)
     flat = pool.detach().cpu().reshape(-1)
     values = flat[value_start.unsqueeze(1) + torch.arange(fmt.value_bytes)]
     scales = flat[scale_start.unsqueeze(1) + torch.arange(fmt.scale_bytes)]
-    kv = torch.zeros(t, k, fmt.head_dim)
-    kv[valid] = fmt.dequantize(values, scales)
-    return kv, valid
+    rows = torch.cat([fmt.dequantize(values, scales), torch.zeros(1, fmt.head_dim)])
+    pick = torch.full((t, k), len(slots), dtype=torch.long)
+    pick[valid] = where
+    return rows[pick], valid
 
 
 def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, *,
