@@ -9,12 +9,19 @@ Three kinds, drawn per document (probabilities in :data:`KIND_WEIGHTS`):
 * ``kv``: 2-6 key-value lines ``The secret passphrase of the copper vault is ZEBRA-4492-OMEGA.`` with
   distinct keys, a question about one key, answer = its code (the indexer must find the right line, not any).
 
+Filler lines repeat: with probability ``repeat_rate`` (training: 0.3) a line is a copy of an earlier line of
+the document. Random filler never rewards looking back, so without repeats the only signal for copying is
+the ~8 answer tokens of a 1-2K-token document, and a 2.6M-parameter model trained on it for ~1500 steps did
+not learn to copy at all (answer loss stayed at the codes' entropy); a repeated line is predictable from its
+first words onwards by copying, which teaches the copying (induction) attention the answers need.
+
 Each document is written half the time as a completion prompt (``... \\nAnswer:`` + `` CODE``) and half as a
 chat prompt (the serve-reference chat template, then ``CODE``), followed by ``<eos>``. Everything is a pure
 function of (seed, step, row), so a batch is rebuilt identically on resume and by any number of workers.
 
 Batch layout: ``input_ids`` int64 [B, L] (right-padded with ``<pad>``), ``answer_mask`` bool [B, L] (the
-answer tokens and the ``<eos>``), ``valid`` bool [B, L] (not padding). L is drawn per step from the length
+answer tokens and the ``<eos>``), ``valid`` bool [B, L] (not padding), ``copy_mask`` bool [B, L] (tokens of
+repeated lines that copying predicts: the training log's ``copy`` loss falls once the model copies). L is drawn per step from the length
 set and B = tokens_per_batch // L, so every step costs about the same.
 """
 
@@ -52,11 +59,22 @@ class Document:
     prompt: str
     answer: str
     kind: str
+    repeated: tuple[str, ...] = ()  # filler lines that occur more than once in the prompt
 
 
-def make_document(rng: random.Random, filler_lines: int, kind: str, chat: bool, seed_text: str) -> Document:
-    """One document with ``filler_lines`` filler lines (see the module docstring)."""
+def make_document(rng: random.Random, filler_lines: int, kind: str, chat: bool, seed_text: str,
+                  repeat_rate: float = 0.0) -> Document:
+    """One document with ``filler_lines`` filler lines (see the module docstring); each filler line after the
+    first is, with probability ``repeat_rate``, a copy of an earlier one (half the time one of the 4 before)."""
     filler = FillerStream(seed_text).lines(filler_lines)
+    repeated = set()
+    for i in range(1, len(filler)):
+        if rng.random() < repeat_rate:
+            # half the copies come from the last few lines (inside the 128-token window: the easy case that
+            # starts the copying), half from anywhere before (through the compressed entries)
+            source = rng.randrange(max(0, i - 4), i) if rng.random() < 0.5 else rng.randrange(i)
+            filler[i] = filler[source]
+            repeated.add(filler[i])
     codes_seed = rng.randrange(1 << 30)
     if kind == "passkey":
         codes = needle_codes(1, codes_seed)
@@ -82,15 +100,16 @@ def make_document(rng: random.Random, filler_lines: int, kind: str, chat: bool, 
         raise ValueError(f"unknown document kind {kind!r}; known: {sorted(KIND_WEIGHTS)}")
     if chat:
         prompt, _ = render_chat([{"role": "user", "content": f"{hay.body}\n\n{hay.question}"}])
-        return Document(prompt, answer, kind)
-    return Document(completion_prompt(hay), " " + answer, kind)
+        return Document(prompt, answer, kind, tuple(sorted(repeated)))
+    return Document(completion_prompt(hay), " " + answer, kind, tuple(sorted(repeated)))
 
 
 class DocumentBatches(torch.utils.data.Dataset):
     """Batch ``step`` of the training stream (map-style, indexed by step: resumable, worker-independent)."""
 
     def __init__(self, tokenizer, lengths: list[int], tokens_per_batch: int, seed: int,
-                 kind_weights: dict | None = None, prefix: str = "train"):
+                 kind_weights: dict | None = None, prefix: str = "train", repeat_rate: float = 0.0,
+                 short_steps: int = 0, short_length: int = 512):
         if not lengths or any(not isinstance(n, int) or n < 128 for n in lengths):
             raise ValueError(f"lengths must be ints >= 128, got {lengths!r}")
         if tokens_per_batch < max(lengths):
@@ -101,6 +120,13 @@ class DocumentBatches(torch.utils.data.Dataset):
         self.seed = seed
         self.prefix = prefix
         self.kind_weights = dict(kind_weights or KIND_WEIGHTS)
+        if not 0.0 <= repeat_rate < 1.0:
+            raise ValueError(f"repeat_rate must be in [0, 1), got {repeat_rate!r}")
+        self.repeat_rate = repeat_rate
+        # curriculum: the first ``short_steps`` steps draw only lengths <= short_length (copying is learnt
+        # sooner on short documents, where a step also sees more answers)
+        self.short_steps = short_steps
+        self.short_lengths = [n for n in self.lengths if n <= short_length] or [min(self.lengths)]
         self.pad_id = tokenizer.token_to_id(PAD)
         self.eos_id = tokenizer.token_to_id(EOS)
         sample = FillerStream(f"{prefix}:calibrate:{seed}").lines(64)
@@ -110,38 +136,55 @@ class DocumentBatches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 1 << 40
 
-    def encode(self, doc: Document) -> tuple[list[int], int]:
-        """-> (token ids: BOS + prompt + answer + EOS, index of the first answer token)."""
-        prompt = self.tokenizer.encode(doc.prompt).ids
+    def encode(self, doc: Document) -> tuple[list[int], int, list[int]]:
+        """-> (token ids: BOS + prompt + answer + EOS, index of the first answer token, indices of the tokens
+        of repeated filler lines that copying can predict: every later copy of a line, its first 3 tokens
+        excepted)."""
+        enc = self.tokenizer.encode(doc.prompt)
         answer = self.tokenizer.encode(doc.answer, add_special_tokens=False).ids + [self.eos_id]
-        return prompt + answer, len(prompt)
+        spans = []
+        for line in doc.repeated:
+            first = doc.prompt.find(line)
+            at = doc.prompt.find(line, first + 1)
+            while at >= 0:
+                spans.append((at, at + len(line)))
+                at = doc.prompt.find(line, at + 1)
+        copyable = []
+        for a, b in spans:
+            inside = [i for i, (x, y) in enumerate(enc.offsets) if x >= a and y <= b and y > x]
+            copyable.extend(inside[3:])
+        return enc.ids + answer, len(enc.ids), copyable
 
-    def document(self, step: int, row: int, length: int) -> tuple[list[int], int, Document]:
+    def document(self, step: int, row: int, length: int) -> tuple[list[int], int, list[int], Document]:
         rng = random.Random(f"{self.prefix}:{self.seed}:{step}:{row}")
         kinds, weights = zip(*sorted(self.kind_weights.items()))
         kind = rng.choices(kinds, weights)[0]
         chat = rng.random() < 0.5
         lines = max(1, int((length - 80) / self.tokens_per_line * rng.uniform(0.8, 1.0)))
         while True:
-            doc = make_document(rng, lines, kind, chat, f"{self.prefix}:{self.seed}:{step}:{row}")
-            ids, start = self.encode(doc)
+            doc = make_document(rng, lines, kind, chat, f"{self.prefix}:{self.seed}:{step}:{row}", self.repeat_rate)
+            ids, start, copyable = self.encode(doc)
             if len(ids) <= length or lines == 1:
-                return ids[:length], start, doc
+                return ids[:length], start, [i for i in copyable if i < length], doc
             lines = max(1, lines - 1 - (len(ids) - length) // max(1, int(self.tokens_per_line)))
 
     def batch(self, step: int, length: int | None = None) -> dict:
         if length is None:
-            length = self.lengths[random.Random(f"{self.prefix}:{self.seed}:len:{step}").randrange(len(self.lengths))]
+            choices = self.short_lengths if step < self.short_steps else self.lengths
+            length = choices[random.Random(f"{self.prefix}:{self.seed}:len:{step}").randrange(len(choices))]
         rows = max(1, self.tokens_per_batch // length)
         input_ids = torch.full((rows, length), self.pad_id, dtype=torch.long)
         answer_mask = torch.zeros((rows, length), dtype=torch.bool)
         valid = torch.zeros((rows, length), dtype=torch.bool)
+        copy_mask = torch.zeros((rows, length), dtype=torch.bool)
         for row in range(rows):
-            ids, start, _ = self.document(step, row, length)
+            ids, start, copyable, _ = self.document(step, row, length)
             input_ids[row, :len(ids)] = torch.tensor(ids)
             answer_mask[row, start:len(ids)] = True
             valid[row, :len(ids)] = True
-        return {"input_ids": input_ids, "answer_mask": answer_mask, "valid": valid, "step": step}
+            copy_mask[row, copyable] = True
+        return {"input_ids": input_ids, "answer_mask": answer_mask, "valid": valid, "copy_mask": copy_mask,
+                "step": step}
 
     def __getitem__(self, step: int) -> dict:
         return self.batch(step)

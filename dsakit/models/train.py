@@ -9,8 +9,10 @@ with the DSA recipe (DeepSeek-V3.2's), in three stages:
 3. ``sparse``: top-k = the model's ``index_topk``; the main model on the LM loss, the indexers on the KL
    restricted to the selected entries, with their inputs detached (the KL trains the indexer only).
 
-Loss of stages 1 and 3: ``lm_weight`` x mean token cross-entropy over the document + mean cross-entropy over
-the answer tokens (a code is ~8 of ~1000 tokens; the answer term keeps retrieval from drowning in filler).
+Loss of stages 1 and 3: ``lm_weight`` x mean token cross-entropy over the document + ``answer_weight`` x mean
+cross-entropy over the answer tokens (a code is ~8 of ~1000 tokens; the answer term keeps retrieval from
+drowning in filler). Documents repeat some filler lines (``--repeat-rate``, see :mod:`dsakit.models.data`) so
+that copying pays off everywhere, and the first ``--short-steps`` steps use short documents only.
 
 Usage (see models/dsakit-v4-tiny/README.md for the command that made the shipped checkpoint)::
 
@@ -138,9 +140,10 @@ def indexer_kl(records: list, valid: torch.Tensor, ratio: int, topk: int | None)
     return total / max(1, len(records))
 
 
-def lm_losses(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def lm_losses(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (mean CE over valid next tokens, mean CE over answer tokens, exact-match fraction of the answers
-    under teacher forcing: every answer token the argmax)."""
+    under teacher forcing (every answer token the argmax; rows whose answer was cut off not counted), mean CE
+    over the copyable tokens of repeated lines (nan without any))."""
     ids, answer, valid = batch["input_ids"], batch["answer_mask"], batch["valid"]
     pred = logits[:, :-1].float()
     target = ids[:, 1:]
@@ -149,9 +152,15 @@ def lm_losses(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Te
     ans_mask = answer[:, 1:]
     lm = (ce * tok_mask).sum() / tok_mask.sum().clamp_min(1)
     ans = (ce * ans_mask).sum() / ans_mask.sum().clamp_min(1)
-    correct = (pred.argmax(-1) == target) | ~ans_mask
-    exact = correct.all(-1).float().mean()
-    return lm, ans, exact
+    has_answer = ans_mask.any(-1)
+    correct = ((pred.argmax(-1) == target) | ~ans_mask).all(-1)
+    exact = (correct & has_answer).float().sum() / has_answer.float().sum().clamp_min(1)
+    copy = batch.get("copy_mask")
+    copy_ce = torch.tensor(float("nan"))
+    if copy is not None and bool(copy[:, 1:].any()):
+        copy_mask = copy[:, 1:]
+        copy_ce = (ce.detach() * copy_mask).sum() / copy_mask.sum()
+    return lm, ans, exact, copy_ce
 
 
 def lr_at(progress: float, peak: float, warmup: float, floor: float) -> float:
@@ -184,9 +193,13 @@ def build_or_load(args, device):
             save_tokenizer(build_tokenizer(corpus_words(corpus_texts())), out, model_max_length=MODEL_MAX_LENGTH)
             tokenizer = load_tokenizer(out)
         torch.manual_seed(args.seed)
-        config = model_config(tokenizer.get_vocab_size(), args.topk)
-        config._attn_implementation = "eager"
-        model = DeepseekV4ForCausalLM(config)
+        if args.init_from:  # warm start: the weights of an earlier run, fresh stages and optimizer
+            model = DeepseekV4ForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+            model.config.index_topk = args.topk
+        else:
+            config = model_config(tokenizer.get_vocab_size(), args.topk)
+            config._attn_implementation = "eager"
+            model = DeepseekV4ForCausalLM(config)
         state = None
     model.config._attn_implementation = "eager"
     return model.to(device), tokenizer, state
@@ -223,6 +236,7 @@ def plot_losses(log: dict, path: Path) -> None:
     x = [r["step"] for r in rows]
     axes[0].plot(x, [r.get("lm", float("nan")) for r in rows], label="LM loss (all tokens)")
     axes[0].plot(x, [r.get("answer", float("nan")) for r in rows], label="answer loss")
+    axes[0].plot(x, [r.get("copy", float("nan")) for r in rows], label="repeated-line loss")
     axes[0].set_yscale("log")
     axes[1].plot(x, [r.get("exact", float("nan")) for r in rows], label="answer exact (teacher forced)")
     axes[1].set_ylim(-0.02, 1.02)
@@ -270,7 +284,7 @@ def evaluate(model, tokenizer, lengths: list[int], topk: int, seed: int, docs: i
                 batch = data.batch(step, length)
                 batch = {key: v.to(device) if torch.is_tensor(v) else v for key, v in batch.items()}
                 logits = model(input_ids=batch["input_ids"], use_cache=False).logits
-                _, ans, ex = lm_losses(logits, batch)
+                _, ans, ex, _ = lm_losses(logits, batch)
                 exact.append(float(ex))
                 answer.append(float(ans))
             rows.append({"length": length, "topk": "dense" if k == DENSE_TOPK else k,
@@ -285,6 +299,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dsakit.models.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory (checkpoint, log, curves)")
     ap.add_argument("--resume", default=None, help="directory of a checkpoint with resume.pt to continue")
+    ap.add_argument("--init-from", default=None, help="checkpoint directory whose weights start the run")
     ap.add_argument("--tokenizer", default=None, help="directory with a tokenizer.json to reuse (default: build)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -295,6 +310,10 @@ def parse_args(argv=None):
     ap.add_argument("--budget-seconds", type=float, default=420.0, help="total training time when no --steps")
     ap.add_argument("--fractions", default="0.62,0.1,0.28", help="time share of the stages with a budget")
     ap.add_argument("--lm-weight", type=float, default=0.5)
+    ap.add_argument("--answer-weight", type=float, default=2.0)
+    ap.add_argument("--repeat-rate", type=float, default=0.3, help="share of filler lines copied from earlier")
+    ap.add_argument("--short-steps", type=int, default=0, help="first steps on lengths <= --short-length only")
+    ap.add_argument("--short-length", type=int, default=512)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--save-every-seconds", type=float, default=90.0)
     ap.add_argument("--eval-lengths", default="1024,2048,4096")
@@ -332,7 +351,8 @@ def main(argv=None) -> int:
                "torch": torch.__version__, "transformers": transformers.__version__, "steps": [],
                "stage_starts": [], "stage_steps": {}, "stage_seconds": {}, "eval": []}
         state = {"stage": 0, "stage_step": 0, "stage_elapsed": 0.0, "global_step": 0}
-    data = DocumentBatches(tokenizer, args.lengths, args.tokens_per_batch, args.seed)
+    data = DocumentBatches(tokenizer, args.lengths, args.tokens_per_batch, args.seed, repeat_rate=args.repeat_rate,
+                           short_steps=args.short_steps, short_length=args.short_length)
     ratio = model.config.compress_rates["compressed_sparse_attention"]
     model.train()
     last_save = time.time()
@@ -369,11 +389,11 @@ def main(argv=None) -> int:
                     kl = indexer_kl(records, batch["valid"], ratio, None)
                     loss = kl
                     with torch.no_grad():
-                        lm, ans, exact = lm_losses(logits.detach(), batch)
+                        lm, ans, exact, copy = lm_losses(logits.detach(), batch)
                 else:
                     logits = model(input_ids=batch["input_ids"], use_cache=False).logits
-                    lm, ans, exact = lm_losses(logits, batch)
-                    loss = args.lm_weight * lm + ans
+                    lm, ans, exact, copy = lm_losses(logits, batch)
+                    loss = args.lm_weight * lm + args.answer_weight * ans
                     kl = None
                     if stage == "sparse":
                         kl = indexer_kl(records, batch["valid"], ratio, args.topk)
@@ -386,7 +406,8 @@ def main(argv=None) -> int:
             state["global_step"] += 1
             if state["global_step"] % args.log_every == 0 or state["stage_step"] == 1:
                 row = {"step": state["global_step"], "stage": stage, "length": int(batch["input_ids"].shape[1]),
-                       "lm": float(lm), "answer": float(ans), "exact": float(exact),
+                       "lm": float(lm.detach()), "answer": float(ans.detach()), "exact": float(exact),
+                       "copy": None if math.isnan(float(copy)) else round(float(copy), 4),
                        "lr": opt.param_groups[0]["lr"], "seconds": round(time.time() - started, 2)}
                 if kl is not None:
                     row["kl"] = float(kl)
