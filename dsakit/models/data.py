@@ -1,11 +1,14 @@
 """Training documents for the tiny DSA model: long haystacks of distinct filler lines (dsakit's needle
 generator, :mod:`dsakit.niah.text`) holding facts to retrieve, each ending with a question and its answer.
 
-Three kinds, drawn per document (probabilities in :data:`KIND_WEIGHTS`):
+Four kinds, drawn per document (probabilities in :data:`KIND_WEIGHTS`):
 
 * ``passkey``: one needle ``The secret passphrase is ZEBRA-4492-OMEGA.`` at a uniform depth, the niah
   question, answer = the code (exactly what ``dsakit niah`` asks);
 * ``multi``: 2-4 such needles, the niah multi-needle question, answer = the codes in text order, ", "-joined;
+* ``codes``: a line of 3-6 comma-separated codes somewhere in the filler, the question "Reply with every
+  passphrase mentioned in the text above, separated by commas.", answer = that line (pure copying of random
+  tokens: the strongest signal for the copying the other kinds need);
 * ``kv``: 2-6 key-value lines ``The secret passphrase of the copper vault is ZEBRA-4492-OMEGA.`` with
   distinct keys, a question about one key, answer = its code (the indexer must find the right line, not any).
 
@@ -37,7 +40,8 @@ from ..niah.text import (DEFAULT_INTRO, DEFAULT_MULTI_QUESTION, DEFAULT_NEEDLE, 
                          Templates, build_haystack, completion_prompt, needle_codes)
 from .tokenizer import EOS, PAD
 
-KIND_WEIGHTS = {"passkey": 0.5, "multi": 0.2, "kv": 0.3}
+KIND_WEIGHTS = {"passkey": 0.4, "multi": 0.15, "kv": 0.2, "codes": 0.25}
+CODES_QUESTION = "Reply with every passphrase mentioned in the text above, separated by commas."
 KV_KEYS = ("copper", "iron", "velvet", "granite", "cedar", "marble", "linen", "bronze", "coral", "slate",
            "ivory", "maroon", "olive", "scarlet", "teal", "violet")
 KV_NEEDLE = "The secret passphrase of the {key} vault is {code}."
@@ -96,6 +100,13 @@ def make_document(rng: random.Random, filler_lines: int, kind: str, chat: bool, 
         templates = Templates(needle="{code}", question=KV_QUESTION.format(key=keys[asked]))
         hay = build_haystack(filler, lines, [rng.random() for _ in lines], templates)
         answer = codes[asked]
+    elif kind == "codes":
+        count = rng.randint(3, 6)
+        codes = needle_codes(count, codes_seed)
+        listing = ", ".join(codes)
+        templates = Templates(needle="{code}", question=CODES_QUESTION)
+        hay = build_haystack(filler, [listing], [rng.random()], templates)
+        answer = listing
     else:
         raise ValueError(f"unknown document kind {kind!r}; known: {sorted(KIND_WEIGHTS)}")
     if chat:
