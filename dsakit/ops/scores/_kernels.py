@@ -513,11 +513,11 @@ def _index_scores_group_tma_kernel(
                     _load_q_block(q_ptr, c_rows, c_head, c_ok, stride_qt, stride_qh, 3, True))
 
     chunk_start = tl.program_id(1) * (PAGES_PER_PROGRAM * 64)
-    # page terms (PAGE_TERM) loaded LOOKAHEAD (1 or 2) pages ahead: a load of memory the pass wrote long before
-    # waits on DRAM, under full bandwidth longer than a page's work at plain fp8 speed (~1.5 us per program;
-    # H200 b548897, loaded in the same iteration: 2.4x plain fp8)
+    # page terms (PAGE_TERM) loaded LOOKAHEAD pages ahead of their use (0: in the page's own iteration). H200
+    # (64 x 64K, b548897 / d405359): fp8-centred 0.514 ms with 0 (96-register cap) against 0.568 with 2 (112,
+    # one program per SM fewer); fp4-centred 0.581 with 1 (168) against 0.617 / 0.680 with 0 (144 / 128)
     num_cols = tl.cdiv(width, 64)
-    now, _ = _tile_terms(pt_group, chunk_start, num_cols, c_ok, stride_pp, PAGE_TERM, 64)
+    now, _ = _tile_terms(pt_group, chunk_start, num_cols, c_ok, stride_pp, PAGE_TERM and LOOKAHEAD > 0, 64)
     if LOOKAHEAD == 2:
         nxt, _ = _tile_terms(pt_group, chunk_start + 64, num_cols, c_ok, stride_pp, PAGE_TERM, 64)
     if INTERPRET:
@@ -525,26 +525,30 @@ def _index_scores_group_tma_kernel(
         for i in range(PAGES_PER_PROGRAM):
             later, _ = _tile_terms(pt_group, chunk_start + (i + LOOKAHEAD) * 64, num_cols,
                                    c_ok & (i + LOOKAHEAD < PAGES_PER_PROGRAM), stride_pp, PAGE_TERM, 64)
+            if LOOKAHEAD == 0:
+                now = later
             _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visible,
                             group_visible, scales_ptr, block_table_ptr, out_ptr, now, width, stride_bt, stride_out,
                             num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET, PAGE_TERM)
             if LOOKAHEAD == 2:
                 now = nxt
                 nxt = later
-            else:
+            elif LOOKAHEAD == 1:
                 now = later
     else:
         busy = tl.minimum(tl.maximum(tl.cdiv(group_visible - chunk_start, 64), 0), PAGES_PER_PROGRAM)
         for i in range(0, busy):
             later, _ = _tile_terms(pt_group, chunk_start + (i + LOOKAHEAD) * 64, num_cols,
                                    c_ok & (i + LOOKAHEAD < busy), stride_pp, PAGE_TERM, 64)
+            if LOOKAHEAD == 0:
+                now = later
             _score_tma_page(chunk_start + i * 64, key_desc, q_t, q_blocks, w, seq, g_rows, g_ok, visible,
                             group_visible, scales_ptr, block_table_ptr, out_ptr, now, width, stride_bt, stride_out,
                             num_pages, max_pages, GROUP, H, PAGE_ROWS, D, CODE, INTERPRET, PAGE_TERM)
             if LOOKAHEAD == 2:
                 now = nxt
                 nxt = later
-            else:
+            elif LOOKAHEAD == 1:
                 now = later
         _fill_idle_tiles(busy, PAGES_PER_PROGRAM, chunk_start, g_rows, g_ok, out_ptr, stride_out, width, 64, GROUP)
 

@@ -38,7 +38,7 @@ class Launch:
     block_n: key tile (entries); per_program: key tiles (pages for the page-copy kernel) per program of a
     decode kernel (1 for the tile kernel); warps, stages; maxnreg: register cap per thread (None: the
     compiler's choice); lookahead: how many key tiles ahead the page-copy kernel loads page terms (page-centred
-    keys)."""
+    keys; 0 = in the tile's own iteration)."""
 
     block_n: int
     per_program: int
@@ -79,7 +79,7 @@ class ScoresConfig:
     stages above 64 query-head columns per program) of the group kernel; decode_maxnreg / prefill_maxnreg: a
     register cap per thread for the group / tile kernel (None = the launch default: the compiler's choice,
     except, for keys read by page copies at <= 64 query-head columns per program, 128 for fp4, 168 for
-    fp4-centred and 112 for fp8-centred; a lower cap lets more programs share an SM, at the risk of spills).
+    fp4-centred and 96 for fp8-centred; a lower cap lets more programs share an SM, at the risk of spills).
     decode_fp4: how the group kernel reads fp4 keys: "blocks" (one dot per 32-element scale block on the e2m1
     codes placed in e4m3 bits, each block's scale applied to its dot's result per entry; fp8 tensor cores when
     q is fp8 e4m3, bf16 otherwise) or "dequant" (the keys dequantized to a bf16 tile in registers, one bf16
@@ -207,10 +207,11 @@ class ScoresConfig:
                 maxnreg = 168 if page_term else 128
             return Launch(64, per_program, warps, stages, maxnreg, 1)
         if page_term and columns <= 64 and warps == 4 and maxnreg is None:
-            # fp8-centred, page terms two pages ahead (a page takes ~1.5 us per program at plain fp8 speed):
-            # 112 registers, no spill on sm_90a (96 spill 92 bytes); four programs per SM
-            maxnreg = 112
-        return Launch(64, per_program, warps, stages, maxnreg, 2 if page_term else 1)
+            # fp8-centred, page terms loaded in their page's iteration under a 96-register cap (no spill on
+            # sm_90a, five programs per SM): 0.514 ms at 64 x 64K on the H200 (b548897) against 0.568 with the
+            # terms two pages ahead at 112 registers (d405359); uncapped 0.509 (b548897)
+            maxnreg = 96
+        return Launch(64, per_program, warps, stages, maxnreg, 0 if page_term else 1)
 
     def page_term_launch(self, columns: int = 0) -> Launch:
         """The page-term pass (page-centred formats): block_n = page columns per program; ``columns`` = query-head
