@@ -348,6 +348,7 @@ def parse_args(argv=None):
                     help="initial weight of the attention key norms (see soften_attention_; 1 = transformers')")
     ap.add_argument("--key-norm-lr-mult", type=float, default=10.0, help="learning-rate factor of the key norms")
     ap.add_argument("--repeat-rate", type=float, default=0.3, help="share of filler lines copied from earlier")
+    ap.add_argument("--kinds", default=None, help="document kind weights, e.g. passkey=1,codes=1 (default: data.py's)")
     ap.add_argument("--short-steps", type=int, default=0, help="first steps on lengths <= --short-length only")
     ap.add_argument("--short-length", type=int, default=512)
     ap.add_argument("--log-every", type=int, default=10)
@@ -360,6 +361,8 @@ def parse_args(argv=None):
     args.eval_lengths = [int(x) for x in args.eval_lengths.split(",") if x]
     args.steps = [int(x) for x in args.steps.split(",")] if args.steps else None
     args.fractions = [float(x) for x in args.fractions.split(",")]
+    if args.kinds:
+        args.kinds = {k: float(v) for k, v in (item.split("=") for item in args.kinds.split(","))}
     if args.steps is not None and len(args.steps) != 3 or len(args.fractions) != 3:
         ap.error("--steps and --fractions take three values (dense, indexer, sparse)")
     return args
@@ -387,7 +390,8 @@ def main(argv=None) -> int:
                "torch": torch.__version__, "transformers": transformers.__version__, "steps": [],
                "stage_starts": [], "stage_steps": {}, "stage_seconds": {}, "eval": []}
         state = {"stage": 0, "stage_step": 0, "stage_elapsed": 0.0, "global_step": 0}
-    data = DocumentBatches(tokenizer, args.lengths, args.tokens_per_batch, args.seed, repeat_rate=args.repeat_rate,
+    data = DocumentBatches(tokenizer, args.lengths, args.tokens_per_batch, args.seed, kind_weights=args.kinds,
+                           repeat_rate=args.repeat_rate,
                            short_steps=args.short_steps, short_length=args.short_length)
     ratio = model.config.compress_rates["compressed_sparse_attention"]
     model.train()
