@@ -1,0 +1,57 @@
+"""The tiny DSA model's training code at toy scale (dsakit.models; models/dsakit-v4-tiny/README.md).
+
+The training script runs its three stages (dense, indexer KL, sparse) for a step each on the CPU, logs every
+loss, and writes a checkpoint that loads with ``from_pretrained``. The documents are a pure function of
+(seed, step, row) and hold what the losses need (answer, copyable repeated lines).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+pytest.importorskip("tokenizers")
+
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_DIR = REPO / "models" / "dsakit-v4-tiny"
+
+
+def test_training_script_runs_every_stage_on_the_cpu(tmp_path):
+    from transformers import DeepseekV4ForCausalLM
+
+    from dsakit.models.train import main
+
+    out = tmp_path / "run"
+    assert main(["--out", str(out), "--tokenizer", str(MODEL_DIR), "--device", "cpu", "--steps", "1,1,1",
+                 "--lengths", "256", "--tokens-per-batch", "256", "--log-every", "1", "--eval-docs", "0",
+                 "--workers", "0", "--topk", "4", "--repeat-rate", "0.5"]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert [s["stage"] for s in log["stage_starts"]] == ["dense", "indexer", "sparse"]
+    assert log["stage_steps"] == {"dense": 1, "indexer": 1, "sparse": 1}
+    assert all(r["kl"] > 0 for r in log["steps"] if r["stage"] != "dense")
+    assert (out / "loss_curves.png").stat().st_size > 0
+    model = DeepseekV4ForCausalLM.from_pretrained(out)
+    assert model.config.index_topk == 4
+
+
+def test_documents_are_reproducible_and_hold_their_answers():
+    from dsakit.models.data import DocumentBatches
+    from dsakit.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(MODEL_DIR)
+    data = DocumentBatches(tokenizer, [512], 2048, seed=3, repeat_rate=0.5)
+    a, b = data.batch(7), data.batch(7)
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["copy_mask"], b["copy_mask"])
+    assert a["input_ids"].shape == (4, 512)
+    for row in range(4):
+        ids = a["input_ids"][row][a["valid"][row]].tolist()
+        answer = a["input_ids"][row][a["answer_mask"][row]].tolist()
+        assert answer and answer[-1] == tokenizer.token_to_id("<eos>") and ids[-len(answer):] == answer
+        assert ids[0] == tokenizer.token_to_id("<bos>")
+    # repeated filler lines give copyable tokens, never inside the answer
+    assert int(a["copy_mask"].sum()) > 0 and not bool((a["copy_mask"] & a["answer_mask"]).any())
