@@ -23,8 +23,6 @@ an extra body field ``"dsakit": {"index_key_format": "fp8", "topk": 16}``.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 import threading
 import time
@@ -264,25 +262,9 @@ def serve_model(model_dir: str, *, index_key_format: str = "bf16", topk: int | N
     name = model_name or Path(model_dir).resolve().name
     server = ReferenceHTTPServer((host, port), ModelService(runner, name), FaultConfig(), verbose)
 
-    def stop(signum, frame):  # raise in the serving thread: serve_forever returns, sockets close
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
-    print(f"dsakit serve: listening on {server.url} (model '{name}' from {model_dir} on {device}, index keys "
-          f"{runner.default_format}, top-k {runner.default_topk}, max context {runner.config.max_context})",
-          flush=True)
-    if port_file:
-        tmp = f"{port_file}.tmp{os.getpid()}"
-        with open(tmp, "w") as fh:
-            fh.write(str(server.server_address[1]))
-        os.replace(tmp, port_file)
-    try:
-        server.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-        print("dsakit serve: stopped", file=sys.stderr, flush=True)
+    banner = (f"dsakit serve: listening on {server.url} (model '{name}' from {model_dir} on {device}, index keys "
+              f"{runner.default_format}, top-k {runner.default_topk}, max context {runner.config.max_context})")
+    server.run_until_stopped(banner, "dsakit serve", port_file)
 
 
 def serve_command(

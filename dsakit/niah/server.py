@@ -431,6 +431,27 @@ class ReferenceHTTPServer(ThreadingHTTPServer):
         host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{port}/v1"
 
+    def run_until_stopped(self, banner: str, name: str, port_file: str | None = None) -> None:
+        """Print ``banner``, write the bound port to ``port_file`` (atomically, for harnesses that picked port 0)
+        and serve until SIGINT / SIGTERM; the sockets are closed on the way out. Shared by every dsakit server."""
+        def stop(signum, frame):  # raise in the serving thread: serve_forever returns, sockets close
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)
+        print(banner, flush=True)
+        if port_file:
+            tmp = f"{port_file}.tmp{os.getpid()}"
+            with open(tmp, "w") as fh:
+                fh.write(str(self.server_address[1]))
+            os.replace(tmp, port_file)
+        try:
+            self.serve_forever(poll_interval=0.2)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.server_close()
+            print(f"{name}: stopped", file=sys.stderr, flush=True)
+
 
 def serve(config: RetrievalConfig, faults: FaultConfig = FaultConfig(), host: str = "127.0.0.1", port: int = 0,
           model_name: str = DEFAULT_MODEL_NAME, reasoning: str = "none", port_file: str | None = None,
@@ -442,23 +463,7 @@ def serve(config: RetrievalConfig, faults: FaultConfig = FaultConfig(), host: st
     service = ReferenceService(RetrievalModel(config), model_name, reasoning)
     server = ReferenceHTTPServer((host, port), service, faults, verbose)
 
-    def stop(signum, frame):  # raise in the serving thread: serve_forever returns, sockets close
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
-    print(f"dsakit serve-reference: listening on {server.url} (model '{model_name}', index keys "
-          f"{config.key_format}, top-k {config.topk}, ratio {config.compress_ratio}, common scale "
-          f"{config.common_scale}). A retrieval procedure for testing harnesses, not a language model.",
-          flush=True)
-    if port_file:
-        tmp = f"{port_file}.tmp{os.getpid()}"
-        with open(tmp, "w") as fh:
-            fh.write(str(server.server_address[1]))
-        os.replace(tmp, port_file)
-    try:
-        server.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-        print("dsakit serve-reference: stopped", file=sys.stderr, flush=True)
+    banner = (f"dsakit serve-reference: listening on {server.url} (model '{model_name}', index keys "
+              f"{config.key_format}, top-k {config.topk}, ratio {config.compress_ratio}, common scale "
+              f"{config.common_scale}). A retrieval procedure for testing harnesses, not a language model.")
+    server.run_until_stopped(banner, "dsakit serve-reference", port_file)
