@@ -206,13 +206,7 @@ class ModelService(ReferenceService):
         super().__init__(runner, model_name, "none")
 
     def complete(self, body: dict, chat: bool) -> tuple[dict, list[tuple[str, str]], str, dict]:
-        if not isinstance(body, dict):
-            raise RequestError(400, "request body must be a JSON object")
-        name = body.get("model")
-        if name is not None and name != self.model_name:
-            raise RequestError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
-                               "not_found_error")
-        fmt, topk, reasoning = self._overrides(body)
+        fmt, topk, reasoning = self._request_settings(body)
         if reasoning != "none":
             raise RequestError(400, "dsakit.reasoning is a serve-reference setting; a served model answers as it is")
         runner: ModelRunner = self.model

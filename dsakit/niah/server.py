@@ -185,15 +185,20 @@ class ReferenceService:
             used += len(tokens)
         return kept, used, "stop"
 
-    def complete(self, body: dict, chat: bool) -> tuple[dict, list[tuple[str, str]], str, dict]:
-        """-> (meta, [(kind 'reasoning'|'content', text)], finish_reason, usage)."""
+    def _request_settings(self, body) -> tuple:
+        """The body's checks every service shares (a JSON object naming this model, if any) -> the per-request
+        overrides (index-key format, top-k, reasoning)."""
         if not isinstance(body, dict):
             raise RequestError(400, "request body must be a JSON object")
         name = body.get("model")
         if name is not None and name != self.model_name:
             raise RequestError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
                                "not_found_error")
-        fmt, topk, reasoning = self._overrides(body)
+        return self._overrides(body)
+
+    def complete(self, body: dict, chat: bool) -> tuple[dict, list[tuple[str, str]], str, dict]:
+        """-> (meta, [(kind 'reasoning'|'content', text)], finish_reason, usage)."""
+        fmt, topk, reasoning = self._request_settings(body)
         if chat:
             prompt, span = render_chat(body.get("messages"))
             max_tokens = self._max_tokens(body, None)
