@@ -214,11 +214,7 @@ class ModelService(ReferenceService):
             prompt = runner.chat_prompt(body.get("messages"))
             max_tokens = self._max_tokens(body, runner.max_new_tokens)
         else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                raise RequestError(400, "'prompt' must be a string (or a list of one string)")
+            prompt = self._completion_prompt(body)
             max_tokens = self._max_tokens(body, 16)
         stop = _stop_sequences(body)
         max_tokens = min(max_tokens, runner.max_new_tokens)

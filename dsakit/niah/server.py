@@ -196,6 +196,16 @@ class ReferenceService:
                                "not_found_error")
         return self._overrides(body)
 
+    @staticmethod
+    def _completion_prompt(body: dict) -> str:
+        """A completions request's 'prompt': a string, or a list of one string (as OpenAI clients send it)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise RequestError(400, "'prompt' must be a string (or a list of one string)")
+        return prompt
+
     def complete(self, body: dict, chat: bool) -> tuple[dict, list[tuple[str, str]], str, dict]:
         """-> (meta, [(kind 'reasoning'|'content', text)], finish_reason, usage)."""
         fmt, topk, reasoning = self._request_settings(body)
@@ -203,11 +213,7 @@ class ReferenceService:
             prompt, span = render_chat(body.get("messages"))
             max_tokens = self._max_tokens(body, None)
         else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                raise RequestError(400, "'prompt' must be a string (or a list of one string)")
+            prompt = self._completion_prompt(body)
             span = None
             max_tokens = self._max_tokens(body, 16)
         limit = self.model.config.max_context
