@@ -112,6 +112,21 @@ def _dsakit_set_equal(got: torch.Tensor, ours: torch.Tensor, k: int) -> bool:
     return bool(torch.equal(a, b))
 
 
+def _time_prefill_peer(row: dict, name: str, prefix: str, step, mine: torch.Tensor, ours_key: str, bench,
+                       dev) -> None:
+    """Run a peer's prefill step once (its recall of dsakit's indices), then its peak extra memory and time
+    under ``<prefix>_peak_gib`` / ``<prefix>_ms`` and the ratio to ``ours_key``; a failing peer leaves
+    ``<name>_error`` in the row instead."""
+    got = _try(row, name, step)
+    if got is None:
+        return
+    row[f"{name}_recall_of_dsakit"] = _recall(got, mine)
+    del got
+    row[f"{prefix}_peak_gib"] = peak_extra_bytes(step, dev) / 2**30
+    row[f"{prefix}_ms"] = bench(step)
+    _ratio(row, ours_key, f"{prefix}_ms")
+
+
 def _recall(got: torch.Tensor, ours: torch.Tensor) -> float:
     """Mean fraction of dsakit's valid indices (>= 0) that the peer selected too (row by row)."""
     ours = ours.long()
@@ -268,13 +283,7 @@ def main() -> int:
                     logits = dg.fp8_fp4_mqa_logits((q, None), kv, wq, ks, ke, clean_logits=False)
                     return torch.topk(logits, k, dim=1)[1]
 
-                got = _try(row, "deepgemm", dg_step)
-                if got is not None:
-                    row["deepgemm_recall_of_dsakit"] = _recall(got, mine)
-                    del got
-                    row["deepgemm_topk_peak_gib"] = peak_extra_bytes(dg_step, dev) / 2**30
-                    row["deepgemm_topk_ms"] = bench(dg_step)
-                    _ratio(row, "dsakit_fp8_ms", "deepgemm_topk_ms")
+                _time_prefill_peer(row, "deepgemm", "deepgemm_topk", dg_step, mine, "dsakit_fp8_ms", bench, dev)
             del pool, q, w, qs, batch, mine
             # bf16 keys: dsakit vs StreamIndex on the same bf16 bytes
             fmt = KeyFormat.parse("bf16")
@@ -297,13 +306,7 @@ def main() -> int:
                 def si_step():
                     return si.chunked_indexer_topk(q4, keys, w3, top_k=k, chunk_s=2048, chunk_t=8192)[0][0]
 
-                got = _try(row, "streamindex", si_step)
-                if got is not None:
-                    row["streamindex_recall_of_dsakit"] = _recall(got, mine)
-                    del got
-                    row["streamindex_peak_gib"] = peak_extra_bytes(si_step, dev) / 2**30
-                    row["streamindex_ms"] = bench(si_step)
-                    _ratio(row, "dsakit_bf16_ms", "streamindex_ms")
+                _time_prefill_peer(row, "streamindex", "streamindex", si_step, mine, "dsakit_bf16_ms", bench, dev)
             del pool, q, w, batch, mine
             release_workspaces()
             if dev == "cuda":

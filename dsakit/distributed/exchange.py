@@ -20,7 +20,7 @@ Two ways to fill every rank's pool after each rank wrote its share:
 
 Every entry point (these two, :func:`gather_rows`, ``context_parallel_index_topk(gather=True)``) agrees
 before any data moves: each rank checks its own input without raising (any exception it meets, a
-NotImplementedError of a meta tensor as much as a ValueError, becomes "refused"), then one all-gather of a
+torch's not-implemented error on a meta tensor as much as a ValueError, becomes "refused"), then one all-gather of a
 fixed-size header (:data:`HEADER_BYTES`: refused flag, row count, a signature of what must be equal on every
 rank, the refusal reason) lets every rank take the same decision:
 
@@ -136,7 +136,7 @@ def _agree(what: str, prepare, group):
     ``group`` on the outcome before any data moves: one all-gather of a :data:`HEADER_BYTES` header.
 
     Every rank raises ValueError, or none does: the rank whose ``prepare`` raised (any exception: a
-    NotImplementedError of a meta tensor counts as much as a ValueError) its own message, every other rank
+    torch's not-implemented error on a meta tensor counts as much as a ValueError) its own message, every other rank
     "rank r refused its input: <reason>"; if no rank refused but the signatures differ, every rank
     "the ranks' inputs disagree (rank 0: <signature>; ...)". Returns (counts of every rank, payload, device).
     """
