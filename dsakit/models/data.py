@@ -38,7 +38,7 @@ import torch
 from ..niah.server import render_chat
 from ..niah.text import (DEFAULT_INTRO, DEFAULT_MULTI_QUESTION, DEFAULT_NEEDLE, DEFAULT_QUESTION, FillerStream,
                          Templates, build_haystack, completion_prompt, needle_codes)
-from .tokenizer import EOS, PAD
+from .tokenizer import BOS, EOS, PAD
 
 KIND_WEIGHTS = {"passkey": 0.4, "multi": 0.15, "kv": 0.2, "codes": 0.25}
 CODES_QUESTION = "Reply with every passphrase mentioned in the text above, separated by commas."
@@ -120,7 +120,7 @@ class DocumentBatches(torch.utils.data.Dataset):
 
     def __init__(self, tokenizer, lengths: list[int], tokens_per_batch: int, seed: int,
                  kind_weights: dict | None = None, prefix: str = "train", repeat_rate: float = 0.0,
-                 short_steps: int = 0, short_length: int = 512):
+                 short_steps: int = 0, short_length: int = 512, copy_steps: int = 0):
         if not lengths or any(not isinstance(n, int) or n < 128 for n in lengths):
             raise ValueError(f"lengths must be ints >= 128, got {lengths!r}")
         if tokens_per_batch < max(lengths):
@@ -138,6 +138,11 @@ class DocumentBatches(torch.utils.data.Dataset):
         # sooner on short documents, where a step also sees more answers)
         self.short_steps = short_steps
         self.short_lengths = [n for n in self.lengths if n <= short_length] or [min(self.lengths)]
+        # warm-up: the first ``copy_steps`` steps are the copy toy (see ``copy_row``), which forms the copying
+        # (induction) attention in a few hundred steps where documents alone did not in 1500
+        self.copy_steps = copy_steps
+        self.vocab_size = tokenizer.get_vocab_size()
+        self.bos_id = tokenizer.token_to_id(BOS)
         self.pad_id = tokenizer.token_to_id(PAD)
         self.eos_id = tokenizer.token_to_id(EOS)
         sample = FillerStream(f"{prefix}:calibrate:{seed}").lines(64)
@@ -179,7 +184,29 @@ class DocumentBatches(torch.utils.data.Dataset):
                 return ids[:length], start, [i for i in copyable if i < length], doc
             lines = max(1, lines - 1 - (len(ids) - length) // max(1, int(self.tokens_per_line)))
 
+    def copy_row(self, rng: random.Random, length: int, gaps: bool = False) -> tuple[list[int], list[int]]:
+        """The copy toy: BOS + a random sequence of 16-48 tokens (ids drawn uniformly above the special tokens)
+        repeated until ``length`` tokens; with ``gaps`` each repeat follows a run of 32 to length / 3 other
+        random tokens, so the copy must reach past the 128-token window (through the compressed entries).
+        -> (ids, indices of the tokens that copying predicts: every repeat after its first 2 tokens). Nothing
+        but copying lowers the loss on the repeats (ln(vocab) without it)."""
+        first = max(self.pad_id, self.eos_id, self.bos_id) + 8  # above the specials and the chat-role tokens
+
+        def draw(n: int) -> list[int]:
+            return [rng.randrange(first, self.vocab_size) for _ in range(n)]
+
+        seq = draw(rng.randint(16, 48))
+        ids, copyable = [self.bos_id] + seq, []
+        while len(ids) < length:
+            if gaps:
+                ids.extend(draw(rng.randint(32, max(32, length // 3))))
+            copyable.extend(range(len(ids) + 2, len(ids) + len(seq)))
+            ids.extend(seq)
+        return ids[:length], [i for i in copyable if i < length]
+
     def batch(self, step: int, length: int | None = None) -> dict:
+        if length is None and step < self.copy_steps:
+            return self.copy_batch(step)
         if length is None:
             choices = self.short_lengths if step < self.short_steps else self.lengths
             length = choices[random.Random(f"{self.prefix}:{self.seed}:len:{step}").randrange(len(choices))]
@@ -196,6 +223,24 @@ class DocumentBatches(torch.utils.data.Dataset):
             copy_mask[row, copyable] = True
         return {"input_ids": input_ids, "answer_mask": answer_mask, "valid": valid, "copy_mask": copy_mask,
                 "step": step}
+
+    def copy_batch(self, step: int) -> dict:
+        """A batch of ``copy_row`` rows (same layout as ``batch``; the repeats are both the answer and the copy
+        mask, so the answer weight applies to them): the first half of the warm-up plain repeats at the shortest
+        length, the second half at the short lengths with every other row's repeats behind long gaps."""
+        late = step >= self.copy_steps // 2
+        choices = self.short_lengths if late else [min(self.lengths)]
+        length = choices[random.Random(f"{self.prefix}:{self.seed}:len:{step}").randrange(len(choices))]
+        rows = max(1, self.tokens_per_batch // length)
+        input_ids = torch.empty((rows, length), dtype=torch.long)
+        copy_mask = torch.zeros((rows, length), dtype=torch.bool)
+        for row in range(rows):
+            ids, copyable = self.copy_row(random.Random(f"{self.prefix}:{self.seed}:copy:{step}:{row}"), length,
+                                          gaps=late and row % 2 == 1)
+            input_ids[row] = torch.tensor(ids)
+            copy_mask[row, copyable] = True
+        return {"input_ids": input_ids, "answer_mask": copy_mask.clone(), "valid": torch.ones_like(copy_mask),
+                "copy_mask": copy_mask, "step": step}
 
     def __getitem__(self, step: int) -> dict:
         return self.batch(step)

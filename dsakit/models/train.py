@@ -288,7 +288,7 @@ def restore_moments(opt, moments: dict) -> None:
                                 for k, v in st.items()}
 
 
-def make_optimizer(model, stage: str, key_norm_lr_mult: float = 1.0):
+def make_optimizer(model, stage: str, key_norm_lr_mult: float = 1.0, peak_lr: float | None = None):
     """AdamW over the parameters the stage trains; the attention key norms (:data:`KEY_NORMS`) in their own
     group at ``key_norm_lr_mult`` x the learning rate, without weight decay."""
     indexer_params = {id(p) for idx in indexer_modules(model) for p in idx.parameters()}
@@ -300,7 +300,7 @@ def make_optimizer(model, stage: str, key_norm_lr_mult: float = 1.0):
     groups = [{"params": rest, "lr_mult": 1.0}]
     if key_norms:
         groups.append({"params": key_norms, "lr_mult": key_norm_lr_mult, "weight_decay": 0.0})
-    return torch.optim.AdamW(groups, lr=STAGE_SETTINGS[stage][0], betas=(0.9, 0.95), weight_decay=0.01)
+    return torch.optim.AdamW(groups, lr=peak_lr or STAGE_SETTINGS[stage][0], betas=(0.9, 0.95), weight_decay=0.01)
 
 
 @torch.no_grad()
@@ -351,6 +351,10 @@ def parse_args(argv=None):
     ap.add_argument("--kinds", default=None, help="document kind weights, e.g. passkey=1,codes=1 (default: data.py's)")
     ap.add_argument("--short-steps", type=int, default=0, help="first steps on lengths <= --short-length only")
     ap.add_argument("--short-length", type=int, default=512)
+    ap.add_argument("--dense-lr", type=float, default=None, help="peak learning rate of the dense stage")
+    ap.add_argument("--clip-norm", type=float, default=1.0, help="gradient-norm clip (0: none)")
+    ap.add_argument("--copy-steps", type=int, default=0,
+                    help="first steps on the copy toy (a random sequence repeated; data.DocumentBatches.copy_row)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--save-every-seconds", type=float, default=90.0)
     ap.add_argument("--eval-lengths", default="1024,2048,4096")
@@ -392,14 +396,18 @@ def main(argv=None) -> int:
         state = {"stage": 0, "stage_step": 0, "stage_elapsed": 0.0, "global_step": 0}
     data = DocumentBatches(tokenizer, args.lengths, args.tokens_per_batch, args.seed, kind_weights=args.kinds,
                            repeat_rate=args.repeat_rate,
-                           short_steps=args.short_steps, short_length=args.short_length)
+                           short_steps=args.short_steps, short_length=args.short_length,
+                           copy_steps=args.copy_steps)
     ratio = model.config.compress_rates["compressed_sparse_attention"]
     model.train()
     last_save = time.time()
     opt = None
     for stage_index in range(state["stage"], len(STAGES)):
         stage = STAGES[stage_index]
-        opt = make_optimizer(model, stage, args.key_norm_lr_mult)
+        peak, warmup, floor = STAGE_SETTINGS[stage]
+        if stage == "dense" and args.dense_lr:
+            peak = args.dense_lr
+        opt = make_optimizer(model, stage, args.key_norm_lr_mult, peak)
         if resumed and stage_index == resumed["state"]["stage"]:
             restore_moments(opt, resumed["moments"])
         else:
@@ -408,7 +416,6 @@ def main(argv=None) -> int:
         set_topk(model, args.topk if stage == "sparse" else DENSE_TOPK)
         budget = None if args.steps else args.budget_seconds * args.fractions[stage_index]
         total_steps = args.steps[stage_index] if args.steps else None
-        peak, warmup, floor = STAGE_SETTINGS[stage]
         loader = torch.utils.data.DataLoader(
             data, batch_size=None, sampler=range(state["global_step"], 1 << 40), num_workers=args.workers,
             prefetch_factor=4 if args.workers else None, persistent_workers=False, pin_memory=device.type == "cuda")
@@ -440,7 +447,8 @@ def main(argv=None) -> int:
                         loss = loss + kl
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+            if args.clip_norm > 0:
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.clip_norm)
             opt.step()
             state["stage_step"] += 1
             state["global_step"] += 1
