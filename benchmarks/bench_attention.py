@@ -17,7 +17,11 @@ Writes DIR/attention_bench.json (after every section, so a timeout keeps what wa
    TB/s against the 4.27 TB/s copy ceiling; TFLOP/s by the formula above, since the shape is compute-heavy.
 0. (section "sweep", runs first) pipeline stages, tile size and the two-programs-per-output (dv_split 2,
    4 warps: two CTAs per SM) form on the prefill at K 2048 for every (format, heads); the fastest is then used by sections 1-3 (without the sweep: the library's DEFAULT_STAGES).
-   Every row records its configuration.
+   Every row records its configuration. Sections 0-3 time the portable Triton kernel (kernel "triton").
+4. (section "gluon", bf16 KV on sm_90) the Gluon kernel beside the portable one on the same inputs: prefill
+   T 4096, K 512 / 2048, and decode B 64 / 128, next_n 1 / 2, K 2048, Hq 64 / 128; per row both times, the
+   ratio, the Gluon kernel's full-size check (rule of 1.) and its max difference from the portable kernel.
+   Alone (``--sections gluon``) it takes well under 90 s on the H200.
 """
 
 from __future__ import annotations
@@ -93,8 +97,9 @@ def torch_attention(q, kv, sink, scale, dtype):
 
 
 def run_kernel(q, pool, fmt, idx, sink, **cfg):
+    """The portable kernel unless cfg names another (kernel "gluon")."""
     a = ref.check_sparse_attention_inputs(q, pool, idx, kv_format=fmt, sink=sink)
-    return attn_triton.sparse_attention_triton(a, **cfg)
+    return attn_triton.sparse_attention_triton(a, **{"kernel": "triton", **cfg})
 
 
 def check(q, pool, fmt, idx, sink, rows: int, cfg: dict) -> dict:
@@ -144,7 +149,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--commit", default="unknown")
-    parser.add_argument("--sections", default="sweep,prefill,decode", help="comma list of sweep, prefill, decode")
+    parser.add_argument("--sections", default="sweep,prefill,decode,gluon",
+                        help="comma list of sweep, prefill, decode, gluon")
     parser.add_argument("--rows", type=int, default=64, help="queries checked against fp32 torch per case")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -154,7 +160,7 @@ def main() -> None:
     report = {"env": environment("cuda", args.commit), "copy_ceiling_tbs": COPY_CEILING_TBS,
               "flop_formula": "T * Hq * K * (2 * 512 + 2 * 512)",
               "decode_bytes_formula": "T * K * bytes_per_token + q bytes + out bytes",
-              "prefill": [], "decode": [], "sweep": []}
+              "prefill": [], "decode": [], "sweep": [], "gluon": []}
     sections = args.sections.split(",")
     gen = torch.Generator(device="cuda").manual_seed(0)
     configs = {}  # (format, heads) -> kernel configuration used below (the library default without the sweep)
@@ -215,7 +221,65 @@ def main() -> None:
                     print(row, flush=True)
                     write_json(path, report)
                     del q, pool, idx
+    if "gluon" in sections:
+        gluon_section(report, path, gen, args.rows)
     print("wrote", path)
+
+
+def gluon_vs_portable(q, pool, fmt, idx, sink, rows: int) -> dict:
+    """Both kernels on the same inputs: times, ratio, the Gluon kernel's check and its difference from the
+    portable kernel (a failure to compile or launch is recorded, not raised)."""
+    row = {}
+    try:
+        row["portable_ms"] = median_ms(lambda: run_kernel(q, pool, fmt, idx, sink), "cuda", 60, warmup=10)
+        gluon = dict(kernel="gluon")
+        row["check"] = check(q, pool, fmt, idx, sink, rows, gluon)
+        g_out, g_lse = run_kernel(q, pool, fmt, idx, sink, **gluon)
+        p_out, p_lse = run_kernel(q, pool, fmt, idx, sink)
+        row["max_diff_vs_portable"] = {"out": (g_out.float() - p_out.float()).abs().max().item(),
+                                       "lse": (g_lse - p_lse).abs().max().item()}
+        row["gluon_ms"] = median_ms(lambda: run_kernel(q, pool, fmt, idx, sink, **gluon), "cuda", 60, warmup=10)
+        row["speedup"] = row["portable_ms"] / row["gluon_ms"]
+    except Exception as exc:  # noqa: BLE001 - recorded in the JSON: the run goes on to the next case
+        row["error"] = repr(exc)[:600]
+    return row
+
+
+def gluon_section(report: dict, path: Path, gen: torch.Generator, rows: int) -> None:
+    """Section 4: the Gluon sm_90 kernel vs the portable kernel, bf16 KV, same inputs per row."""
+    if torch.cuda.get_device_capability() != attn_triton.GLUON_CAPABILITY or not attn_triton.gluon_importable():
+        major, minor = torch.cuda.get_device_capability()
+        report["gluon_skipped"] = (f"needs sm_90 and Gluon; this GPU is sm_{major}{minor}, Gluon importable: "
+                                   f"{attn_triton.gluon_importable()}")
+        write_json(path, report)
+        return
+    fmt = FORMATS["bf16"]
+    for hq in (64, 128):
+        for k in (512, 2048):
+            q, pool, idx, sink = prefill_inputs(fmt, hq, k, gen)
+            row = {"mode": "prefill", "format": "bf16", "heads": hq, "T": q.shape[0], "K": k,
+                   **gluon_vs_portable(q, pool, fmt, idx, sink, rows)}
+            for name in ("portable", "gluon"):
+                if f"{name}_ms" in row:
+                    row[f"{name}_tflops"] = flops(q.shape[0], hq, k) / row[f"{name}_ms"] / 1e9
+            report["gluon"].append(row)
+            print(row, flush=True)
+            write_json(path, report)
+            del q, pool, idx
+        for b in (64, 128):
+            for next_n in (1, 2):
+                q, pool, idx, sink = decode_inputs(fmt, hq, b, next_n, gen)
+                t, k = idx.shape
+                row = {"mode": "decode", "format": "bf16", "heads": hq, "B": b, "next_n": next_n, "K": k,
+                       **gluon_vs_portable(q, pool, fmt, idx, sink, min(rows, t))}
+                nbytes = t * k * fmt.bytes_per_entry + 2 * q.numel() * q.element_size()
+                for name in ("portable", "gluon"):
+                    if f"{name}_ms" in row:
+                        row[f"{name}_tbs"] = nbytes / row[f"{name}_ms"] / 1e9
+                report["gluon"].append(row)
+                print(row, flush=True)
+                write_json(path, report)
+                del q, pool, idx
 
 
 if __name__ == "__main__":

@@ -284,9 +284,10 @@ def test_kernel_no_sink_and_public_dispatch():
         sparse_attention(q[:, :32], pool, idx, kv_format="bf16", backend="triton")
 
 
-def check_kernel_non_finite(name: str, device: str) -> None:
+def check_kernel_non_finite(name: str, device: str, kernel: str = "triton") -> None:
     """The kernel (one split; two merged by the combine kernel; two output halves) has NaN exactly where the
-    reference has, -inf lse where it has, and agrees with it on the other heads within 2e-2 (bf16 operands)."""
+    reference has, -inf lse where it has, and agrees with it on the other heads within 2e-2 (bf16 operands).
+    ``kernel``: AttentionConfig.kernel ("gluon": the sm_90 kernel, which has no output halves)."""
     from dsakit.ops.attention.triton import sparse_attention_triton
 
     pool = make_pool(AttentionKVFormat.BF16, 1, torch.Generator().manual_seed(7))
@@ -295,7 +296,8 @@ def check_kernel_non_finite(name: str, device: str) -> None:
     on = [None if x is None else x.to(device) for x in (q, pool, idx, sink)]
     a = ref.check_sparse_attention_inputs(on[0], on[1], on[2], kv_format="bf16", sink=on[3])
     for num_splits, dv_split in ((1, 1), (2, 1), (1, 2)):
-        out, lse = (x.cpu() for x in sparse_attention_triton(a, num_splits=num_splits, dv_split=dv_split))
+        out, lse = (x.cpu() for x in sparse_attention_triton(a, num_splits=num_splits, dv_split=dv_split,
+                                                             kernel=kernel))
         assert_non_finite_as_specified(out, lse, want)
         assert torch.equal(out.isnan(), want_out.isnan()) and torch.equal(lse.isnan(), want_lse.isnan())
         assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
@@ -311,10 +313,16 @@ def test_kernel_matches_reference_on_non_finite_inputs(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton", "gluon"])
 @pytest.mark.parametrize("name", NON_FINITE_CASES)
-def test_kernel_on_gpu_matches_reference_on_non_finite_inputs(name):
-    """Compiled: bf16 rounding, max and exp2 of the hardware (NaN handling of max differs from numpy's)."""
-    check_kernel_non_finite(name, "cuda")
+def test_kernel_on_gpu_matches_reference_on_non_finite_inputs(name, kernel):
+    """Compiled: bf16 rounding, max and exp2 of the hardware (NaN handling of max differs from numpy's);
+    the portable kernel and the Gluon one (sm_90 only)."""
+    if kernel == "gluon":
+        pytest.importorskip("triton.experimental.gluon")
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the Gluon kernel runs on sm_90 only")
+    check_kernel_non_finite(name, "cuda", kernel)
 
 
 @pytest.mark.gpu
@@ -345,7 +353,9 @@ def test_kernel_on_gpu(fmt_name, hq):
 
     ga = ref.check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
     # num_splits None: automatic, several splits for these few queries; dv_split 2: the two-program form
+    # kernel "triton": the portable kernel also on sm_90, where "auto" would take the Gluon one
     for cfg in (dict(num_splits=1), dict(), dict(dv_split=2, num_warps=4, block_n=32)):
+        cfg["kernel"] = "triton"
         out, lse = sparse_attention_triton(ga, **cfg)
         assert_flash_close(out, lse, *want, *base)
         again = sparse_attention_triton(ga, **cfg)

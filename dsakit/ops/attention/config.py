@@ -15,6 +15,9 @@ from .._tuning import gpu_key
 # accumulator is what the warps below are sized for
 TRITON_HEADS = (64, 128)
 HEAD_BLOCK = 64
+# which kernel runs the attention: "auto" = the Gluon kernel where it applies (an sm_90 GPU, Gluon importable,
+# bf16 pools; see dsakit.ops.attention.triton.choose_attention_kernel), the portable Triton kernel elsewhere
+ATTENTION_KERNELS = ("auto", "triton", "gluon")
 
 
 def _stages_table(bf16_64: int, bf16_128: int, fp8_64: int, fp8_128: int) -> dict[tuple[str, int], int]:
@@ -35,6 +38,11 @@ class AttentionConfig:
     block), each owning 256 of the 512 output dims (half the accumulator, so with num_warps 4 and block_n 32
     two programs fit on an SM and can hide each other's gathers), both computing the full q . kv.
     combine_block_h / combine_warps: heads per program and warps of the split-merging kernel.
+    kernel: "auto" (the Gluon sm_90 kernel where it applies, else the portable kernel), "triton" (always the
+    portable kernel) or "gluon" (ValueError naming the reason where it does not apply). The fields above
+    are the portable kernel's; the Gluon kernel reads gluon_block_n (gathered rows per tile and the N of the
+    QK wgmma; 64 or 32), gluon_stages (shared-memory buffers of gathered tiles, >= 2), num_splits and
+    combine_*.
     """
 
     block_n: int = 64
@@ -45,6 +53,9 @@ class AttentionConfig:
     dv_split: int = 1
     combine_block_h: int = 16
     combine_warps: int = 4
+    kernel: str = "auto"
+    gluon_block_n: int = 64
+    gluon_stages: int = 2
 
     def __post_init__(self):
         for name in ("block_n", "num_warps", "combine_block_h", "combine_warps"):
@@ -54,6 +65,10 @@ class AttentionConfig:
             value = getattr(self, name)
             check_int(name, value, 1, message=f"{name} must be a positive int or None", allow_none=True)
         check_choice("dv_split", check_int("dv_split", self.dv_split), (1, 2))
+        check_choice("kernel", self.kernel, ATTENTION_KERNELS)
+        # q (64 KB) + gluon_stages tiles of gluon_block_n x 1 KB must fit the 227 KB of an sm_90 SM
+        check_choice("gluon_block_n", check_int("gluon_block_n", self.gluon_block_n), (32, 64))
+        check_int("gluon_stages", self.gluon_stages, 2, (227 - 64 - 4) // self.gluon_block_n)
         if HEAD_BLOCK % self.combine_block_h:
             raise ValueError(f"combine_block_h must divide {HEAD_BLOCK}, got {self.combine_block_h}")
         if not isinstance(self.stages, dict) or set(self.stages) != set(_stages_table(1, 1, 1, 1)) or any(
@@ -93,4 +108,4 @@ class AttentionConfig:
 # buffer) is faster. Other GPUs take the H200's table until measured.
 ATTENTION_DEFAULTS: dict[str, AttentionConfig] = {"H200": AttentionConfig(), "default": AttentionConfig()}
 
-__all__ = ["AttentionConfig", "ATTENTION_DEFAULTS", "TRITON_HEADS", "HEAD_BLOCK"]
+__all__ = ["AttentionConfig", "ATTENTION_DEFAULTS", "ATTENTION_KERNELS", "TRITON_HEADS", "HEAD_BLOCK"]

@@ -11,6 +11,7 @@ more than the outputs and the partial buffers.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
@@ -18,42 +19,89 @@ from ..._memory import check_instance
 from ...pool import num_slots
 from ...formats import AttentionKVFormat
 from .._backend import triton_interpreted
-from ._kernels import _sparse_attention_combine_kernel, _sparse_attention_kernel
-from .config import ATTENTION_DEFAULTS, HEAD_BLOCK, TRITON_HEADS, AttentionConfig
+from ._kernels import _sparse_attention_kernel
+from ._launch import LOG2E, choose_num_splits, merge_splits, plan_launch
+from .config import ATTENTION_DEFAULTS, ATTENTION_KERNELS, HEAD_BLOCK, TRITON_HEADS, AttentionConfig
 from .reference import SparseAttentionInputs
 
-LOG2E = 1.4426950408889634
 BLOCK_H = HEAD_BLOCK
 # the H200 stage table (read it from AttentionConfig.for_device(device).stages; kept for the benchmarks)
 DEFAULT_STAGES: dict[tuple[str, int], int] = ATTENTION_DEFAULTS["H200"].stages
 
-__all__ = ["sparse_attention_triton", "choose_num_splits", "AttentionConfig", "TRITON_HEADS"]
+__all__ = ["sparse_attention_triton", "choose_num_splits", "choose_attention_kernel", "gluon_importable",
+           "AttentionConfig", "TRITON_HEADS"]
 
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _device_sm_count(device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def _tiles(k: int, block_n: int) -> int:
-    return -(-k // block_n)
-
-
-def choose_num_splits(num_queries: int, num_heads: int, tiles: int, device: torch.device,
-                      config: AttentionConfig | None = None) -> int:
-    """Splits per query of the device's config (:meth:`AttentionConfig.splits_for`)."""
-    config = AttentionConfig.for_device(device) if config is None else config
-    return config.splits_for(num_queries, num_heads, tiles, _device_sm_count(device))
+# the GPU the Gluon kernel is written for: wgmma and the 227 KB shared memory of sm_90 (H100 / H200 / H800)
+GLUON_CAPABILITY = (9, 0)
 
 
 def _is_fp8(fmt: AttentionKVFormat) -> bool:
     return fmt.kind == "fp8-rope-bf16"
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_importable() -> bool:
+    """True when this Triton ships Gluon with the Hopper wgmma API the Gluon kernel uses (Triton >= 3.5)."""
+    try:
+        hopper = importlib.import_module("triton.experimental.gluon.language.nvidia.hopper")
+    except ImportError:
+        return False
+    return all(hasattr(hopper, name) for name in ("warpgroup_mma", "warpgroup_mma_wait", "warpgroup_mma_init"))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def _device_capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def gluon_unsupported_reason(a: SparseAttentionInputs, capability: tuple[int, int] | None,
+                             importable: bool | None = None) -> str | None:
+    """Why the Gluon kernel cannot run these inputs (None: it can). ``capability``: the GPU's (major, minor),
+    None off CUDA; ``importable``: None = :func:`gluon_importable`, asked only on an sm_90 GPU."""
+    if capability is None:
+        return f"q is on {a.q.device}, not a CUDA GPU"
+    if tuple(capability) != GLUON_CAPABILITY:
+        return f"the GPU is sm_{capability[0]}{capability[1]}, the Gluon kernel is written for sm_90 (wgmma)"
+    if not (gluon_importable() if importable is None else importable):
+        return "this Triton has no Gluon Hopper API (triton.experimental.gluon, Triton >= 3.5)"
+    if triton_interpreted():
+        return "TRITON_INTERPRET=1: Gluon kernels do not run in the interpreter"
+    for what, fmt in (("kv_format", a.kv_format), ("extra_kv_format", a.extra_kv_format)):
+        if fmt is not None and fmt.kind != "bf16":
+            return f"{what} is {fmt.name!r}: the Gluon kernel reads bf16 pools only (fp8 KV runs the portable kernel)"
+    if a.q.shape[1] not in TRITON_HEADS:
+        return f"Hq = {a.q.shape[1]}, the Gluon kernel takes Hq in {TRITON_HEADS}"
+    return None
+
+
+def choose_attention_kernel(a: SparseAttentionInputs, config: AttentionConfig,
+                            capability: "tuple[int, int] | None | str" = "detect",
+                            importable: bool | None = None) -> str:
+    """"gluon" or "triton" (portable) for checked inputs ``a`` under ``config.kernel``.
+
+    "auto" takes Gluon exactly where :func:`gluon_unsupported_reason` finds nothing against it, the portable
+    kernel otherwise (fp8 or mixed pools, other GPUs, the CPU interpreter); "gluon" raises ValueError with
+    that reason instead of falling back; "triton" is always the portable kernel. ``capability`` and
+    ``importable`` default to the device's and this Triton's (tests pass them to force the choice)."""
+    kernel = config.kernel
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"config.kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
+    if kernel == "triton":
+        return "triton"
+    if capability == "detect":
+        capability = _device_capability(a.q.device)
+    reason = gluon_unsupported_reason(a, capability, importable)
+    if reason is None:
+        return "gluon"
+    if kernel == "gluon":
+        raise ValueError(f"kernel='gluon' cannot run these inputs: {reason}; use kernel='auto' or 'triton'")
+    return "triton"
 
 
 def sparse_attention_triton(a: SparseAttentionInputs, config: AttentionConfig | None = None,
@@ -69,63 +117,30 @@ def sparse_attention_triton(a: SparseAttentionInputs, config: AttentionConfig | 
         check_instance("config", config, AttentionConfig, label="AttentionConfig or None")
     if overrides:
         config = config.replace(**overrides)
-    block_n, dv_split = config.block_n, config.dv_split
-    q = a.q
-    t, hq, d = q.shape
-    if hq not in TRITON_HEADS:
-        raise ValueError(f"the Triton kernel supports Hq in {TRITON_HEADS}, got q {list(q.shape)}; "
-                         f"use backend='reference'")
-    if q.stride(2) != 1:
-        q = q.contiguous()  # an input read, not a cache write: a copy is harmless
-    indices = a.indices if a.indices.stride(-1) == 1 else a.indices.contiguous()
-    k = indices.shape[1]
-    has_extra = a.extra_kv_cache is not None
-    xindices = None
-    xk = 0
-    if has_extra:
-        xindices = a.extra_indices if a.extra_indices.stride(-1) == 1 else a.extra_indices.contiguous()
-        xk = xindices.shape[1]
-    out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(t, hq, dtype=torch.float32, device=q.device)
-    if t == 0:
-        return out, lse
-    main_tiles, extra_tiles = _tiles(k, block_n), _tiles(xk, block_n)
-    num_splits = choose_num_splits(t, hq, max(main_tiles + extra_tiles, 1), q.device, config)
-    sink = a.sink.float().contiguous() if a.sink is not None else None
-    if num_splits > 1:
-        part_out = torch.empty(num_splits, t, hq, d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_splits, t, hq, dtype=torch.float32, device=q.device)
-        dst_out, dst_lse = part_out, part_lse
-    else:
-        dst_out, dst_lse = out, lse
+    if choose_attention_kernel(a, config) == "gluon":
+        from .gluon import sparse_attention_gluon  # imports Gluon: only where it was found usable
+
+        return sparse_attention_gluon(a, config)
+    plan = plan_launch(a, config, config.block_n)
+    if plan.t == 0:
+        return plan.out, plan.lse
     fmt, xfmt = a.kv_format, a.extra_kv_format or a.kv_format
-    num_stages = config.stages_for(fmt.kind, hq)
-    dummy = indices
-    tiles_per_split, xtiles_per_split = _tiles(main_tiles, num_splits), _tiles(extra_tiles, num_splits)
-    interp = triton_interpreted() and not q.is_cuda
-    grid = (t * (hq // BLOCK_H) * num_splits * dv_split,)
+    interp = triton_interpreted() and not plan.q.is_cuda
+    grid = (plan.t * (plan.hq // BLOCK_H) * plan.num_splits * config.dv_split,)
+    has_extra = a.extra_kv_cache is not None
     _sparse_attention_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        a.kv_cache, num_slots(a.kv_cache), indices, indices.stride(0), k,
-        a.topk_length if a.topk_length is not None else dummy,
+        plan.q, plan.q.stride(0), plan.q.stride(1),
+        a.kv_cache, num_slots(a.kv_cache), plan.indices, plan.indices.stride(0), plan.k, plan.topk_length,
         a.extra_kv_cache if has_extra else a.kv_cache, num_slots(a.extra_kv_cache) if has_extra else 0,
-        xindices if has_extra else dummy, xindices.stride(0) if has_extra else 0, xk,
-        a.extra_topk_length if a.extra_topk_length is not None else dummy,
-        sink if sink is not None else lse,
-        dst_out, dst_lse,
-        t, a.softmax_scale * LOG2E, tiles_per_split, xtiles_per_split,
-        HQ=hq, BLOCK_H=BLOCK_H, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        plan.xindices, plan.xindices.stride(0) if has_extra else 0, plan.xk, plan.extra_topk_length,
+        plan.sink_arg, plan.dst_out, plan.dst_lse,
+        plan.t, a.softmax_scale * LOG2E, plan.tiles_per_split, plan.xtiles_per_split,
+        HQ=plan.hq, BLOCK_H=BLOCK_H, BLOCK_N=config.block_n, NUM_SPLITS=plan.num_splits,
         FP8=_is_fp8(fmt), PAGE_BYTES=fmt.page_bytes, XFP8=_is_fp8(xfmt), XPAGE_BYTES=xfmt.page_bytes,
         HAS_LEN=a.topk_length is not None, HAS_EXTRA=has_extra, HAS_XLEN=a.extra_topk_length is not None,
-        HAS_SINK=sink is not None,
-        DV_SPLIT=dv_split, INTERPRET=interp, INTERP_TILES=tiles_per_split if interp else 0,
-        INTERP_XTILES=xtiles_per_split if interp else 0,
-        num_warps=config.num_warps, num_stages=num_stages,
+        HAS_SINK=plan.sink is not None,
+        DV_SPLIT=config.dv_split, INTERPRET=interp, INTERP_TILES=plan.tiles_per_split if interp else 0,
+        INTERP_XTILES=plan.xtiles_per_split if interp else 0,
+        num_warps=config.num_warps, num_stages=config.stages_for(fmt.kind, plan.hq),
     )
-    if num_splits > 1:
-        combine_block_h = config.combine_block_h
-        _sparse_attention_combine_kernel[(t * (hq // combine_block_h),)](
-            part_out, part_lse, sink if sink is not None else lse, out, lse, t, num_splits,
-            HQ=hq, BLOCK_H=combine_block_h, HAS_SINK=sink is not None, INTERPRET=interp, num_warps=config.combine_warps,
-        )
-    return out, lse
+    return merge_splits(plan, config, interp)

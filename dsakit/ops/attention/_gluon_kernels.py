@@ -1,0 +1,213 @@
+"""Gluon kernel of sparse attention for Hopper (sm_90): bf16 KV pools, asynchronous wgmma (launch: ``gluon.py``).
+
+Same contract and work decomposition as the portable Triton kernel (``_kernels.py``): one program (8 warps = two
+warpgroups) owns one query t, a block of 64 heads and one split of the query's index set, main pool then
+extra pool, with the same split partials (so the portable combine kernel merges them)::
+
+    q_smem  = q[t, heads] as bf16                              [64, 512] (NVMMA-swizzled shared memory)
+    prologue: gather tiles 0 .. STAGES-2 (cp.async, one commit group per tile)
+    for tile i:
+        wait for tile i's group; S = q_smem @ kv_smem[i]^T      async wgmma, fp32 [64, BLOCK_N]
+        wait S (which also retires PV of tile i-1, wgmma groups retire in order)
+        gather tile i + STAGES - 1 into the buffer PV(i-1) read (now free)
+        online softmax (base 2) on S; acc *= alpha
+        acc += P(bf16, registers) @ kv_smem[i]                  async wgmma, left in flight over the next gather
+    final / split epilogue as in the portable kernel.
+
+The two warpgroups split the 64 x 512 accumulator by output columns (warps_per_cta [4, 2]: 128 fp32 registers
+of accumulator per thread); for S they split the BLOCK_N score columns, and the row max / sum cross them
+through shared memory (the compiler's reduction). KV rows are scattered (one per index), so they are gathered
+with per-row cp.async (16 B per thread and copy, zero-filled where invalid), not a 2D TMA tile.
+
+Page layout (bf16, ``dsakit.formats``): entry e of page p is the 512 bf16 values at p * PAGE_BYTES + e * 1024.
+The kernel reads the pools as bf16 views; the extra pool is addressed relative to the main pool by
+``extra_offset`` ((extra base - main base) in 16 B units: both are 16 B aligned, and the unit lets the
+compiler prove every row 16 B aligned for 16 B cp.async), so one pointer serves both index sets.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
+                                                               warpgroup_mma_init, warpgroup_mma_wait)
+
+from ...formats import ENTRIES_PER_PAGE, AttentionKVFormat
+
+HEAD_DIM = gl.constexpr(AttentionKVFormat.BF16.head_dim)  # 512
+ROW_ELEMS = gl.constexpr(AttentionKVFormat.BF16.value_bytes // 2)  # bf16 values per entry (1024 B)
+ENTRIES = gl.constexpr(ENTRIES_PER_PAGE)  # 64 entries per page
+GLUON_HEAD_BLOCK = gl.constexpr(64)  # heads per program: the M of every wgmma (4 warps x 16 rows)
+GLUON_NUM_WARPS = gl.constexpr(8)  # two warpgroups
+
+
+@gluon.jit
+def _tile_slots(idx_ptr, xidx_ptr, tile, n_main, start, end, xstart, xend, num_slots, x_num_slots,
+                BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """-> (element offset int64 [BLOCK_N] of each selected row from the main pool's base (0 where invalid),
+    valid [BLOCK_N]) for combined tile ``tile``: tiles [0, n_main) of the main index range [start, end), the
+    rest of the extra range [xstart, xend). ``layout``: a 1D layout (the gather's rows or the scores' columns)."""
+    ar = gl.arange(0, BLOCK_N, layout)
+    is_main = tile < n_main
+    pos = start + tile * BLOCK_N + ar
+    xpos = xstart + (tile - n_main) * BLOCK_N + ar
+    in_main = (pos < end) & is_main
+    in_extra = (xpos < xend) & (tile >= n_main)
+    slot = gl.load(idx_ptr + pos, mask=in_main, other=-1)
+    xslot = gl.load(xidx_ptr + xpos, mask=in_extra, other=-1)
+    slot = gl.where(in_main, slot, xslot)
+    limit = gl.where(is_main, num_slots, x_num_slots)
+    valid = (slot >= 0) & (slot < limit)
+    return slot, valid
+
+
+@gluon.jit
+def _row_offsets(slot, valid, is_main, extra_offset, PAGE_ELEMS: gl.constexpr, XPAGE_ELEMS: gl.constexpr):
+    """Element offsets (from the main pool's base) of the rows of ``slot`` (0 for invalid rows)."""
+    s = gl.where(valid, slot, 0).to(gl.int64)
+    page_elems = gl.where(is_main, PAGE_ELEMS, XPAGE_ELEMS).to(gl.int64)
+    base = gl.where(is_main, 0, extra_offset) * 8  # extra_offset counts 16 B units: rows stay 16 B aligned
+    return base + (s // ENTRIES) * page_elems + (s % ENTRIES) * ROW_ELEMS
+
+
+@gluon.jit
+def _issue_gather(kv_buf, pool_ptr, idx_ptr, xidx_ptr, tile, n_main, start, end, xstart, xend, num_slots,
+                  x_num_slots, extra_offset, PAGE_ELEMS: gl.constexpr, XPAGE_ELEMS: gl.constexpr,
+                  BLOCK_N: gl.constexpr, gather_layout: gl.constexpr):
+    """cp.async the rows of combined tile ``tile`` into ``kv_buf`` [BLOCK_N, 512] (zeros where invalid) and
+    commit them as one group (an empty group for a tile past the end, so group counts stay uniform)."""
+    rows_layout: gl.constexpr = gl.SliceLayout(1, gather_layout)
+    slot, valid = _tile_slots(idx_ptr, xidx_ptr, tile, n_main, start, end, xstart, xend, num_slots, x_num_slots,
+                              BLOCK_N, rows_layout)
+    row = _row_offsets(slot, valid, tile < n_main, extra_offset, PAGE_ELEMS, XPAGE_ELEMS)
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gather_layout))
+    ptrs = pool_ptr + row[:, None] + cols[None, :]
+    async_copy.async_copy_global_to_shared(kv_buf, ptrs, mask=valid[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _split_range(len_ptr, t, split, tiles_per_split, K, HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
+    """-> (start, end, tiles) of split ``split``'s index positions of query t: [start, end) within
+    [0, min(topk_length[t], K)), ``tiles`` of BLOCK_N covering it (0 if empty)."""
+    length = K
+    if HAS_LEN:
+        length = gl.minimum(gl.maximum(gl.load(len_ptr + t), 0), K)
+    start = split * tiles_per_split * BLOCK_N
+    end = gl.minimum(start + tiles_per_split * BLOCK_N, length)
+    return start, end, gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+
+
+@gluon.jit
+def sparse_attention_gluon_kernel(
+    q_ptr, stride_qt, stride_qh,  # q [T, HQ, 512] (bf16 / fp16 / fp32; rounded to bf16)
+    pool_ptr, num_slots, idx_ptr, stride_it, K, len_ptr,  # main pool as bf16, indices int32 [T, K], len [T]
+    extra_offset, x_num_slots, xidx_ptr, stride_xt, XK, xlen_ptr,  # extra pool at pool_ptr + 8 * extra_offset
+    sink_ptr,  # fp32 [HQ]
+    out_ptr, lse_ptr,  # final: out [T, HQ, 512] (q dtype), lse fp32 [T, HQ]; split: fp32 [S, T, HQ, 512], [S, T, HQ]
+    T, scale_log2, tiles_per_split, xtiles_per_split,
+    HQ: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    PAGE_ELEMS: gl.constexpr, XPAGE_ELEMS: gl.constexpr,
+    HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr,
+):
+    BLOCK_H: gl.constexpr = GLUON_HEAD_BLOCK
+    HB: gl.constexpr = HQ // BLOCK_H
+    gl.static_assert(gl.num_warps() == GLUON_NUM_WARPS, "the kernel is laid out for two warpgroups")
+    gl.static_assert(STAGES >= 2, "the gather of tile i+1 goes into the buffer PV(i-1) read: 2 stages at least")
+
+    # layouts: scores [64, BLOCK_N] and accumulator [64, 512] on wgmma (two warpgroups side by side in N);
+    # P as the register A operand of PV; gathers with 16 B (8 x bf16) per thread, a warp on a row's 512 B
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BLOCK_N // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, HEAD_DIM // 2, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    gather_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [GLUON_NUM_WARPS, 1], [1, 0])
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HEAD_DIM], gl.bfloat16)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    pid = gl.program_id(0)
+    hb = pid % HB  # the head blocks of one query are neighbours: they share the gathered rows in L2
+    rest = pid // HB
+    split = rest % NUM_SPLITS
+    t = (rest // NUM_SPLITS).to(gl.int64)
+
+    # q -> shared memory (bf16), read by every QK wgmma of the program
+    offs_hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, gather_layout))
+    offs_dq = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gather_layout))
+    q = gl.load(q_ptr + t * stride_qt + offs_hq[:, None] * stride_qh + offs_dq[None, :])
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HEAD_DIM], q_smem_layout, q.to(gl.bfloat16))
+    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+
+    # this split's index ranges: main [start, end), extra [xstart, xend), walked as one sequence of tiles
+    start, end, n_main = _split_range(len_ptr, t, split, tiles_per_split, K, HAS_LEN, BLOCK_N)
+    xstart = 0
+    xend = 0
+    n_extra = 0
+    if HAS_EXTRA:
+        xstart, xend, n_extra = _split_range(xlen_ptr, t, split, xtiles_per_split, XK, HAS_XLEN, BLOCK_N)
+    n_tiles = n_main + n_extra
+    idx_row = idx_ptr + t * stride_it
+    xidx_row = xidx_ptr + t * stride_xt
+
+    for j in gl.static_range(STAGES - 1):
+        _issue_gather(kv_smem.index(j), pool_ptr, idx_row, xidx_row, j, n_main, start, end, xstart, xend,
+                      num_slots, x_num_slots, extra_offset, PAGE_ELEMS, XPAGE_ELEMS, BLOCK_N, gather_layout)
+    fence_async_shared()  # q_smem's generic-proxy store before the first wgmma reads it
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, rows_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, rows_s)
+    # loop-carried as an in-flight wgmma accumulator (the PV of the previous tile)
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HEAD_DIM], gl.float32, o_layout))
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+    for i in range(n_tiles):
+        async_copy.wait_group(STAGES - 2)  # tile i's rows have landed (this thread's copies) ...
+        fence_async_shared()  # (cp.async writes through the generic proxy; wgmma reads through the async one)
+        gl.thread_barrier()  # ... and every thread's
+        kv = kv_smem.index(i % STAGES)
+        s_tok = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s, acc = warpgroup_mma_wait(0, deps=(s_tok, acc))  # S(i) ready, PV(i-1) retired in this warpgroup
+        gl.thread_barrier()  # ... and in the other one, before the gather below overwrites what PV(i-1) read
+        _issue_gather(kv_smem.index((i + STAGES - 1) % STAGES), pool_ptr, idx_row, xidx_row, i + STAGES - 1,
+                      n_main, start, end, xstart, xend, num_slots, x_num_slots, extra_offset, PAGE_ELEMS,
+                      XPAGE_ELEMS, BLOCK_N, gather_layout)
+
+        _, valid = _tile_slots(idx_row, xidx_row, i, n_main, start, end, xstart, xend, num_slots, x_num_slots,
+                               BLOCK_N, cols_s)
+        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # all-invalid so far: keep exp2 finite
+        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        acc = warpgroup_mma(p_op, kv, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    async_copy.wait_group(0)  # the gathers issued past the last tile (empty groups, masked rows)
+
+    m_o = gl.convert_layout(m_i, rows_o)
+    l_o = gl.convert_layout(l_i, rows_o)
+    m_use = gl.where(m_o == float("-inf"), 0.0, m_o)
+    lse2 = m_use + gl.log2(l_o)  # -inf for an empty index set
+    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, rows_o)
+    offs_d = gl.arange(0, HEAD_DIM, cols_o)
+    if NUM_SPLITS == 1:
+        denom = l_o
+        if HAS_SINK:
+            denom += gl.exp2(gl.load(sink_ptr + offs_h).to(gl.float32) * 1.4426950408889634 - m_use)
+        denom = gl.where(denom == 0.0, 1.0, denom)
+        out = acc / denom[:, None]
+        row = t * HQ + offs_h
+        gl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty))
+        gl.store(lse_ptr + row, lse2 * 0.6931471805599453)
+    else:
+        out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+        row = (split * T + t) * HQ + offs_h
+        gl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out)
+        gl.store(lse_ptr + row, lse2)

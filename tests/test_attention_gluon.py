@@ -1,0 +1,267 @@
+"""The Gluon sm_90 sparse-attention kernel: which kernel runs (forced on the CPU), its ahead-of-time compile for
+sm_90 (no GPU needed), and, with the ``gpu`` marker, its outputs at full size against the reference and the
+portable Triton kernel (tolerance: the flash-attention rule of test_attention_triton.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsakit.formats import AttentionKVFormat
+from dsakit.ops.attention import AttentionConfig
+from dsakit.ops.attention import reference as ref
+from dsakit.ops.attention.reference import gather_entries
+
+pytest.importorskip("triton")
+from dsakit.ops.attention.triton import (choose_attention_kernel, gluon_importable,  # noqa: E402
+                                         sparse_attention_triton)
+from test_attention_triton import bf16_torch_attention, make_pool  # noqa: E402  (tests/ is on sys.path)
+
+D = 512
+BF16, FP8 = AttentionKVFormat.BF16, AttentionKVFormat.FP8_ROPE_BF16
+SM90 = (9, 0)
+
+
+def small_inputs(fmt=BF16, extra_fmt=None, heads=64):
+    gen = torch.Generator().manual_seed(3)
+    kw = {}
+    if extra_fmt is not None:
+        kw = dict(extra_kv_cache=make_pool(extra_fmt, 1, gen), extra_kv_format=extra_fmt,
+                  extra_indices=torch.zeros(2, 4, dtype=torch.int32))
+    return ref.check_sparse_attention_inputs(torch.randn(2, heads, D), make_pool(fmt, 1, gen),
+                                             torch.zeros(2, 8, dtype=torch.int32), kv_format=fmt, **kw)
+
+
+@pytest.fixture
+def compiled_not_interpreted(monkeypatch):
+    """The choice as on a GPU machine (TRITON_INTERPRET unset)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_auto_picks_gluon_only_where_it_applies(compiled_not_interpreted):
+    """kernel "auto": Gluon on sm_90 with Gluon importable and bf16 pools (with or without a bf16 extra pool,
+    64 or 128 heads); the portable kernel for fp8 or mixed pools, other GPUs, no Gluon, or a CPU tensor."""
+    auto = AttentionConfig()
+    assert auto.kernel == "auto"
+    for a in (small_inputs(), small_inputs(heads=128), small_inputs(extra_fmt=BF16)):
+        assert choose_attention_kernel(a, auto, capability=SM90, importable=True) == "gluon"
+    bf16 = small_inputs()
+    for a, capability, importable in ((small_inputs(FP8), SM90, True), (small_inputs(extra_fmt=FP8), SM90, True),
+                                      (small_inputs(FP8, BF16), SM90, True), (bf16, (8, 0), True),
+                                      (bf16, (10, 0), True), (bf16, (12, 0), True), (bf16, SM90, False),
+                                      (bf16, None, True)):
+        assert choose_attention_kernel(a, auto, capability=capability, importable=importable) == "triton"
+    assert choose_attention_kernel(bf16, auto) == "triton"  # detected: q is on the CPU
+    # "triton" always takes the portable kernel, also where Gluon applies
+    assert choose_attention_kernel(bf16, auto.replace(kernel="triton"), capability=SM90, importable=True) == "triton"
+
+
+def test_forced_gluon_names_why_it_cannot_run(compiled_not_interpreted):
+    forced = AttentionConfig(kernel="gluon")
+    assert choose_attention_kernel(small_inputs(), forced, capability=SM90, importable=True) == "gluon"
+    for a, capability, importable, match in (
+            (small_inputs(FP8), SM90, True, "bf16 pools only"),
+            (small_inputs(extra_fmt=FP8), SM90, True, "extra_kv_format"),
+            (small_inputs(), (8, 9), True, "sm_89"),
+            (small_inputs(), SM90, False, "no Gluon"),
+            (small_inputs(), None, True, "not a CUDA GPU")):
+        with pytest.raises(ValueError, match=match):
+            choose_attention_kernel(a, forced, capability=capability, importable=importable)
+
+
+def test_interpreter_runs_the_portable_kernel(monkeypatch):
+    """Under TRITON_INTERPRET=1 "auto" never picks Gluon (it has no interpreter), even on a forced sm_90, and
+    the CPU launch of the default config runs the portable kernel (the reference agrees)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a = small_inputs()
+    assert choose_attention_kernel(a, AttentionConfig(), capability=SM90, importable=True) == "triton"
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        choose_attention_kernel(a, AttentionConfig(kernel="gluon"), capability=SM90, importable=True)
+    with pytest.raises(ValueError, match="not a CUDA GPU"):
+        sparse_attention_triton(a, kernel="gluon")
+    out, lse = sparse_attention_triton(a)  # auto on the CPU: the portable kernel in the interpreter
+    want_out, want_lse = ref.sparse_attention(a.q, a.kv_cache, a.indices, kv_format=BF16)
+    assert torch.allclose(out.float(), want_out, atol=2e-2) and torch.allclose(lse, want_lse, atol=2e-2)
+
+
+def test_gluon_config_fields_are_checked():
+    for bad, match in ((dict(kernel="cuda"), "kernel"), (dict(gluon_block_n=128), "gluon_block_n"),
+                       (dict(gluon_stages=1), "gluon_stages"), (dict(gluon_stages=3), "gluon_stages"),
+                       (dict(gluon_block_n=32, gluon_stages=5), "gluon_stages")):
+        with pytest.raises(ValueError, match=match):
+            AttentionConfig(**bad)
+    assert AttentionConfig(gluon_block_n=32, gluon_stages=4).gluon_stages == 4
+
+
+COMPILE_VARIANTS = {
+    "v4-prefill-h128-extra-sink": dict(),
+    "decode-h64-splits-fp32q": dict(heads=64, num_splits=4, has_extra=False, has_sink=False, has_len=False,
+                                    q_dtype="fp32"),
+    "block32-stages4-fp16q": dict(block_n=32, stages=4, q_dtype="fp16"),
+}
+
+# Run in a fresh process without TRITON_INTERPRET (the interpreter patches triton.language in this one, which
+# breaks a real compile) and with an empty cache (a compile, not a cache hit).
+_COMPILE_SCRIPT = """
+import json, sys
+from dsakit.ops.attention.gluon import compile_gluon_kernel
+result = {}
+for name, kw in json.loads(sys.argv[1]).items():
+    try:
+        kernel = compile_gluon_kernel(**kw)
+    except (FileNotFoundError, PermissionError) as exc:  # no ptxas in this Triton install
+        print(json.dumps({"skip": str(exc)}))
+        sys.exit(0)
+    ptx = kernel.asm["ptx"]
+    result[name] = dict(cubin=len(kernel.asm["cubin"]), shared=kernel.metadata.shared,
+                        wgmma=ptx.count("wgmma.mma_async"), wait0="wgmma.wait_group.sync.aligned 0" in ptx,
+                        cp_async_16=sum("cp.async.cg.shared.global" in l and ", 0x10," in l for l in ptx.splitlines()))
+print(json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_variants(tmp_path_factory):
+    if not gluon_importable():
+        pytest.skip("this Triton has no Gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(COMPILE_VARIANTS)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(f"no sm_90 compile toolchain: {result['skip']}")
+    return result
+
+
+@pytest.mark.parametrize("name", sorted(COMPILE_VARIANTS))
+def test_gluon_kernel_compiles_for_sm90(compiled_variants, name):
+    """Ahead-of-time compile for GPUTarget("cuda", 90, 32) at the V4 shape (head dim 512): a cubin, async
+    wgmma (QK: 512 / 16 k-steps; PV: BLOCK_N / 16), 16 B cp.async gathers, within the 227 KB of an SM."""
+    got = compiled_variants[name]
+    block_n = COMPILE_VARIANTS[name].get("block_n", 64)
+    assert got["cubin"] > 0
+    assert got["wgmma"] == D // 16 + block_n // 16
+    assert got["wait0"] and got["cp_async_16"] > 0
+    assert got["shared"] <= 227 * 1024
+
+
+# ---------------------------------------------------------------------------------------------------------
+# On the H200 (gpu marker): full size against the reference (sampled queries) and the portable kernel
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _needs_sm90():
+    if not gluon_importable():
+        pytest.skip("this Triton has no Gluon")
+    if torch.cuda.get_device_capability() != SM90:
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+
+
+def _case(t, hq, k, *, pages, gen, extra=False, q_dtype=torch.bfloat16):
+    """Full-size inputs on the GPU: random slots (some -1, some past the pool), topk_length with empty rows,
+    a sink; optionally a second bf16 pool with its own indices and lengths."""
+    pool = make_pool(BF16, pages, gen)
+    idx = torch.randint(0, pages * 64, (t, k), generator=gen, dtype=torch.int32)
+    idx[:, ::7] = -1
+    idx[:, 5] = pages * 64 + 3  # outside the pool: skipped like padding
+    length = torch.randint(0, k + 1, (t,), generator=gen, dtype=torch.int32)
+    length[:4] = torch.tensor([0, 1, k, k - 1])
+    kw = dict(topk_length=length, sink=torch.randn(hq, generator=gen))
+    if extra:
+        xpages = 4
+        kw.update(extra_kv_cache=make_pool(BF16, xpages, gen), extra_kv_format="bf16",
+                  extra_indices=torch.randint(-1, xpages * 64, (t, 128), generator=gen, dtype=torch.int32),
+                  extra_topk_length=torch.randint(0, 129, (t,), generator=gen, dtype=torch.int32))
+    q = (torch.randn(t, hq, D, generator=gen) * 2).to(q_dtype)
+    return q, pool, idx, kw
+
+
+def _check_full_size(q, pool, idx, kw, *, sample: int, config: AttentionConfig | None = None):
+    """Gluon vs the reference on ``sample`` queries (flash rule: error <= 2 x the bf16 PyTorch error + 1e-5),
+    vs the portable kernel on every query (<= 3 x that bf16 error + 1e-5), empty rows exact, rerun bitwise."""
+    cuda = {n: (v.cuda() if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
+    a = ref.check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=BF16, **cuda)
+    config = config or AttentionConfig()
+    assert choose_attention_kernel(a, config.replace(kernel="auto")) == "gluon"
+    out, lse = sparse_attention_triton(a, config.replace(kernel="gluon"))
+    again = sparse_attention_triton(a, config.replace(kernel="gluon"))
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse), "rerun differs"
+    p_out, p_lse = sparse_attention_triton(a, config.replace(kernel="triton"))
+    torch.cuda.synchronize()
+
+    rows = torch.linspace(0, q.shape[0] - 1, sample).long().unique()
+    sub = {n: (v[rows] if isinstance(v, torch.Tensor) and n in ("topk_length", "extra_indices",
+                                                                 "extra_topk_length") else v)
+           for n, v in kw.items()}
+    want_out, want_lse = ref.sparse_attention(q[rows], pool, idx[rows], kv_format=BF16, **sub)
+    kv, valid = gather_entries(pool, BF16, idx[rows], sub["topk_length"])
+    if "extra_kv_cache" in kw:
+        xkv, xvalid = gather_entries(kw["extra_kv_cache"], BF16, sub["extra_indices"], sub["extra_topk_length"])
+        kv, valid = torch.cat([kv, xkv], 1), torch.cat([valid, xvalid], 1)
+    base_out, base_lse = bf16_torch_attention(q[rows].float(), kv, valid, kw["sink"], D ** -0.5)
+    g_out, g_lse = out[rows.cuda()].float().cpu(), lse[rows.cuda()].cpu()
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(torch.isneginf(g_lse), torch.isneginf(want_lse)), "empty-row mask differs"
+    assert bool((g_out[~fin] == 0).all()), "rows with no valid index must be exactly 0"
+    base_err = (base_out.float() - want_out).abs().max().item()
+    base_lse_err = (base_lse.float()[fin] - want_lse[fin]).abs().max().item() if bool(fin.any()) else 0.0
+    assert (g_out - want_out).abs().max().item() <= 2 * base_err + 1e-5
+    assert (g_lse[fin] - want_lse[fin]).abs().max().item() <= 2 * base_lse_err + 1e-5 if bool(fin.any()) else True
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(p_lse))
+    both = torch.isfinite(p_lse)
+    assert (out.float() - p_out.float()).abs().max().item() <= 3 * base_err + 1e-5
+    assert (lse[both] - p_lse[both]).abs().max().item() <= 3 * base_lse_err + 1e-5
+
+
+@pytest.mark.gpu
+def test_gluon_prefill_full_size():
+    """Prefill-like: T 4096, H 128, K 2048 (one split per query)."""
+    _needs_sm90()
+    gen = torch.Generator().manual_seed(11)
+    _check_full_size(*_case(4096, 128, 2048, pages=1024, gen=gen), sample=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq", [64, 128])
+def test_gluon_decode_full_size(hq):
+    """Decode-like: B 64 queries, K 2048, automatic splits (one at H 128, several at H 64)."""
+    _needs_sm90()
+    gen = torch.Generator().manual_seed(12)
+    _check_full_size(*_case(64, hq, 2048, pages=1024, gen=gen), sample=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_gluon_extra_pool_splits_and_q_dtypes(q_dtype):
+    """A second bf16 pool with its own lengths, few queries (several splits merged by the combine kernel),
+    q in each float dtype, and the 32-row / 4-stage tile."""
+    _needs_sm90()
+    gen = torch.Generator().manual_seed(13)
+    case = _case(6, 128, 600, pages=16, gen=gen, extra=True, q_dtype=q_dtype)
+    for config in (AttentionConfig(), AttentionConfig(num_splits=1), AttentionConfig(gluon_block_n=32,
+                                                                                      gluon_stages=4)):
+        _check_full_size(*case, sample=6, config=config)
+
+
+@pytest.mark.gpu
+def test_auto_on_gpu_falls_back_for_fp8():
+    """fp8 KV on sm_90: "auto" runs the portable kernel (bitwise the same as asking for it)."""
+    _needs_sm90()
+    gen = torch.Generator().manual_seed(14)
+    pool = make_pool(FP8, 8, gen).cuda()
+    q = torch.randn(4, 64, D, generator=gen).bfloat16().cuda()
+    idx = torch.randint(0, 512, (4, 256), generator=gen, dtype=torch.int32).cuda()
+    a = ref.check_sparse_attention_inputs(q, pool, idx, kv_format=FP8)
+    assert choose_attention_kernel(a, AttentionConfig()) == "triton"
+    auto = sparse_attention_triton(a)
+    portable = sparse_attention_triton(a, kernel="triton")
+    assert torch.equal(auto[0], portable[0]) and torch.equal(auto[1], portable[1])
