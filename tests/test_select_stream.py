@@ -271,3 +271,89 @@ def test_launch_settings_unchanged_by_the_move_into_select_config():
         SelectConfig(stream="fast")
     with pytest.raises(ValueError, match="visible_block"):
         SelectConfig(visible_block=0)
+
+
+# --- the thread filter (StreamConfig.filter = "thread": one lane per thread, float compares) -----------------
+
+THREAD = dict(TINY, v=1, unroll=4, filter="thread")
+
+
+def _thread_run(scores, k, splits=1, **kw):
+    from dsakit.ops.topk.config import StreamConfig
+    from dsakit.ops.topk.triton import SelectBuffers, select_topk_stream
+
+    config = StreamConfig(splits=splits, **THREAD)
+    buffers = SelectBuffers.allocate(scores.shape[0], scores.shape[1], k, scores.device, config)
+    return select_topk_stream(scores, k, buffers=buffers, **kw), buffers.path_counts(scores.shape[0])
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_thread_filter_equals_reference(triton_backend, splits):
+    """Every rule row (ties at the k-th score, NaN / +-inf / -0.0, -inf, +100 shift, relu zeros, 3 candidates,
+    rising, half zeros) bit for bit as the reference, with one threshold per row shared by 2 / 4 split
+    programs; the buffer, tie-list and exact paths all ran."""
+    scores = _rows(256).to(_device())
+    got, paths = _thread_run(scores, 12, splits)
+    assert torch.equal(got.cpu(), reference_select(scores.cpu(), 12))
+    assert paths["buffer"] > 0 and paths["ties"] > 0 and paths["exact"] > 0, paths
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_thread_filter_counts_unsorted_deterministic(triton_backend, splits):
+    """Rows shorter than k (-1 padding), empty rows, unsorted sets: as the reference and the warp filter,
+    twice bitwise the same."""
+    scores = _rows(200).to(_device())
+    counts = torch.tensor([200, 150, 7, 0, 33, 200, 199, 64], dtype=torch.int32, device=scores.device)
+    masked = scores.cpu().clone()
+    for row, c in enumerate(counts.tolist()):
+        masked[row, c:] = float("-inf")
+    expected = reference_select(masked, 40)
+    got, _ = _thread_run(scores, 40, splits, row_counts=counts)
+    assert torch.equal(got.cpu(), expected)
+    unsorted, _ = _thread_run(scores, 40, splits, row_counts=counts, sort=False)
+    again, _ = _thread_run(scores, 40, splits, row_counts=counts, sort=False)
+    assert torch.equal(unsorted, again)
+    assert torch.equal(torch.sort(unsorted.cpu(), dim=1).values, torch.sort(expected, dim=1).values)
+    warp, _ = _run(scores, 40, splits, row_counts=counts, sort=False)
+    assert torch.equal(torch.sort(unsorted.cpu(), dim=1).values, torch.sort(warp.cpu(), dim=1).values)
+
+
+def test_thread_filter_relu_zero_rows_and_nan_threshold(triton_backend):
+    """Relu rows made mostly of exact zeros (and -0.0) take the tie lists and select the lowest-index zeros;
+    a row whose threshold sample is NaN-flooded (threshold key = NaN) takes the exact passes."""
+    torch.manual_seed(5)
+    scores = torch.relu(torch.randn(6, 320) - 1.8)
+    scores[1, 1::7] = -0.0
+    scores[5] = float("nan")
+    scores[5, 100:] = torch.randn(220)
+    scores = scores.to(_device())
+    for splits in (1, 2):
+        got, paths = _thread_run(scores, 48, splits)
+        assert torch.equal(got.cpu(), reference_select(scores.cpu(), 48)), splits
+        assert paths["ties"] >= 4 and paths["exact"] >= 1, paths
+
+
+def test_thread_filter_launch_rule():
+    """stream_filter="thread" keeps the warp rule's buffer and lanes per row, one lane per thread, v = 1, tie
+    lists >= 32 that together hold >= 2 k; the default stays the warp filter, and the configs validate."""
+    from dataclasses import replace
+
+    from dsakit.ops.topk.config import SelectConfig, StreamConfig
+
+    assert SelectConfig().stream_filter == "warp" and SelectConfig().stream_for(64, 131072, 2048).filter == "warp"
+    thread = SelectConfig(stream_filter="thread")
+    for rows, width, k in [(64, 131072, 2048), (64, 65536, 2048), (256, 131072, 2048), (8192, 65536, 2048),
+                           (8192, 65536, 512), (16, 262144, 4096)]:
+        cfg, warp = thread.stream_for(rows, width, k), SelectConfig().stream_for(rows, width, k)
+        assert cfg.filter == "thread" and cfg.v == 1 and cfg.lanes == 32 * cfg.num_warps, cfg
+        assert (cfg.splits, cfg.cap, cfg.sample) == (warp.splits, warp.cap, warp.sample)
+        assert cfg.lane_cap >= 32 and cfg.tie_cap >= 32 and cfg.splits * cfg.lanes * cfg.tie_cap >= 2 * k, cfg
+        assert cfg.unroll == (8 if rows >= 512 else 32) and cfg.block == cfg.lanes * cfg.unroll
+    with pytest.raises(ValueError, match="v must be 1"):
+        StreamConfig(splits=1, **dict(THREAD, v=2))
+    with pytest.raises(ValueError, match="unroll"):
+        StreamConfig(splits=1, **dict(TINY, unroll=2))
+    with pytest.raises(ValueError, match="filter"):
+        replace(StreamConfig(splits=1, **THREAD), filter="block")
+    with pytest.raises(ValueError, match="stream_filter"):
+        SelectConfig(stream_filter="block")

@@ -52,8 +52,9 @@ from .config import STREAM_STATS
 INT32_MAX = tl.constexpr((1 << 31) - 1)
 # order key of -inf: bits 0xFF800000 (negative) with the magnitude bits flipped = 0x807FFFFF
 KEY_NEG_INF = tl.constexpr(-2139095041)
-# per-(row, split) words: entries > thr, entries == thr, any candidate < thr, thr, (unused), largest lane
-# count; word 6 of split 0: the path the final kernel took (1 buffer, 2 tie lists, 0 exact)
+# per-(row, split) words: entries > thr, entries == thr, any candidate < thr, thr, (word 4 of split 0: the
+# row's threshold from ``_threshold_kernel``, when it runs), largest lane count; word 6 of split 0: the path
+# the final kernel took (1 buffer, 2 tie lists, 0 exact)
 STATS = tl.constexpr(STREAM_STATS)
 
 
@@ -189,6 +190,99 @@ def _filter_kernel(
 
 
 @triton.jit
+def _threshold_kernel(
+    scores_ptr, stride_scores, counts_ptr,
+    stats_ptr,                      # int32 [R, SPLITS, STATS]: the threshold key goes to word 4 of split 0
+    K,
+    SPLITS: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr, MARGIN: tl.constexpr,
+):
+    """Grid (rows,): the sampled threshold key of each row (``_sample_threshold``), computed once per row for the
+    SPLITS programs of ``_filter_thread_kernel`` (which then start streaming at once instead of each sampling)."""
+    row_id = tl.program_id(0)
+    n = tl.load(counts_ptr + row_id)
+    row = row_id.to(tl.int64)
+    thr = _sample_threshold(scores_ptr + row * stride_scores, n, K, CAP, SAMPLE, BINS, MARGIN)
+    tl.store(stats_ptr + row * SPLITS * STATS + 4, thr)
+
+
+@triton.jit
+def _filter_thread_kernel(
+    scores_ptr, stride_scores, counts_ptr, cand_ptr, tie_ptr, lane_gt_ptr, lane_eq_ptr, stats_ptr,  # as _filter_kernel
+    K,
+    SPLITS: tl.constexpr, CAP: tl.constexpr, LANES: tl.constexpr, LCAP: tl.constexpr,
+    TCAP: tl.constexpr, UNROLL: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr,
+    MARGIN: tl.constexpr, SHARED_THR: tl.constexpr,
+):
+    """``_filter_kernel`` with one lane per thread and float compares (StreamConfig.filter = "thread"): the same
+    buffers and counters, written in the same order (each lane's entries in index order), except that the
+    candidate buffer holds the raw fp32 bits (not the order key) in its high half and stats word 2 ("a
+    candidate below thr may exist") is 1 whenever thr > -inf (the final kernel then takes the exact passes for
+    a row with fewer than k entries >= thr, as it does when that word is exact and 1).
+
+    Split s streams the tiles s, s + SPLITS, ... of LANES entries, UNROLL of its tiles per step: a step is
+    [LANES, UNROLL], lane l owns entry l of each tile. Why: a thread holds whole lanes (LANES = its threads),
+    so the per-lane ranks are in-register adds (no shuffles, no block-wide step), the UNROLL loads of a thread
+    share one address (immediate offsets), and the compares are two float compares per entry, score > thr or
+    NaN (``~(s <= thr)``) and score == thr (-0.0 == +0.0, as the keys), instead of the order key's ~10 integer
+    operations. The offsets are declared non-contiguous so that loads and scattered stores share one layout
+    (a warp still reads 32 consecutive entries per load). SHARED_THR: read the row's threshold key from stats
+    word 4 of split 0 (``_threshold_kernel``) instead of sampling it in every split program."""
+    row_id = tl.program_id(0)
+    split = tl.program_id(1)
+    n = tl.load(counts_ptr + row_id)
+    row = row_id.to(tl.int64)
+    row_scores = scores_ptr + row * stride_scores
+    if SHARED_THR:
+        thr = tl.load(stats_ptr + row * SPLITS * STATS + 4)
+    else:
+        thr = _sample_threshold(row_scores, n, K, CAP, SAMPLE, BINS, MARGIN)
+    # the float of key thr (the key map is its own inverse); thr = -inf: nothing is "equal" (-inf entries are
+    # not candidates), so compare equality against NaN; thr = NaN (a sample flooded with NaN): every entry
+    # passes ~(s <= NaN), the lanes overflow and the final kernel takes the exact passes (flagged below)
+    thr_f = tl.where(thr < 0, thr ^ 0x7FFFFFFF, thr).to(tl.float32, bitcast=True)
+    eq_f = tl.where(thr == KEY_NEG_INF, float("nan"), thr_f)
+
+    STEP: tl.constexpr = LANES * SPLITS           # from one of the split's tiles to its next
+    part = row * SPLITS + split
+    lanes = tl.arange(0, LANES)
+    inner = tl.max_contiguous(lanes[:, None] + tl.arange(0, UNROLL)[None, :] * STEP, [1, 1])  # [LANES, UNROLL]
+    cand = cand_ptr + part * (LANES * LCAP) + lanes[:, None] * LCAP
+    ties = tie_ptr + part * (LANES * TCAP) + lanes[:, None] * TCAP
+    start = split * LANES
+    stop = n
+    n_gt = tl.sum(tl.zeros([LANES, UNROLL], dtype=tl.int32), axis=1)  # per lane
+    n_eq = n_gt
+    offs = start + inner
+    following = tl.load(row_scores + offs, mask=offs < stop, other=float("-inf"))
+    while start < stop:
+        offs = start + inner
+        tile = following
+        following = tl.load(row_scores + offs + STEP * UNROLL, mask=offs + STEP * UNROLL < stop,
+                            other=float("-inf"))
+        gt = ~(tile <= thr_f)             # out-of-range entries load -inf: never above, never equal
+        eq = tile == eq_f
+        # inclusive rank of each entry within its lane (index order): in-register
+        gt_rank = tl.cumsum(gt.to(tl.int32), axis=1)
+        eq_rank = tl.cumsum(eq.to(tl.int32), axis=1)
+        gt_pos = n_gt[:, None] + gt_rank - 1
+        eq_pos = n_eq[:, None] + eq_rank - 1
+        bits = tile.to(tl.int32, bitcast=True).to(tl.int64) << 32
+        tl.store(cand + gt_pos, bits | offs.to(tl.uint32).to(tl.int64), mask=gt & (gt_pos < LCAP))
+        tl.store(ties + eq_pos, offs, mask=eq & (eq_pos < TCAP))
+        n_gt += tl.sum(gt.to(tl.int32), axis=1)
+        n_eq += tl.sum(eq.to(tl.int32), axis=1)
+        start += STEP * UNROLL
+    tl.store(lane_gt_ptr + part * LANES + lanes, n_gt)
+    tl.store(lane_eq_ptr + part * LANES + lanes, n_eq)
+    stats = stats_ptr + part * STATS
+    tl.store(stats, tl.sum(n_gt, axis=0))
+    tl.store(stats + 1, tl.sum(n_eq, axis=0))
+    tl.store(stats + 2, (thr != KEY_NEG_INF).to(tl.int32))
+    tl.store(stats + 3, thr)
+    tl.store(stats + 5, tl.where(thr == INT32_MAX, LCAP + 1, tl.max(n_gt, axis=0)))
+
+
+@triton.jit
 def _row_exact(row_scores, n, K, out_row, key_row, BLOCK: tl.constexpr, BINS: tl.constexpr):
     """Exact top-k of one row by whole-row passes (fallback): writes the selected indices / keys in index
     order to out_row / key_row and returns how many. Stats pass; range-narrowing passes until [lo, hi]
@@ -282,8 +376,10 @@ def _final_kernel(
     sel_count_ptr,                  # int32 [R]: how many entries each row selected
     K,
     SPLITS: tl.constexpr, LANES: tl.constexpr, LCAP: tl.constexpr, TCAP: tl.constexpr,
-    BLOCK: tl.constexpr, BINS: tl.constexpr, DIRECT: tl.constexpr = False,
+    BLOCK: tl.constexpr, BINS: tl.constexpr, DIRECT: tl.constexpr = False, FLOAT_BITS: tl.constexpr = False,
 ):
+    """Grid (rows,): see the module docstring. FLOAT_BITS: the candidate buffer's high halves are fp32 bits
+    (``_filter_thread_kernel``), mapped to order keys here."""
     row_id = tl.program_id(0)
     row = row_id.to(tl.int64)
     key_row = sel_key_ptr + row * K
@@ -331,6 +427,8 @@ def _final_kernel(
         have = (slot % LCAP) < tl.load(lane_gt_ptr + row * (SPLITS * LANES) + slot // LCAP)
         base = row * CAP
         key = (tl.load(cand_ptr + base + slot, mask=have, other=0) >> 32).to(tl.int32)
+        if FLOAT_BITS:
+            key, _is_candidate = _order_key(key.to(tl.float32, bitcast=True), have)
         if n_gt >= need:
             if need > 0:
                 # every buffered key is in [thr + 1, top]

@@ -14,6 +14,11 @@ filter: the final kernel selects from the scores directly. Long rows with few of
 over ``splits`` programs per row (each keeps its own buffer
 and tie list; the final kernel concatenates them in split order = index order).
 
+Two filter kernels (``StreamConfig.filter``): "warp" (the default: a lane's entries of a tile spread over a
+warp, ranks by warp scans) and "thread" (one lane per thread, ranks in registers, float compares, raw fp32 bits
+in the candidate buffer; with splits > 1 a threshold kernel samples each row once before the split programs
+stream). Both fill the same buffers by the same rules, so the final and sort kernels serve both.
+
 Buffers (``SelectBuffers``; allocated once per shape, reusable, so a decode plan stays sync-free):
 
     candidates           int64 [R, cap] (key << 32 | index)      cap = clamp(4 * next_pow2(k), 4096, 16384)
@@ -35,8 +40,8 @@ import triton
 
 from ..._memory import check_instance, check_int
 from ._inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
-from ._select_kernels import (STATS, _filter_kernel, _final_kernel, _order_chunk_kernel, _order_kernel,
-                              _order_merge_kernel)
+from ._select_kernels import (STATS, _filter_kernel, _filter_thread_kernel, _final_kernel, _order_chunk_kernel,
+                              _order_kernel, _order_merge_kernel, _threshold_kernel)
 from .config import STREAM_MAX_K, SelectConfig, StreamConfig, pow2_floor
 
 @dataclass(frozen=True)
@@ -85,7 +90,8 @@ class SelectBuffers:
 
     def exact_row_stats(self, rows: int, most: int = 4) -> dict:
         """Why the first ``most`` of the first ``rows`` rows that took the exact passes did (host sync;
-        benchmarks): {row: per split [entries > thr, entries == thr, any candidate < thr, thr, unused, fullest
+        benchmarks): {row: per split [entries > thr, entries == thr, any candidate < thr, thr, (split 0: the
+        shared threshold of the thread filter), fullest
         lane count]}; a fullest lane above ``config.lane_cap`` overflowed, fewer than k entries >= thr with a
         candidate below it means the sampled threshold was too high."""
         exact = (self.stats[:rows, 0, 6] == 0).nonzero().flatten().tolist()[:most]
@@ -116,7 +122,7 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
         scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
         buffers.lane_eq, buffers.stats, buffers.sel_key, buffers.sel_idx, buffers.sel_count,
         k, SPLITS=cfg.splits, LANES=cfg.lanes, LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, BLOCK=cfg.block,
-        BINS=cfg.bins, DIRECT=direct, num_warps=cfg.final_warps)
+        BINS=cfg.bins, DIRECT=direct, FLOAT_BITS=cfg.filter == "thread", num_warps=cfg.final_warps)
     if stages == "filter+final":
         return
     _launch_order(out, counts, k, sort, buffers, slots, seq, block_table)
@@ -125,14 +131,23 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
 def _launch_filter(scores: torch.Tensor, counts: torch.Tensor, k: int, buffers: SelectBuffers) -> None:
     rows = scores.shape[0]
     cfg = buffers.config
+    if cfg.filter == "thread":
+        shared = cfg.splits > 1  # one threshold per row for its split programs, sampled by a kernel of its own
+        if shared:
+            _threshold_kernel[(rows,)](scores, scores.stride(0), counts, buffers.stats, k, SPLITS=cfg.splits,
+                                       CAP=cfg.cap, SAMPLE=cfg.sample, BINS=cfg.bins, MARGIN=cfg.sample_margin,
+                                       num_warps=cfg.final_warps)
+        _filter_thread_kernel[(rows, cfg.splits)](
+            scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
+            buffers.lane_eq, buffers.stats, k, SPLITS=cfg.splits, CAP=cfg.cap, LANES=cfg.lanes,
+            LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, UNROLL=cfg.unroll, SAMPLE=cfg.sample, BINS=cfg.bins,
+            MARGIN=cfg.sample_margin, SHARED_THR=shared, num_warps=cfg.num_warps)
+        return
     _filter_kernel[(rows, cfg.splits)](
         scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
         buffers.lane_eq, buffers.stats, k, SPLITS=cfg.splits, CAP=cfg.cap, LANES=cfg.lanes,
         LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, V=cfg.v, SAMPLE=cfg.sample, BINS=cfg.bins,
-        # sample margin in standard deviations: split rows (decode) 5 (with 4, and 32 entries per lane, one row
-        # of a 256-row launch took the exact passes on the H200); whole rows 4 (5 sent 8 of 8192 rows, not 1,
-        # to the exact passes: more candidates fill more lanes)
-        MARGIN=5.0 if cfg.splits > 1 else 4.0,
+        MARGIN=cfg.sample_margin,  # 5 standard deviations for split rows, 4 for whole rows (StreamConfig)
         num_warps=cfg.num_warps)
 
 

@@ -60,7 +60,12 @@ class StreamConfig:
     each sort next_pow2(k) / C of them, then C programs place each entry at its rank by binary searches in the
     sorted chunks: two launches, but the latency of a few rows spread over C times more SMs); margin: the
     threshold sample's margin in standard deviations (None: 5 for split rows, 4 for whole rows, see
-    :attr:`sample_margin`). Built by :meth:`SelectConfig.stream_for`, or by hand (tests, sweeps)."""
+    :attr:`sample_margin`); filter: the streaming kernel, "warp" (``_filter_kernel``: a lane's v entries of a
+    tile spread over a warp's threads, ranks by warp scans, order keys per entry) or "thread"
+    (``_filter_thread_kernel``: v = 1, one lane per thread (lanes = 32 * num_warps), unroll tiles per step,
+    in-register ranks, two float compares per entry; with splits > 1 a ``_threshold_kernel`` samples each
+    row's threshold once for its split programs); unroll: tiles per step of the "thread" filter (1 for
+    "warp"). Built by :meth:`SelectConfig.stream_for`, or by hand (tests, sweeps)."""
 
     splits: int
     cap: int
@@ -74,6 +79,8 @@ class StreamConfig:
     bins: int
     order_chunks: int = 1
     margin: float | None = None
+    filter: str = "warp"
+    unroll: int = 1
 
     def __post_init__(self):
         self.validate()
@@ -84,7 +91,8 @@ class StreamConfig:
 
     @property
     def block(self) -> int:
-        return self.lanes * self.v
+        """Entries per step of one filter program (also the tile of the exact whole-row passes)."""
+        return self.lanes * self.v * self.unroll
 
     @property
     def sample_margin(self) -> float:
@@ -124,6 +132,12 @@ class StreamConfig:
             check_power_of_two(name, value, 1, 32)
         check_float("margin", self.margin, positive=True, allow_none=True,
                     message="margin must be a positive number or None")
+        check_choice("filter", self.filter, ("warp", "thread"))
+        check_power_of_two("unroll", self.unroll, 1, 64)
+        if self.filter == "thread" and self.v != 1:
+            raise ValueError(f"the thread filter owns one entry per lane and tile: v must be 1, got {self.v}")
+        if self.filter == "warp" and self.unroll != 1:
+            raise ValueError(f"unroll applies to the thread filter only: got {self.unroll} with filter='warp'")
 
 
 @dataclass(frozen=True)
@@ -175,9 +189,19 @@ class SelectConfig:
     # bound of the cached buffers of one launch (bytes): more rows than fit are selected in consecutive
     # launches over row slices (still no sync), so the select adds at most this much to a chunked index_topk
     cached_bytes: int = 256 << 20
+    # the streaming filter (StreamConfig.filter): "warp" (measured default) or "thread" (one lane per thread,
+    # float compares: ~26 instead of ~57 SASS instructions per entry in the sm_90 loop; not yet timed on the
+    # H200). With "thread" a launch keeps the same candidate buffer and lanes of stream_lane_entries each,
+    # one lane per thread: num_warps = lanes / 32 per split program, and stream_thread_unroll tiles per step
+    # for >= 512 rows / fewer (more loads in flight per thread where few programs stream long rows)
+    stream_filter: str = "warp"
+    stream_thread_unroll: tuple[int, int] = (8, 32)
 
     def __post_init__(self):
         check_choice("algorithm", self.algorithm, ("auto", "stream", "multipass"))
+        check_choice("stream_filter", self.stream_filter, ("warp", "thread"))
+        for value in self.stream_thread_unroll:
+            check_power_of_two("stream_thread_unroll", value, 1, 64)
         _power_of_two("block", self.block, 16, MAX_SELECT_BLOCK)
         _power_of_two("bins", self.bins, 32, 1024)
         _power_of_two("cap", self.cap, 32)
@@ -219,11 +243,21 @@ class SelectConfig:
         v = max(8, 1024 // lanes)
         # A lane's tie list must reach past its first tile: with TCAP >= 2 V a full list ends in the lane's
         # second tile, so the ties known complete cover >= splits + 1 tiles of the row (the relu case)
+        tie_cap = max(32, 2 * v)
         many = rows >= 512
-        return StreamConfig(splits=splits, cap=cap, lanes=lanes, v=v, tie_cap=max(32, 2 * v), sample=sample,
-                            num_warps=self.stream_warps[0], final_warps=self.stream_warps[1],
+        num_warps, unroll = self.stream_warps[0], 1
+        if self.stream_filter == "thread":
+            # the same lanes per row as the warp filter, one per thread (32..256 per split program); with v = 1
+            # the tie lists hold >= 32 entries and together about 2 k (the ties known complete cover >= 2 k
+            # entries of a relu-zero row)
+            lanes = min(256, max(32, lanes))
+            num_warps, v, unroll = lanes // 32, 1, self.stream_thread_unroll[0 if many else 1]
+            tie_cap = max(32, min(MAX_SELECT_BLOCK // (splits * lanes), _next_pow2(2 * k // (splits * lanes))))
+        return StreamConfig(splits=splits, cap=cap, lanes=lanes, v=v, tie_cap=tie_cap, sample=sample,
+                            num_warps=num_warps, final_warps=self.stream_warps[1],
                             order_warps=self.stream_order_warps[0 if many else 1], bins=self.stream_bins,
-                            order_chunks=self.stream_order_chunks[0 if rows >= 1024 else 1])
+                            order_chunks=self.stream_order_chunks[0 if rows >= 1024 else 1],
+                            filter=self.stream_filter, unroll=unroll)
 
     @staticmethod
     def for_device(device: "torch.device | str | None" = None) -> "SelectConfig":
