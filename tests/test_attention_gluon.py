@@ -99,6 +99,63 @@ def test_gluon_config_fields_are_checked():
     assert AttentionConfig(gluon_block_n=32, gluon_stages=4).gluon_stages == 4
 
 
+class _RecordedLaunch:
+    """Stands in for the Gluon kernel object: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the split merge runs in the interpreter")
+@pytest.mark.parametrize("extra", [False, True])
+def test_gluon_launch_arguments(monkeypatch, extra):
+    """The launcher's arguments (checked on the CPU with the launch recorded, not run): they bind to the
+    kernel's parameters, the grid is (query, head block, split), the pools are read as bf16 views, the extra
+    pool's offset is in 16 B units, every optional input sets its flag, the split partials are fp32."""
+    if not gluon_importable():
+        pytest.skip("this Triton has no Gluon")
+    import inspect
+    import math
+
+    from dsakit.ops.attention import gluon as gluon_launch
+    from dsakit.ops.attention._gluon_kernels import sparse_attention_gluon_kernel
+
+    recorder = _RecordedLaunch()
+    monkeypatch.setattr(gluon_launch, "sparse_attention_gluon_kernel", recorder)
+    gen = torch.Generator().manual_seed(4)
+    pool = make_pool(BF16, 3, gen)
+    kw = dict(topk_length=torch.tensor([5, 0, 9], dtype=torch.int32), sink=torch.randn(128, generator=gen))
+    if extra:
+        kw.update(extra_kv_cache=make_pool(BF16, 2, gen), extra_kv_format="bf16",
+                  extra_indices=torch.randint(-1, 128, (3, 40), generator=gen, dtype=torch.int32))
+    a = ref.check_sparse_attention_inputs(torch.randn(3, 128, D, generator=gen), pool,
+                                          torch.randint(0, 192, (3, 200), generator=gen, dtype=torch.int32),
+                                          kv_format=BF16, softmax_scale=0.05, **kw)
+    out, lse = gluon_launch.sparse_attention_gluon(a, AttentionConfig(num_splits=2))
+    assert out.shape == (3, 128, D) and out.dtype == torch.float32 and lse.shape == (3, 128)
+    (grid, args, kwargs), = recorder.calls
+    signature = inspect.signature(sparse_attention_gluon_kernel.fn)
+    launch_kwargs = dict(kwargs)
+    assert launch_kwargs.pop("num_warps") == 8
+    bound = signature.bind(*args, **launch_kwargs).arguments
+    assert list(bound) == list(signature.parameters)
+    assert grid == (3 * 2 * 2,) and all(type(g) is int for g in grid)
+    assert bound["pool_ptr"].dtype == torch.bfloat16 and bound["pool_ptr"].data_ptr() == pool.data_ptr()
+    assert bound["PAGE_ELEMS"] == BF16.page_bytes // 2 and bound["NUM_SPLITS"] == 2
+    assert bound["out_ptr"].shape == (2, 3, 128, D) and bound["out_ptr"].dtype == torch.float32
+    assert bound["HAS_LEN"] and bound["HAS_SINK"] and bound["HAS_EXTRA"] == extra and not bound["HAS_XLEN"]
+    assert math.isclose(bound["scale_log2"], 0.05 * math.log2(math.e))
+    assert bound["tiles_per_split"] == 2  # 200 indices = 4 tiles of 64, 2 per split
+    if extra:
+        offset = kw["extra_kv_cache"].data_ptr() - pool.data_ptr()
+        assert bound["extra_offset"] * 16 == offset and bound["x_num_slots"] == 128 and bound["XK"] == 40
+    else:
+        assert bound["extra_offset"] == 0 and bound["XK"] == 0
+
+
 COMPILE_VARIANTS = {
     "v4-prefill-h128-extra-sink": dict(),
     "decode-h64-splits-fp32q": dict(heads=64, num_splits=4, has_extra=False, has_sink=False, has_len=False,

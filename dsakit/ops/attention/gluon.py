@@ -22,6 +22,8 @@ from ._launch import LOG2E, merge_splits, plan_launch
 __all__ = ["sparse_attention_gluon", "compile_gluon_kernel"]
 
 _ALIGN = 16  # bytes: pool bases (dsakit.pool.check_pool) and the unit of the extra pool's offset
+HEAD_BLOCK = int(GLUON_HEAD_BLOCK)  # heads per program
+NUM_WARPS = int(GLUON_NUM_WARPS)  # two warpgroups
 
 
 def _bf16_elements(fmt) -> int:
@@ -42,7 +44,7 @@ def sparse_attention_gluon(a: SparseAttentionInputs, config: AttentionConfig) ->
         delta = a.extra_kv_cache.data_ptr() - a.kv_cache.data_ptr()
         # both bases are 16 B aligned (check_pool), so the difference is a whole number of 16 B units
         extra_offset = delta // _ALIGN
-    grid = (plan.t * (plan.hq // GLUON_HEAD_BLOCK) * plan.num_splits,)
+    grid = (plan.t * (plan.hq // HEAD_BLOCK) * plan.num_splits,)
     sparse_attention_gluon_kernel[grid](
         plan.q, plan.q.stride(0), plan.q.stride(1),
         pool, num_slots(a.kv_cache), plan.indices, plan.indices.stride(0), plan.k, plan.topk_length,
@@ -54,7 +56,7 @@ def sparse_attention_gluon(a: SparseAttentionInputs, config: AttentionConfig) ->
         PAGE_ELEMS=_bf16_elements(fmt), XPAGE_ELEMS=_bf16_elements(xfmt),
         HAS_LEN=a.topk_length is not None, HAS_EXTRA=has_extra, HAS_XLEN=a.extra_topk_length is not None,
         HAS_SINK=plan.sink is not None,
-        num_warps=GLUON_NUM_WARPS,
+        num_warps=NUM_WARPS,
     )
     return merge_splits(plan, config, interp=False)
 
@@ -84,4 +86,4 @@ def compile_gluon_kernel(*, heads: int = 128, block_n: int = 64, stages: int = 2
     attrs = {(names.index(n),): [["tt.divisibility", _ALIGN]] for n, ty in signature.items() if ty.startswith("*")}
     source = GluonASTSource(sparse_attention_gluon_kernel, signature, constexprs, attrs)
     return triton.compile(source, target=target or GPUTarget("cuda", 90, 32),
-                          options={"num_warps": GLUON_NUM_WARPS})
+                          options={"num_warps": NUM_WARPS})
