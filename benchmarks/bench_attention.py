@@ -18,10 +18,10 @@ Writes DIR/attention_bench.json (after every section, so a timeout keeps what wa
 0. (section "sweep", runs first) pipeline stages, tile size and the two-programs-per-output (dv_split 2,
    4 warps: two CTAs per SM) form on the prefill at K 2048 for every (format, heads); the fastest is then used by sections 1-3 (without the sweep: the library's DEFAULT_STAGES).
    Every row records its configuration. Sections 0-3 time the portable Triton kernel (kernel "triton").
-4. (section "gluon", bf16 KV on sm_90) the Gluon kernel beside the portable one on the same inputs: prefill
-   T 4096, K 512 / 2048, and decode B 64 / 128, next_n 1 / 2, K 2048, Hq 64 / 128; per row both times, the
-   ratio, the Gluon kernel's full-size check (rule of 1.) and its max difference from the portable kernel.
-   Alone (``--sections gluon``) it takes well under 90 s on the H200.
+4. (section "gluon", bf16 KV on sm_90) the Gluon kernel (two tile configurations) beside the portable one on
+   the same inputs: prefill T 4096, K 2048, and decode B 64 / 128, next_n 1 / 2, K 2048, Hq 64 / 128; per
+   row the times and rates of both, the speedup, the Gluon kernel's full-size check (rule of 1.) and its max
+   difference from the portable kernel. Alone (``--sections gluon``) it is meant to take under 90 s.
 """
 
 from __future__ import annotations
@@ -226,27 +226,40 @@ def main() -> None:
     print("wrote", path)
 
 
-def gluon_vs_portable(q, pool, fmt, idx, sink, rows: int) -> dict:
-    """Both kernels on the same inputs: times, ratio, the Gluon kernel's check and its difference from the
-    portable kernel (a failure to compile or launch is recorded, not raised)."""
+# the Gluon kernel's tile configurations: 64 rows x 2 buffers (the default) and 32 rows x 4 (deeper prefetch)
+GLUON_CONFIGS = {"block64x2": dict(gluon_block_n=64, gluon_stages=2),
+                 "block32x4": dict(gluon_block_n=32, gluon_stages=4)}
+
+
+def gluon_vs_portable(q, pool, fmt, idx, sink, rows: int, work: float) -> dict:
+    """Both kernels on the same inputs: the portable kernel's time, and per Gluon configuration its time,
+    speedup, check and max difference from the portable kernel; ``work`` (FLOPs or bytes) / ms / 1e9 gives
+    TFLOP/s or TB/s. A configuration that fails to compile or launch is recorded, not raised."""
     row = {}
-    try:
-        row["portable_ms"] = median_ms(lambda: run_kernel(q, pool, fmt, idx, sink), "cuda", 60, warmup=10)
-        gluon = dict(kernel="gluon")
-        row["check"] = check(q, pool, fmt, idx, sink, rows, gluon)
-        g_out, g_lse = run_kernel(q, pool, fmt, idx, sink, **gluon)
-        p_out, p_lse = run_kernel(q, pool, fmt, idx, sink)
-        row["max_diff_vs_portable"] = {"out": (g_out.float() - p_out.float()).abs().max().item(),
-                                       "lse": (g_lse - p_lse).abs().max().item()}
-        row["gluon_ms"] = median_ms(lambda: run_kernel(q, pool, fmt, idx, sink, **gluon), "cuda", 60, warmup=10)
-        row["speedup"] = row["portable_ms"] / row["gluon_ms"]
-    except Exception as exc:  # noqa: BLE001 - recorded in the JSON: the run goes on to the next case
-        row["error"] = repr(exc)[:600]
+    p_out, p_lse = run_kernel(q, pool, fmt, idx, sink)
+    row["portable_ms"] = median_ms(lambda: run_kernel(q, pool, fmt, idx, sink), "cuda", 60, warmup=10)
+    row["portable_rate"] = work / row["portable_ms"] / 1e9
+    for name, cfg in GLUON_CONFIGS.items():
+        cfg = dict(kernel="gluon", **cfg)
+        res = {}
+        try:
+            g_out, g_lse = run_kernel(q, pool, fmt, idx, sink, **cfg)
+            res["max_diff_vs_portable"] = {"out": (g_out.float() - p_out.float()).abs().max().item(),
+                                           "lse": (g_lse - p_lse).abs().max().item()}
+            del g_out, g_lse
+            res["check"] = check(q, pool, fmt, idx, sink, rows, cfg)
+            res["ms"] = median_ms(lambda: run_kernel(q, pool, fmt, idx, sink, **cfg), "cuda", 60, warmup=10)
+            res["rate"] = work / res["ms"] / 1e9
+            res["speedup"] = row["portable_ms"] / res["ms"]
+        except Exception as exc:  # noqa: BLE001 - recorded in the JSON: the run goes on to the next case
+            res["error"] = repr(exc)[:600]
+        row[f"gluon_{name}"] = res
     return row
 
 
 def gluon_section(report: dict, path: Path, gen: torch.Generator, rows: int) -> None:
-    """Section 4: the Gluon sm_90 kernel vs the portable kernel, bf16 KV, same inputs per row."""
+    """Section 4: the Gluon sm_90 kernel (each of GLUON_CONFIGS) vs the portable kernel, bf16 KV, same
+    inputs per row; rate = TFLOP/s for prefill, TB/s for decode."""
     if torch.cuda.get_device_capability() != attn_triton.GLUON_CAPABILITY or not attn_triton.gluon_importable():
         major, minor = torch.cuda.get_device_capability()
         report["gluon_skipped"] = (f"needs sm_90 and Gluon; this GPU is sm_{major}{minor}, Gluon importable: "
@@ -254,32 +267,23 @@ def gluon_section(report: dict, path: Path, gen: torch.Generator, rows: int) -> 
         write_json(path, report)
         return
     fmt = FORMATS["bf16"]
-    for hq in (64, 128):
-        for k in (512, 2048):
-            q, pool, idx, sink = prefill_inputs(fmt, hq, k, gen)
-            row = {"mode": "prefill", "format": "bf16", "heads": hq, "T": q.shape[0], "K": k,
-                   **gluon_vs_portable(q, pool, fmt, idx, sink, rows)}
-            for name in ("portable", "gluon"):
-                if f"{name}_ms" in row:
-                    row[f"{name}_tflops"] = flops(q.shape[0], hq, k) / row[f"{name}_ms"] / 1e9
-            report["gluon"].append(row)
-            print(row, flush=True)
-            write_json(path, report)
-            del q, pool, idx
-        for b in (64, 128):
-            for next_n in (1, 2):
-                q, pool, idx, sink = decode_inputs(fmt, hq, b, next_n, gen)
-                t, k = idx.shape
-                row = {"mode": "decode", "format": "bf16", "heads": hq, "B": b, "next_n": next_n, "K": k,
-                       **gluon_vs_portable(q, pool, fmt, idx, sink, min(rows, t))}
-                nbytes = t * k * fmt.bytes_per_entry + 2 * q.numel() * q.element_size()
-                for name in ("portable", "gluon"):
-                    if f"{name}_ms" in row:
-                        row[f"{name}_tbs"] = nbytes / row[f"{name}_ms"] / 1e9
-                report["gluon"].append(row)
-                print(row, flush=True)
-                write_json(path, report)
-                del q, pool, idx
+    cases = [("prefill", hq, 4096, 1, 2048) for hq in (64, 128)]
+    cases += [("decode", hq, b, next_n, 2048) for hq in (64, 128) for b in (64, 128) for next_n in (1, 2)]
+    for mode, hq, b, next_n, k in cases:
+        if mode == "prefill":
+            q, pool, idx, sink = prefill_inputs(fmt, hq, k, gen, t=b)
+            row = {"mode": mode, "format": "bf16", "heads": hq, "T": b, "K": k, "rate_unit": "TFLOP/s"}
+            work = flops(b, hq, k)
+        else:
+            q, pool, idx, sink = decode_inputs(fmt, hq, b, next_n, gen, k=k)
+            row = {"mode": mode, "format": "bf16", "heads": hq, "B": b, "next_n": next_n, "K": k,
+                   "rate_unit": "TB/s"}
+            work = idx.shape[0] * k * fmt.bytes_per_entry + 2 * q.numel() * q.element_size()
+        row.update(gluon_vs_portable(q, pool, fmt, idx, sink, min(rows, q.shape[0]), work))
+        report["gluon"].append(row)
+        print(row, flush=True)
+        write_json(path, report)
+        del q, pool, idx
 
 
 if __name__ == "__main__":
