@@ -4,7 +4,9 @@ portable Triton kernel (tolerance: the flash-attention rule of test_attention_tr
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
 import os
 import subprocess
 import sys
@@ -100,13 +102,20 @@ def test_gluon_config_fields_are_checked():
 
 
 class _RecordedLaunch:
-    """Stands in for the Gluon kernel object: ``kernel[grid](*args, **kwargs)`` records the launch."""
+    """Stands in for the Gluon kernel object: ``kernel[grid](*args, **kwargs)`` records the launch and fills
+    the outputs (the split partials the combine kernel then reads) with zeros."""
 
-    def __init__(self):
+    def __init__(self, kernel):
         self.calls = []
+        self.out_at = list(inspect.signature(kernel.fn).parameters).index("out_ptr")  # then lse_ptr
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+        def launch(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            args[self.out_at].zero_()  # the partial outputs
+            args[self.out_at + 1].zero_()  # the partial LSEs
+
+        return launch
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the split merge runs in the interpreter")
@@ -117,13 +126,10 @@ def test_gluon_launch_arguments(monkeypatch, extra):
     pool's offset is in 16 B units, every optional input sets its flag, the split partials are fp32."""
     if not gluon_importable():
         pytest.skip("this Triton has no Gluon")
-    import inspect
-    import math
-
     from dsakit.ops.attention import gluon as gluon_launch
     from dsakit.ops.attention._gluon_kernels import sparse_attention_gluon_kernel
 
-    recorder = _RecordedLaunch()
+    recorder = _RecordedLaunch(sparse_attention_gluon_kernel)
     monkeypatch.setattr(gluon_launch, "sparse_attention_gluon_kernel", recorder)
     gen = torch.Generator().manual_seed(4)
     pool = make_pool(BF16, 3, gen)
@@ -136,6 +142,8 @@ def test_gluon_launch_arguments(monkeypatch, extra):
                                           kv_format=BF16, softmax_scale=0.05, **kw)
     out, lse = gluon_launch.sparse_attention_gluon(a, AttentionConfig(num_splits=2))
     assert out.shape == (3, 128, D) and out.dtype == torch.float32 and lse.shape == (3, 128)
+    # two zero partials with LSE 0 (log2 units) each: merged out 0, lse ln 2 (the combine kernel ran on them)
+    assert bool((out == 0).all()) and torch.allclose(lse, torch.full_like(lse, math.log(2)))
     (grid, args, kwargs), = recorder.calls
     signature = inspect.signature(sparse_attention_gluon_kernel.fn)
     launch_kwargs = dict(kwargs)
