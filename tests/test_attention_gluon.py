@@ -174,8 +174,21 @@ COMPILE_VARIANTS = {
 # Run in a fresh process without TRITON_INTERPRET (the interpreter patches triton.language in this one, which
 # breaks a real compile) and with an empty cache (a compile, not a cache hit).
 _COMPILE_SCRIPT = """
-import json, sys
+import json, subprocess, sys, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
 from dsakit.ops.attention.gluon import compile_gluon_kernel
+
+def ptxas_report(ptx):
+    # ptxas -v on the kernel's PTX: spills, and C7514 (wgmma serialized: the asynchrony lost)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                              capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    return dict(ptxas_ok=proc.returncode == 0, no_spills=" 0 bytes spill stores, 0 bytes spill loads" in log,
+                wgmma_serialized="C7514" in log)
+
 result = {}
 for name, kw in json.loads(sys.argv[1]).items():
     try:
@@ -186,7 +199,8 @@ for name, kw in json.loads(sys.argv[1]).items():
     ptx = kernel.asm["ptx"]
     result[name] = dict(cubin=len(kernel.asm["cubin"]), shared=kernel.metadata.shared,
                         wgmma=ptx.count("wgmma.mma_async"), wait0="wgmma.wait_group.sync.aligned 0" in ptx,
-                        cp_async_16=sum("cp.async.cg.shared.global" in l and ", 0x10," in l for l in ptx.splitlines()))
+                        cp_async_16=sum("cp.async.cg.shared.global" in l and ", 0x10," in l for l in ptx.splitlines()),
+                        **ptxas_report(ptx))
 print(json.dumps(result))
 """
 
@@ -210,13 +224,16 @@ def compiled_variants(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(COMPILE_VARIANTS))
 def test_gluon_kernel_compiles_for_sm90(compiled_variants, name):
     """Ahead-of-time compile for GPUTarget("cuda", 90, 32) at the V4 shape (head dim 512): a cubin, async
-    wgmma (QK: 512 / 16 k-steps; PV: BLOCK_N / 16), 16 B cp.async gathers, within the 227 KB of an SM."""
+    wgmma (QK: 512 / 16 k-steps; PV: BLOCK_N / 16) that ptxas keeps asynchronous, 16 B cp.async gathers,
+    within the 227 KB of an SM, no register spills."""
     got = compiled_variants[name]
     block_n = COMPILE_VARIANTS[name].get("block_n", 64)
     assert got["cubin"] > 0
     assert got["wgmma"] == D // 16 + block_n // 16
     assert got["wait0"] and got["cp_async_16"] > 0
     assert got["shared"] <= 227 * 1024
+    assert got["ptxas_ok"] and got["no_spills"]
+    assert not got["wgmma_serialized"], "ptxas serialized the wgmma (C7514): the async MMAs would run in order"
 
 
 # ---------------------------------------------------------------------------------------------------------
