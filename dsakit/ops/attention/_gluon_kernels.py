@@ -71,18 +71,23 @@ def _row_offsets(slot, valid, is_main, extra_offset, PAGE_ELEMS: gl.constexpr, X
 
 
 @gluon.jit
-def _issue_gather(kv_buf, pool_ptr, idx_ptr, xidx_ptr, tile, n_main, start, end, xstart, xend, num_slots,
-                  x_num_slots, extra_offset, PAGE_ELEMS: gl.constexpr, XPAGE_ELEMS: gl.constexpr,
-                  BLOCK_N: gl.constexpr, gather_layout: gl.constexpr):
-    """cp.async the rows of combined tile ``tile`` into ``kv_buf`` [BLOCK_N, 512] (zeros where invalid) and
-    commit them as one group (an empty group for a tile past the end, so group counts stay uniform)."""
+def _gather_rows(idx_ptr, xidx_ptr, tile, n_main, start, end, xstart, xend, num_slots, x_num_slots, extra_offset,
+                 PAGE_ELEMS: gl.constexpr, XPAGE_ELEMS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 gather_layout: gl.constexpr):
+    """-> (row element offsets int64 [BLOCK_N], valid [BLOCK_N]) of combined tile ``tile`` in the row layout of
+    ``gather_layout`` (the index loads; issued ahead of the copies so that their latency is hidden)."""
     rows_layout: gl.constexpr = gl.SliceLayout(1, gather_layout)
     slot, valid = _tile_slots(idx_ptr, xidx_ptr, tile, n_main, start, end, xstart, xend, num_slots, x_num_slots,
                               BLOCK_N, rows_layout)
-    row = _row_offsets(slot, valid, tile < n_main, extra_offset, PAGE_ELEMS, XPAGE_ELEMS)
+    return _row_offsets(slot, valid, tile < n_main, extra_offset, PAGE_ELEMS, XPAGE_ELEMS), valid
+
+
+@gluon.jit
+def _issue_copies(kv_buf, pool_ptr, row, valid, gather_layout: gl.constexpr):
+    """cp.async rows ``row`` of the pool into ``kv_buf`` [BLOCK_N, 512] (zeros where not ``valid``: src-size
+    0) and commit them as one group (all zeros for a tile past the end, so group counts stay uniform)."""
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gather_layout))
-    ptrs = pool_ptr + row[:, None] + cols[None, :]
-    async_copy.async_copy_global_to_shared(kv_buf, ptrs, mask=valid[:, None])
+    async_copy.async_copy_global_to_shared(kv_buf, pool_ptr + row[:, None] + cols[None, :], mask=valid[:, None])
     async_copy.commit_group()
 
 
@@ -155,8 +160,9 @@ def sparse_attention_gluon_kernel(
     xidx_row = xidx_ptr + t * stride_xt
 
     for j in gl.static_range(STAGES - 1):
-        _issue_gather(kv_smem.index(j), pool_ptr, idx_row, xidx_row, j, n_main, start, end, xstart, xend,
-                      num_slots, x_num_slots, extra_offset, PAGE_ELEMS, XPAGE_ELEMS, BLOCK_N, gather_layout)
+        row, row_valid = _gather_rows(idx_row, xidx_row, j, n_main, start, end, xstart, xend, num_slots,
+                                      x_num_slots, extra_offset, PAGE_ELEMS, XPAGE_ELEMS, BLOCK_N, gather_layout)
+        _issue_copies(kv_smem.index(j), pool_ptr, row, row_valid, gather_layout)
     fence_async_shared()  # q_smem's generic-proxy store before the first wgmma reads it
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, rows_s)
@@ -168,16 +174,17 @@ def sparse_attention_gluon_kernel(
         async_copy.wait_group(STAGES - 2)  # tile i's rows have landed (this thread's copies) ...
         fence_async_shared()  # (cp.async writes through the generic proxy; wgmma reads through the async one)
         gl.thread_barrier()  # ... and every thread's
+        # index loads first: the next gather's rows and this tile's score mask, their latency under QK(i)
+        row, row_valid = _gather_rows(idx_row, xidx_row, i + STAGES - 1, n_main, start, end, xstart, xend,
+                                      num_slots, x_num_slots, extra_offset, PAGE_ELEMS, XPAGE_ELEMS, BLOCK_N,
+                                      gather_layout)
+        _, valid = _tile_slots(idx_row, xidx_row, i, n_main, start, end, xstart, xend, num_slots, x_num_slots,
+                               BLOCK_N, cols_s)
         kv = kv_smem.index(i % STAGES)
         s_tok = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s, acc = warpgroup_mma_wait(0, deps=(s_tok, acc))  # S(i) ready, PV(i-1) retired in this warpgroup
-        gl.thread_barrier()  # ... and in the other one, before the gather below overwrites what PV(i-1) read
-        _issue_gather(kv_smem.index((i + STAGES - 1) % STAGES), pool_ptr, idx_row, xidx_row, i + STAGES - 1,
-                      n_main, start, end, xstart, xend, num_slots, x_num_slots, extra_offset, PAGE_ELEMS,
-                      XPAGE_ELEMS, BLOCK_N, gather_layout)
-
-        _, valid = _tile_slots(idx_row, xidx_row, i, n_main, start, end, xstart, xend, num_slots, x_num_slots,
-                               BLOCK_N, cols_s)
+        gl.thread_barrier()  # ... and in the other one, before the copies below overwrite what PV(i-1) read
+        _issue_copies(kv_smem.index((i + STAGES - 1) % STAGES), pool_ptr, row, row_valid, gather_layout)
         s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # all-invalid so far: keep exp2 finite
