@@ -66,7 +66,9 @@ def _row_offsets(slot, valid, is_main, extra_offset, PAGE_ELEMS: gl.constexpr, X
     """Element offsets (from the main pool's base) of the rows of ``slot`` (0 for invalid rows)."""
     s = gl.where(valid, slot, 0).to(gl.int64)
     page_elems = gl.where(is_main, PAGE_ELEMS, XPAGE_ELEMS).to(gl.int64)
-    base = gl.where(is_main, 0, extra_offset) * 8  # extra_offset counts 16 B units: rows stay 16 B aligned
+    # extra_offset counts 16 B units (rows stay provably 16 B aligned); int64 before the scaling: the JIT passes
+    # a small offset as int32, and pools a few GB apart would overflow it
+    base = gl.where(is_main, 0, extra_offset).to(gl.int64) * 8
     return base + (s // ENTRIES) * page_elems + (s % ENTRIES) * ROW_ELEMS
 
 

@@ -66,14 +66,15 @@ def compile_gluon_kernel(*, heads: int = 128, block_n: int = 64, stages: int = 2
                          has_sink: bool = True, target: GPUTarget | None = None):
     """Compile the Gluon kernel ahead of time (no GPU needed) -> triton's CompiledKernel (asm: ttgir, ptx,
     cubin; metadata.shared bytes). ``target`` default: sm_90 (``GPUTarget("cuda", 90, 32)``). Pointer
-    arguments are declared 16 B aligned, as Triton specializes them at launch."""
+    arguments are declared 16 B aligned and integers int32, as Triton specializes them at launch for
+    the usual sizes (the kernel widens what can exceed int32 before it multiplies)."""
     from ...formats import AttentionKVFormat
 
     out_dtype = q_dtype if num_splits == 1 else "fp32"
     signature = {
-        "q_ptr": f"*{q_dtype}", "stride_qt": "i64", "stride_qh": "i64",
-        "pool_ptr": "*bf16", "num_slots": "i32", "idx_ptr": "*i32", "stride_it": "i64", "K": "i32",
-        "len_ptr": "*i32", "extra_offset": "i64", "x_num_slots": "i32", "xidx_ptr": "*i32", "stride_xt": "i64",
+        "q_ptr": f"*{q_dtype}", "stride_qt": "i32", "stride_qh": "i32",
+        "pool_ptr": "*bf16", "num_slots": "i32", "idx_ptr": "*i32", "stride_it": "i32", "K": "i32",
+        "len_ptr": "*i32", "extra_offset": "i32", "x_num_slots": "i32", "xidx_ptr": "*i32", "stride_xt": "i32",
         "XK": "i32", "xlen_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "lse_ptr": "*fp32",
         "T": "i32", "scale_log2": "fp32", "tiles_per_split": "i32", "xtiles_per_split": "i32",
     }
