@@ -10,7 +10,15 @@ rising with the index like a recency bias):
           select of dsakit.ops.topk.triton, torch.topk (sorted) on the same scores; ratios;
   sweep   (optional) launch configurations of the streaming select.
 
+  filters (``--filters``, instead of the above) the streaming select with the warp filter (the default)
+          against the thread filter (``SelectConfig(stream_filter="thread")``, and a few of its unroll
+          variants) and torch.topk, on 8192 x 65536, 64 x 65536, 64 x 131072 at K 2048, relu-like and +100
+          shifted rows, two timing rounds each; every variant's sorted output must equal the warp filter's
+          bitwise (both are exact) and torch.topk's values; writes DIR/select_filters_SHA.json (~1 min on an
+          H200).
+
 Usage: PYTHONPATH=. python3 benchmarks/bench_select.py --out DIR --commit SHA [--sweep] [--quick]
+       PYTHONPATH=. python3 benchmarks/bench_select.py --out DIR --commit SHA --filters
        (``--device cpu --smoke`` under TRITON_INTERPRET=1 runs toy sizes, no timing claims)
 """
 
@@ -24,7 +32,7 @@ from pathlib import Path
 import torch
 from _common import bench_parser, environment, median_ms, same_selection, write_json
 
-from dsakit.ops.topk.config import SelectConfig
+from dsakit.ops.topk.config import SelectConfig, StreamConfig
 from dsakit.ops.topk.triton import SelectBuffers, launch_stream_select, select_topk_stream, select_topk_triton
 
 
@@ -48,15 +56,90 @@ def make_scores(kind: str, rows: int, n: int, device: str, seed: int) -> torch.T
     raise ValueError(kind)
 
 
+def filter_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]]:
+    """(name, launch) of the filters compared by ``--filters``: the default (warp filter), the thread filter's
+    launch rule, and its unroll (tiles per step) one step either side."""
+    warp = SelectConfig().stream_for(rows, n, k)
+    thread = SelectConfig(stream_filter="thread").stream_for(rows, n, k)
+    out = [("warp", warp), ("thread", thread)]
+    for unroll in (thread.unroll // 2, thread.unroll * 2):
+        if 1 <= unroll <= 64:
+            out.append((f"thread_unroll{unroll}", dataclasses.replace(thread, unroll=unroll)))
+    return out
+
+
+def compare_filters(args, report: dict, path: Path) -> list[str]:
+    """The ``--filters`` section (see the module docstring). Returns the names of the failed checks."""
+    dev = args.device
+    # smoke: a split row (decode-like: threshold kernel + 4 split programs) and whole rows wider than the buffer
+    shapes = [(2, 20000, 64), (4, 9000, 64)] if args.smoke else [(64, 131072, 2048), (64, 65536, 2048),
+                                                                 (8192, 65536, 2048)]
+    graph = dev == "cuda"
+    failed = []
+    for rows, n, k in shapes:
+        for number, kind in enumerate(("relu_like", "shift100")):
+            scores = make_scores(kind, rows, n, dev, seed=number)
+            counts = torch.full((rows,), n, dtype=torch.int32, device=dev)
+            variants = [(name, cfg, SelectBuffers.allocate(rows, n, k, dev, cfg),
+                         torch.empty((rows, k), dtype=torch.int32, device=dev))
+                        for name, cfg in filter_variants(rows, n, k)]
+            base = {"rows": rows, "N": n, "K": k, "kind": kind}
+            first = None
+            for name, cfg, buffers, out in variants:
+                launch_stream_select(scores, counts, out, k, True, buffers)
+                again = torch.empty_like(out)
+                launch_stream_select(scores, counts, again, k, True, buffers)
+                first = out.clone() if first is None else first
+                check = {**base, "variant": name, "config": dataclasses.asdict(cfg), "paths": buffers.path_counts(rows),
+                         "equals_warp_filter": bool(torch.equal(out, first)),
+                         "deterministic": bool(torch.equal(out, again)), **same_selection(out, scores, k)}
+                report["filters_check"].append(check)
+                if not (check["equals_warp_filter"] and check["deterministic"] and check["values_equal"]
+                        and check["pad_ok"]):
+                    failed.append(f"{rows}x{n} {kind} {name}")
+                print({a: b for a, b in check.items() if a != "config"}, flush=True)
+            for round_number in ((1,) if args.smoke else (1, 2)):
+                ms = {"torch_topk": median_ms(lambda: torch.topk(scores, k, dim=1), dev, args.rep),
+                      "torch_topk_graph": median_ms(lambda: torch.topk(scores, k, dim=1), dev, args.rep, graph=graph)}
+                for name, cfg, buffers, out in variants:
+                    labels = (("sorted", True, "all"), ("filter", True, "filter"))
+                    if name in ("warp", "thread"):  # the two launch rules: every stage; unroll variants: two
+                        labels += (("unsorted", False, "all"), ("filter+final", True, "filter+final"))
+                    for label, sort, stages in labels:
+                        ms[f"{name}:{label}"] = median_ms(
+                            lambda sort=sort, stages=stages, buffers=buffers, out=out: launch_stream_select(
+                                scores, counts, out, k, sort, buffers, stages=stages), dev, args.rep, graph=graph)
+                row = {**base, "round": round_number, "timing": "cuda graph replays (torch_topk: eager and graph)"
+                       if graph else "one wall-clock call (cpu smoke, no claim)", "ms": ms,
+                       "speedup_sorted_vs_torch_topk": {name: ms["torch_topk"] / ms[f"{name}:sorted"]
+                                                        for name, *_ in variants}}
+                report["filters_time"].append(row)
+                print({**base, "round": round_number, **{a: round(b, 4) for a, b in ms.items()}}, flush=True)
+                write_json(path, report)
+            del scores, variants
+    return failed
+
+
 def main() -> int:
     ap = bench_parser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer distributions and shapes")
+    ap.add_argument("--filters", action="store_true", help="only the warp vs thread filter comparison")
     ap.add_argument("--rep", type=int, default=60)
     args = ap.parse_args()
     dev = args.device
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.filters:
+        path = out_dir / f"select_filters_{args.commit}.json"
+        report = {"meta": environment(dev, args.commit), "filters_check": [], "filters_time": []}
+        t_start = time.time()
+        failed = compare_filters(args, report, path)  # --rep 30 keeps it near a minute on the H200
+        report["meta"]["total_s"] = time.time() - t_start
+        report["failed_checks"] = failed
+        write_json(path, report)
+        print(f"done in {report['meta']['total_s']:.0f} s; failed checks: {failed}", flush=True)
+        return 1 if failed else 0
     path = out_dir / f"select_{args.commit}.json"
     report = {"meta": environment(dev, args.commit), "check": [], "time": [], "sweep": []}
     t_start = time.time()

@@ -357,3 +357,14 @@ def test_thread_filter_launch_rule():
         replace(StreamConfig(splits=1, **THREAD), filter="block")
     with pytest.raises(ValueError, match="stream_filter"):
         SelectConfig(stream_filter="block")
+
+
+def test_thread_filter_through_select_config(triton_backend):
+    """A SelectConfig carrying a thread-filter launch reaches it through the public launcher (cached buffers,
+    consecutive row slices under a small budget): the reference's result."""
+    from dsakit.ops.topk.config import SelectConfig, StreamConfig
+    from dsakit.ops.topk.triton import select_topk_triton
+
+    scores = _rows(160).to(_device())
+    select = SelectConfig(algorithm="stream", stream=StreamConfig(splits=2, **THREAD), cached_bytes=1)
+    assert torch.equal(select_topk_triton(scores, 9, config=select).cpu(), reference_select(scores.cpu(), 9))

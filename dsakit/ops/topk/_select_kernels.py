@@ -252,13 +252,17 @@ def _filter_thread_kernel(
     stop = n
     n_gt = tl.sum(tl.zeros([LANES, UNROLL], dtype=tl.int32), axis=1)  # per lane
     n_eq = n_gt
-    offs = start + inner
-    following = tl.load(row_scores + offs, mask=offs < stop, other=float("-inf"))
+    # a thread's UNROLL loads: one per-lane address plus constants (immediate offsets), and one per-lane bound
+    # compared with constants (no per-entry address or bound arithmetic)
+    sub = tl.arange(0, UNROLL)[None, :] * STEP
+    following = tl.load(tl.max_contiguous((row_scores + start + lanes)[:, None] + sub, [1, 1]),
+                        mask=(stop - start - lanes)[:, None] > sub, other=float("-inf"))
     while start < stop:
         offs = start + inner
         tile = following
-        following = tl.load(row_scores + offs + STEP * UNROLL, mask=offs + STEP * UNROLL < stop,
-                            other=float("-inf"))
+        ahead = start + STEP * UNROLL
+        following = tl.load(tl.max_contiguous((row_scores + ahead + lanes)[:, None] + sub, [1, 1]),
+                            mask=(stop - ahead - lanes)[:, None] > sub, other=float("-inf"))
         gt = ~(tile <= thr_f)             # out-of-range entries load -inf: never above, never equal
         eq = tile == eq_f
         # inclusive rank of each entry within its lane (index order): in-register
