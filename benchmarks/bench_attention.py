@@ -18,7 +18,7 @@ Writes DIR/attention_bench.json (after every section, so a timeout keeps what wa
 0. (section "sweep", runs first) pipeline stages, tile size and the two-programs-per-output (dv_split 2,
    4 warps: two CTAs per SM) form on the prefill at K 2048 for every (format, heads); the fastest is then used by sections 1-3 (without the sweep: the library's DEFAULT_STAGES).
    Every row records its configuration. Sections 0-3 time the portable Triton kernel (kernel "triton").
-4. (section "gluon", bf16 KV on sm_90) the Gluon kernel (two tile configurations) beside the portable one on
+4. (section "gluon", bf16 KV on sm_90) the Gluon kernel (three configurations) beside the portable one on
    the same inputs: prefill T 4096, K 2048, and decode B 64 / 128, next_n 1 / 2, K 2048, Hq 64 / 128; per
    row the times and rates of both, the speedup, the Gluon kernel's full-size check (rule of 1.) and its max
    difference from the portable kernel. Alone (``--sections gluon``) it is meant to take under 90 s.
@@ -226,9 +226,11 @@ def main() -> None:
     print("wrote", path)
 
 
-# the Gluon kernel's tile configurations: 64 rows x 2 buffers (the default) and 32 rows x 4 (deeper prefetch)
+# the Gluon kernel's configurations: 64 rows x 2 buffers (the default), 32 rows x 4 (deeper prefetch), and
+# 32 x 4 in the FA3 order (softmax of a tile under the previous tile's PV product)
 GLUON_CONFIGS = {"block64x2": dict(gluon_block_n=64, gluon_stages=2),
-                 "block32x4": dict(gluon_block_n=32, gluon_stages=4)}
+                 "block32x4": dict(gluon_block_n=32, gluon_stages=4),
+                 "block32x4_overlap": dict(gluon_block_n=32, gluon_stages=4, gluon_overlap=True)}
 
 
 def gluon_vs_portable(q, pool, fmt, idx, sink, rows: int, work: float) -> dict:

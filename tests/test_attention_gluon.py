@@ -95,10 +95,13 @@ def test_interpreter_runs_the_portable_kernel(monkeypatch):
 def test_gluon_config_fields_are_checked():
     for bad, match in ((dict(kernel="cuda"), "kernel"), (dict(gluon_block_n=128), "gluon_block_n"),
                        (dict(gluon_stages=1), "gluon_stages"), (dict(gluon_stages=3), "gluon_stages"),
-                       (dict(gluon_block_n=32, gluon_stages=5), "gluon_stages")):
+                       (dict(gluon_block_n=32, gluon_stages=5), "gluon_stages"),
+                       (dict(gluon_overlap=True), "gluon_overlap needs gluon_stages >= 3"),
+                       (dict(gluon_overlap=1, gluon_block_n=32, gluon_stages=4), "gluon_overlap must be a bool")):
         with pytest.raises(ValueError, match=match):
             AttentionConfig(**bad)
     assert AttentionConfig(gluon_block_n=32, gluon_stages=4).gluon_stages == 4
+    assert AttentionConfig(gluon_block_n=32, gluon_stages=3, gluon_overlap=True).gluon_overlap
 
 
 class _RecordedLaunch:
@@ -155,6 +158,7 @@ def test_gluon_launch_arguments(monkeypatch, extra):
     assert bound["PAGE_ELEMS"] == BF16.page_bytes // 2 and bound["NUM_SPLITS"] == 2
     assert bound["out_ptr"].shape == (2, 3, 128, D) and bound["out_ptr"].dtype == torch.float32
     assert bound["HAS_LEN"] and bound["HAS_SINK"] and bound["HAS_EXTRA"] == extra and not bound["HAS_XLEN"]
+    assert bound["OVERLAP"] is False and bound["STAGES"] == 2 and bound["BLOCK_N"] == 64
     assert math.isclose(bound["scale_log2"], 0.05 * math.log2(math.e))
     assert bound["tiles_per_split"] == 2  # 200 indices = 4 tiles of 64, 2 per split
     if extra:
@@ -169,6 +173,7 @@ COMPILE_VARIANTS = {
     "decode-h64-splits-fp32q": dict(heads=64, num_splits=4, has_extra=False, has_sink=False, has_len=False,
                                     q_dtype="fp32"),
     "block32-stages4-fp16q": dict(block_n=32, stages=4, q_dtype="fp16"),
+    "block32-stages3-overlap": dict(block_n=32, stages=3, overlap=True),
 }
 
 # Run in a fresh process without TRITON_INTERPRET (the interpreter patches triton.language in this one, which
@@ -224,12 +229,13 @@ def compiled_variants(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(COMPILE_VARIANTS))
 def test_gluon_kernel_compiles_for_sm90(compiled_variants, name):
     """Ahead-of-time compile for GPUTarget("cuda", 90, 32) at the V4 shape (head dim 512): a cubin, async
-    wgmma (QK: 512 / 16 k-steps; PV: BLOCK_N / 16) that ptxas keeps asynchronous, 16 B cp.async gathers,
+    wgmma (QK: 512 / 16 k-steps; PV: BLOCK_N / 16 per site) that ptxas keeps asynchronous, 16 B cp.async gathers,
     within the 227 KB of an SM, no register spills."""
     got = compiled_variants[name]
     block_n = COMPILE_VARIANTS[name].get("block_n", 64)
     assert got["cubin"] > 0
-    assert got["wgmma"] == D // 16 + block_n // 16
+    pv_sites = 2 if COMPILE_VARIANTS[name].get("overlap") else 1  # the FA3 order issues the last PV after the loop
+    assert got["wgmma"] == D // 16 + pv_sites * block_n // 16
     assert got["wait0"] and got["cp_async_16"] > 0
     assert got["shared"] <= 227 * 1024
     assert got["ptxas_ok"] and got["no_spills"]
@@ -304,33 +310,40 @@ def _check_full_size(q, pool, idx, kw, *, sample: int, config: AttentionConfig |
     assert (lse[both] - p_lse[both]).abs().max().item() <= 3 * base_lse_err + 1e-5
 
 
+# the default tile and the experimental FA3-order form
+FULL_SIZE_CONFIGS = {"block64x2": AttentionConfig(),
+                     "block32x4-overlap": AttentionConfig(gluon_block_n=32, gluon_stages=4, gluon_overlap=True)}
+
+
 @pytest.mark.gpu
-def test_gluon_prefill_full_size():
+@pytest.mark.parametrize("config", sorted(FULL_SIZE_CONFIGS))
+def test_gluon_prefill_full_size(config):
     """Prefill-like: T 4096, H 128, K 2048 (one split per query)."""
     _needs_sm90()
     gen = torch.Generator().manual_seed(11)
-    _check_full_size(*_case(4096, 128, 2048, pages=1024, gen=gen), sample=16)
+    _check_full_size(*_case(4096, 128, 2048, pages=1024, gen=gen), sample=16, config=FULL_SIZE_CONFIGS[config])
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", sorted(FULL_SIZE_CONFIGS))
 @pytest.mark.parametrize("hq", [64, 128])
-def test_gluon_decode_full_size(hq):
+def test_gluon_decode_full_size(hq, config):
     """Decode-like: B 64 queries, K 2048, automatic splits (one at H 128, several at H 64)."""
     _needs_sm90()
     gen = torch.Generator().manual_seed(12)
-    _check_full_size(*_case(64, hq, 2048, pages=1024, gen=gen), sample=16)
+    _check_full_size(*_case(64, hq, 2048, pages=1024, gen=gen), sample=16, config=FULL_SIZE_CONFIGS[config])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_gluon_extra_pool_splits_and_q_dtypes(q_dtype):
     """A second bf16 pool with its own lengths, few queries (several splits merged by the combine kernel),
-    q in each float dtype, and the 32-row / 4-stage tile."""
+    q in each float dtype, the 32-row / 4-stage tile and the FA3-order form."""
     _needs_sm90()
     gen = torch.Generator().manual_seed(13)
     case = _case(6, 128, 600, pages=16, gen=gen, extra=True, q_dtype=q_dtype)
-    for config in (AttentionConfig(), AttentionConfig(num_splits=1), AttentionConfig(gluon_block_n=32,
-                                                                                      gluon_stages=4)):
+    for config in (AttentionConfig(), AttentionConfig(num_splits=1), AttentionConfig(gluon_block_n=32, gluon_stages=4),
+                   AttentionConfig(gluon_block_n=32, gluon_stages=3, gluon_overlap=True)):
         _check_full_size(*case, sample=6, config=config)
 
 

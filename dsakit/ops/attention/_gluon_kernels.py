@@ -106,6 +106,35 @@ def _split_range(len_ptr, t, split, tiles_per_split, K, HAS_LEN: gl.constexpr, B
 
 
 @gluon.jit
+def _softmax_step(s, valid, m_i, l_i, scale_log2):
+    """Online softmax (base 2) of raw scores s [64, BLOCK_N] (-inf where not ``valid``) against the running
+    row max m_i and sum l_i -> (p, alpha = 2^(m_i - m_new), m_new, l_new)."""
+    s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # all-invalid so far: keep exp2 finite
+    p = gl.exp2(s - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _tile_start(i, idx_row, xidx_row, n_main, start, end, xstart, xend, num_slots, x_num_slots, extra_offset,
+                PAGE_ELEMS: gl.constexpr, XPAGE_ELEMS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                gather_layout: gl.constexpr, cols_s: gl.constexpr):
+    """Top of tile i: wait until its rows are in shared memory and visible to wgmma; then the index loads of
+    the gather of tile i + STAGES - 1 and of tile i's score mask (issued before QK(i): their latency runs
+    under it) -> (row offsets, row valid, score-column valid)."""
+    async_copy.wait_group(STAGES - 2)  # tile i's rows have landed (this thread's copies) ...
+    fence_async_shared()  # (cp.async writes through the generic proxy; wgmma reads through the async one)
+    gl.thread_barrier()  # ... and every thread's
+    row, row_valid = _gather_rows(idx_row, xidx_row, i + STAGES - 1, n_main, start, end, xstart, xend, num_slots,
+                                  x_num_slots, extra_offset, PAGE_ELEMS, XPAGE_ELEMS, BLOCK_N, gather_layout)
+    _, valid = _tile_slots(idx_row, xidx_row, i, n_main, start, end, xstart, xend, num_slots, x_num_slots,
+                           BLOCK_N, cols_s)
+    return row, row_valid, valid
+
+
+@gluon.jit
 def sparse_attention_gluon_kernel(
     q_ptr, stride_qt, stride_qh,  # q [T, HQ, 512] (bf16 / fp16 / fp32; rounded to bf16)
     pool_ptr, num_slots, idx_ptr, stride_it, K, len_ptr,  # main pool as bf16, indices int32 [T, K], len [T]
@@ -116,6 +145,7 @@ def sparse_attention_gluon_kernel(
     HQ: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
     PAGE_ELEMS: gl.constexpr, XPAGE_ELEMS: gl.constexpr,
     HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr,
+    OVERLAP: gl.constexpr,
 ):
     BLOCK_H: gl.constexpr = GLUON_HEAD_BLOCK
     HB: gl.constexpr = HQ // BLOCK_H
@@ -169,35 +199,53 @@ def sparse_attention_gluon_kernel(
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, rows_s)
-    # loop-carried as an in-flight wgmma accumulator (the PV of the previous tile)
-    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HEAD_DIM], gl.float32, o_layout))
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
-    for i in range(n_tiles):
-        async_copy.wait_group(STAGES - 2)  # tile i's rows have landed (this thread's copies) ...
-        fence_async_shared()  # (cp.async writes through the generic proxy; wgmma reads through the async one)
-        gl.thread_barrier()  # ... and every thread's
-        # index loads first: the next gather's rows and this tile's score mask, their latency under QK(i)
-        row, row_valid = _gather_rows(idx_row, xidx_row, i + STAGES - 1, n_main, start, end, xstart, xend,
-                                      num_slots, x_num_slots, extra_offset, PAGE_ELEMS, XPAGE_ELEMS, BLOCK_N,
-                                      gather_layout)
-        _, valid = _tile_slots(idx_row, xidx_row, i, n_main, start, end, xstart, xend, num_slots, x_num_slots,
-                               BLOCK_N, cols_s)
-        kv = kv_smem.index(i % STAGES)
-        s_tok = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s, acc = warpgroup_mma_wait(0, deps=(s_tok, acc))  # S(i) ready, PV(i-1) retired in this warpgroup
-        gl.thread_barrier()  # ... and in the other one, before the copies below overwrite what PV(i-1) read
-        _issue_copies(kv_smem.index((i + STAGES - 1) % STAGES), pool_ptr, row, row_valid, gather_layout)
-        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # all-invalid so far: keep exp2 finite
-        p = gl.exp2(s - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, rows_o, assert_trivial=True)[:, None]  # same rows: free
-        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        acc = warpgroup_mma(p_op, kv, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    if OVERLAP:
+        # FA3 order: QK(i) and PV(i-1) in flight together, the softmax of tile i under PV(i-1); the gather of
+        # tile i + STAGES - 1 goes into PV(i-1)'s buffer once it retires, so it needs 3 stages to run ahead.
+        # PV(-1) multiplies zeros by the zeroed last buffer (no prologue gather goes there).
+        gl.static_assert(STAGES >= 3, "OVERLAP gathers into the buffer of PV(i-1) late: 3 stages at least")
+        kv_smem.index(STAGES - 1).store(gl.zeros([BLOCK_N, HEAD_DIM], gl.bfloat16, gather_layout))
+        fence_async_shared()
+        p_prev = gl.zeros([BLOCK_H, BLOCK_N], gl.bfloat16, p_layout)
+        acc = gl.zeros([BLOCK_H, HEAD_DIM], gl.float32, o_layout)
+        for i in range(n_tiles):
+            row, row_valid, valid = _tile_start(i, idx_row, xidx_row, n_main, start, end, xstart, xend, num_slots,
+                                                x_num_slots, extra_offset, PAGE_ELEMS, XPAGE_ELEMS, BLOCK_N, STAGES,
+                                                gather_layout, cols_s)
+            prev_buf = kv_smem.index((i + STAGES - 1) % STAGES)
+            s_tok = warpgroup_mma(q_smem, kv_smem.index(i % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            acc_tok = warpgroup_mma(p_prev, prev_buf, acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))  # QK(i) retired (issued first); PV(i-1) may run on
+            p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i, scale_log2)
+            # (P of tile i-1 is a register operand of PV(i-1): kept alive through the wait, like acc)
+            acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+            gl.thread_barrier()  # PV(i-1) retired in both warpgroups: its buffer takes the next gather
+            _issue_copies(prev_buf, pool_ptr, row, row_valid, gather_layout)
+            acc = acc * gl.convert_layout(alpha, rows_o, assert_trivial=True)[:, None]
+            p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        acc_tok = warpgroup_mma(p_prev, kv_smem.index((n_tiles + STAGES - 1) % STAGES), acc, is_async=True)
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+    else:
+        # loop-carried as an in-flight wgmma accumulator (the PV of the previous tile), with that PV's register
+        # operand P, kept alive until the wait that retires it
+        acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HEAD_DIM], gl.float32, o_layout))
+        p_op = gl.zeros([BLOCK_H, BLOCK_N], gl.bfloat16, p_layout)
+        for i in range(n_tiles):
+            row, row_valid, valid = _tile_start(i, idx_row, xidx_row, n_main, start, end, xstart, xend, num_slots,
+                                                x_num_slots, extra_offset, PAGE_ELEMS, XPAGE_ELEMS, BLOCK_N, STAGES,
+                                                gather_layout, cols_s)
+            kv = kv_smem.index(i % STAGES)
+            s_tok = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s, acc, p_op = warpgroup_mma_wait(0, deps=(s_tok, acc, p_op))  # S(i); PV(i-1) retired in this WG
+            gl.thread_barrier()  # ... and in the other one, before the copies below overwrite what PV(i-1) read
+            _issue_copies(kv_smem.index((i + STAGES - 1) % STAGES), pool_ptr, row, row_valid, gather_layout)
+            p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i, scale_log2)
+            acc = acc * gl.convert_layout(alpha, rows_o, assert_trivial=True)[:, None]  # same rows: free
+            p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            acc = warpgroup_mma(p_op, kv, acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     async_copy.wait_group(0)  # the gathers issued past the last tile (empty groups, masked rows)
 
     m_o = gl.convert_layout(m_i, rows_o)

@@ -41,8 +41,9 @@ class AttentionConfig:
     kernel: "auto" (the Gluon sm_90 kernel where it applies, else the portable kernel), "triton" (always the
     portable kernel) or "gluon" (ValueError naming the reason where it does not apply). The fields above
     are the portable kernel's; the Gluon kernel reads gluon_block_n (gathered rows per tile and the N of the
-    QK wgmma; 64 or 32), gluon_stages (shared-memory buffers of gathered tiles, >= 2), num_splits and
-    combine_*.
+    QK wgmma; 64 or 32), gluon_stages (shared-memory buffers of gathered tiles, >= 2), gluon_overlap
+    (experimental, off: FA3 order, the softmax of a tile under the previous tile's PV product; needs
+    gluon_stages >= 3), num_splits and combine_*.
     """
 
     block_n: int = 64
@@ -56,6 +57,7 @@ class AttentionConfig:
     kernel: str = "auto"
     gluon_block_n: int = 64
     gluon_stages: int = 2
+    gluon_overlap: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "num_warps", "combine_block_h", "combine_warps"):
@@ -69,6 +71,10 @@ class AttentionConfig:
         # q (64 KB) + gluon_stages tiles of gluon_block_n x 1 KB must fit the 227 KB of an sm_90 SM
         check_choice("gluon_block_n", check_int("gluon_block_n", self.gluon_block_n), (32, 64))
         check_int("gluon_stages", self.gluon_stages, 2, (227 - 64 - 4) // self.gluon_block_n)
+        if not isinstance(self.gluon_overlap, bool):
+            raise ValueError(f"gluon_overlap must be a bool, got {self.gluon_overlap!r}")
+        if self.gluon_overlap and self.gluon_stages < 3:
+            raise ValueError(f"gluon_overlap needs gluon_stages >= 3 (so gluon_block_n 32), got {self.gluon_stages}")
         if HEAD_BLOCK % self.combine_block_h:
             raise ValueError(f"combine_block_h must divide {HEAD_BLOCK}, got {self.combine_block_h}")
         if not isinstance(self.stages, dict) or set(self.stages) != set(_stages_table(1, 1, 1, 1)) or any(

@@ -55,13 +55,14 @@ def sparse_attention_gluon(a: SparseAttentionInputs, config: AttentionConfig) ->
         HQ=plan.hq, BLOCK_N=block_n, STAGES=config.gluon_stages, NUM_SPLITS=plan.num_splits,
         PAGE_ELEMS=_bf16_elements(fmt), XPAGE_ELEMS=_bf16_elements(xfmt),
         HAS_LEN=a.topk_length is not None, HAS_EXTRA=has_extra, HAS_XLEN=a.extra_topk_length is not None,
-        HAS_SINK=plan.sink is not None,
+        HAS_SINK=plan.sink is not None, OVERLAP=config.gluon_overlap,
         num_warps=NUM_WARPS,
     )
     return merge_splits(plan, config, interp=False)
 
 
-def compile_gluon_kernel(*, heads: int = 128, block_n: int = 64, stages: int = 2, num_splits: int = 1,
+def compile_gluon_kernel(*, heads: int = 128, block_n: int = 64, stages: int = 2, overlap: bool = False,
+                         num_splits: int = 1,
                          q_dtype: str = "bf16", has_len: bool = True, has_extra: bool = True,
                          has_sink: bool = True, target: GPUTarget | None = None):
     """Compile the Gluon kernel ahead of time (no GPU needed) -> triton's CompiledKernel (asm: ttgir, ptx,
@@ -81,7 +82,7 @@ def compile_gluon_kernel(*, heads: int = 128, block_n: int = 64, stages: int = 2
     page_elems = _bf16_elements(AttentionKVFormat.BF16)
     constexprs = {"HQ": heads, "BLOCK_N": block_n, "STAGES": stages, "NUM_SPLITS": num_splits,
                   "PAGE_ELEMS": page_elems, "XPAGE_ELEMS": page_elems, "HAS_LEN": has_len, "HAS_EXTRA": has_extra,
-                  "HAS_XLEN": has_extra and has_len, "HAS_SINK": has_sink}
+                  "HAS_XLEN": has_extra and has_len, "HAS_SINK": has_sink, "OVERLAP": overlap}
     signature.update({name: "constexpr" for name in constexprs})
     names = sparse_attention_gluon_kernel.arg_names
     attrs = {(names.index(n),): [["tt.divisibility", _ALIGN]] for n, ty in signature.items() if ty.startswith("*")}
