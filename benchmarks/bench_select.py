@@ -58,13 +58,16 @@ def make_scores(kind: str, rows: int, n: int, device: str, seed: int) -> torch.T
 
 def filter_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]]:
     """(name, launch) of the filters compared by ``--filters``: the default (warp filter), the thread filter's
-    launch rule, and its unroll (tiles per step) one step either side."""
+    launch rule, its unroll (tiles per step) one step either side, and 16 warps for its final (and threshold)
+    kernel: the final kernel's range narrowing is ~1,350 SASS instructions per thread and step at 8 warps
+    (32 buffer slots a thread), ~870 at 16 (128 registers instead of 208: two programs per SM)."""
     warp = SelectConfig().stream_for(rows, n, k)
     thread = SelectConfig(stream_filter="thread").stream_for(rows, n, k)
     out = [("warp", warp), ("thread", thread)]
     for unroll in (thread.unroll // 2, thread.unroll * 2):
         if 1 <= unroll <= 64:
             out.append((f"thread_unroll{unroll}", dataclasses.replace(thread, unroll=unroll)))
+    out.append(("thread_final16", dataclasses.replace(thread, final_warps=16)))
     return out
 
 
@@ -102,9 +105,10 @@ def compare_filters(args, report: dict, path: Path) -> list[str]:
                 ms = {"torch_topk": median_ms(lambda: torch.topk(scores, k, dim=1), dev, args.rep),
                       "torch_topk_graph": median_ms(lambda: torch.topk(scores, k, dim=1), dev, args.rep, graph=graph)}
                 for name, cfg, buffers, out in variants:
-                    labels = (("sorted", True, "all"), ("filter", True, "filter"))
-                    if name in ("warp", "thread"):  # the two launch rules: every stage; unroll variants: two
-                        labels += (("unsorted", False, "all"), ("filter+final", True, "filter+final"))
+                    labels = (("sorted", True, "all"), ("filter", True, "filter") if "unroll" in name else
+                              ("filter+final", True, "filter+final"))
+                    if name in ("warp", "thread"):  # the two launch rules: every stage; variants: two
+                        labels += (("unsorted", False, "all"), ("filter", True, "filter"))
                     for label, sort, stages in labels:
                         ms[f"{name}:{label}"] = median_ms(
                             lambda sort=sort, stages=stages, buffers=buffers, out=out: launch_stream_select(
