@@ -121,7 +121,7 @@ def test_default_config_tie_lists_reach_the_second_tile():
     from dsakit.ops.topk.config import SelectConfig
 
     for rows, width, k in [(64, 131072, 2048), (256, 131072, 2048), (64, 65536, 512), (8192, 65536, 2048)]:
-        cfg = SelectConfig().stream_for(rows, width, k)
+        cfg = SelectConfig(stream_filter="warp").stream_for(rows, width, k)
         assert cfg.lane_cap >= 64 and cfg.tie_cap >= 2 * cfg.v, cfg
 
 
@@ -244,10 +244,11 @@ def test_launch_settings_unchanged_by_the_move_into_select_config():
 
     select = SelectConfig()
     assert TopkConfig.for_device("cpu").select == select == SelectConfig.for_device(None)
+    warp = SelectConfig(stream_filter="warp")  # the rule of the warp filter (the thread filter's: its own test)
     for rows in (1, 3, 8, 64, 100, 256, 300, 511, 512, 1000, 1024, 4096, 8192):
         for width in (64, 300, 4096, 8192, 65536, 131072, 262144, 1 << 20):
             for k in (1, 5, 16, 100, 512, 1024, 2048, 4096):
-                cfg = select.stream_for(rows, width, k)
+                cfg = warp.stream_for(rows, width, k)
                 want = _launch_rule_before_the_move(rows, width, k)
                 got = {name: getattr(cfg, name) for name in want if name not in ("margin", "sort_chunks")}
                 got.update(margin=cfg.sample_margin, sort_chunks=cfg.sort_chunks(k))
