@@ -111,7 +111,12 @@ class AttentionConfig:
 # Measured on the H200 (benchmarks/bench_attention.py stage sweep): with 128 heads the two head blocks of a
 # query run side by side and the cp.async pipeline (2 stages) pays off for bf16 KV; with 64 heads, and for the
 # fp8 dequantization in registers, gathering straight through registers (1 stage, no shared-memory double
-# buffer) is faster. Other GPUs take the H200's table until measured.
-ATTENTION_DEFAULTS: dict[str, AttentionConfig] = {"H200": AttentionConfig(), "default": AttentionConfig()}
+# buffer) is faster. The Gluon kernel (bf16 pools on sm_90, kernel "auto"): 32-row tiles, 4 buffers and the
+# overlapped order were the fastest of its three settings at every measured shape, two runs at one tree
+# (benchmarks/results/attention_gluon_h200_3422ba2_run{1,2}.json): prefill T 4096 K 2048 4.14 / 8.10 ms at
+# H 64 / 128 (portable 5.94 / 8.61), decode B 64-128 next_n 1-2 1.16-1.65x the portable kernel. Other GPUs
+# take the H200's table until measured.
+H200_ATTENTION = AttentionConfig(gluon_block_n=32, gluon_stages=4, gluon_overlap=True)
+ATTENTION_DEFAULTS: dict[str, AttentionConfig] = {"H200": H200_ATTENTION, "default": H200_ATTENTION}
 
 __all__ = ["AttentionConfig", "ATTENTION_DEFAULTS", "ATTENTION_KERNELS", "TRITON_HEADS", "HEAD_BLOCK"]
