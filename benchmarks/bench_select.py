@@ -11,8 +11,8 @@ rising with the index like a recency bias):
   sweep   (optional) launch configurations of the streaming select.
 
   filters (``--filters``, instead of the above) the streaming select with the warp filter (the default)
-          against the thread filter (``SelectConfig(stream_filter="thread")``, and a few of its unroll
-          variants) and torch.topk, on 8192 x 65536, 64 x 65536, 64 x 131072 at K 2048, relu-like and +100
+          against the thread filter (``SelectConfig(stream_filter="thread")``, and a few variants: unroll,
+          16-warp final, register-blocked sort) and torch.topk, on 8192 x 65536, 64 x 65536, 64 x 131072 at K 2048, relu-like and +100
           shifted rows, two timing rounds each; every variant's sorted output must equal the warp filter's
           bitwise (both are exact) and torch.topk's values; writes DIR/select_filters_SHA.json (~1 min on an
           H200).
@@ -58,9 +58,10 @@ def make_scores(kind: str, rows: int, n: int, device: str, seed: int) -> torch.T
 
 def filter_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]]:
     """(name, launch) of the filters compared by ``--filters``: the default (warp filter), the thread filter's
-    launch rule, its unroll (tiles per step) one step either side, and 16 warps for its final (and threshold)
-    kernel: the final kernel's range narrowing is ~1,350 SASS instructions per thread and step at 8 warps
-    (32 buffer slots a thread), ~870 at 16 (128 registers instead of 208: two programs per SM)."""
+    launch rule, its unroll (tiles per step) one step either side, 16 warps for its final (and threshold)
+    kernel (the final kernel's range narrowing is ~1,350 SASS instructions per thread and step at 8 warps, 32
+    buffer slots a thread, ~870 at 16: 128 registers instead of 208, two programs per SM), and where one
+    program sorts a row (>= 1024 rows) the register-blocked sort (``StreamConfig.register_sort``)."""
     warp = SelectConfig().stream_for(rows, n, k)
     thread = SelectConfig(stream_filter="thread").stream_for(rows, n, k)
     out = [("warp", warp), ("thread", thread)]
@@ -68,6 +69,8 @@ def filter_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]]
         if 1 <= unroll <= 64:
             out.append((f"thread_unroll{unroll}", dataclasses.replace(thread, unroll=unroll)))
     out.append(("thread_final16", dataclasses.replace(thread, final_warps=16)))
+    if thread.sort_chunks(k) == 1:  # the one-program sort (>= 1024 rows) with its low strides in registers
+        out.append(("thread_regsort", dataclasses.replace(thread, register_sort=True)))
     return out
 
 
@@ -107,6 +110,8 @@ def compare_filters(args, report: dict, path: Path) -> list[str]:
                 for name, cfg, buffers, out in variants:
                     labels = (("sorted", True, "all"), ("filter", True, "filter") if "unroll" in name else
                               ("filter+final", True, "filter+final"))
+                    if name == "thread_regsort":  # only the sort differs from "thread"
+                        labels = (("sorted", True, "all"),)
                     if name in ("warp", "thread"):  # the two launch rules: every stage; variants: two
                         labels += (("unsorted", False, "all"), ("filter", True, "filter"))
                     for label, sort, stages in labels:

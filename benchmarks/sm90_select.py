@@ -3,12 +3,14 @@ instructions per streamed entry of the filter loop (warp filter against thread f
 
     PYTHONPATH=. python3 benchmarks/sm90_select.py --out DIR
 
-For each launch of ``SelectConfig().stream_for`` (warp filter, the default) and
-``SelectConfig(stream_filter="thread").stream_for`` at 8192 x 65536, 64 x 65536 and 64 x 131072 (K 2048), compiles
-the kernels that launch runs with Triton's own compiler (``triton.compile`` with ``GPUTarget("cuda", 90, 32)``;
+For each launch of ``SelectConfig().stream_for`` (warp filter, the default),
+``SelectConfig(stream_filter="thread").stream_for`` and the same with ``stream_register_sort`` at 8192 x 65536,
+64 x 65536 and 64 x 131072 (K 2048), compiles the kernels that launch runs with Triton's own compiler (``triton.compile`` with ``GPUTarget("cuda", 90, 32)``;
 16-byte aligned pointers and a row stride that is a multiple of 16, as on the GPU), reads registers and stack
 with the cuobjdump Triton ships, and counts the instructions of the filter's streaming loop (the largest
-backward branch of the SASS that both loads and stores) per entry a thread streams. A kernel that does not
+backward branch of the SASS that both loads and stores) per entry a thread streams, and the static
+instruction and shuffle counts of the other kernels (for the sorts, straight-line bitonic networks, the work
+per thread). A kernel that does not
 compile is recorded as an error and the script exits 1: run it before a GPU run after touching a select kernel.
 Instruction counts are a proxy (issue slots of an ALU-bound loop), not a timing. Writes DIR/sm90_select.json.
 """
@@ -48,7 +50,7 @@ def _compile(kernel, consts: dict, warps: int) -> dict:
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "i32"
-            if name.startswith("stride"):
+            if name.startswith("stride") or name == "K":  # K = 2048: Triton specializes multiples of 16
                 attrs[(i,)] = [["tt.divisibility", 16]]
     try:
         compiled = triton.compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -103,6 +105,21 @@ def launch_cases(cfg: StreamConfig, k: int) -> list[tuple[str, object, dict, int
     out.append(("final", kernels._final_kernel, dict(SPLITS=cfg.splits, **per_buffer, BLOCK=cfg.block, BINS=cfg.bins,
                                                      DIRECT=False, FLOAT_BITS=cfg.filter == "thread"),
                 cfg.final_warps, 0))
+    k_pad = triton.next_power_of_2(k)
+    chunks = cfg.sort_chunks(k)
+    if chunks > 1:
+        chunk = k_pad // chunks
+        out.append(("order_chunk", kernels._order_chunk_kernel, dict(CHUNK=chunk), cfg.order_warps, 0))
+        out.append(("order_merge", kernels._order_merge_kernel, dict(CHUNK=chunk, LOG_CHUNK=chunk.bit_length() - 1,
+                                                                     CHUNKS=chunks, WITH_SLOTS=False),
+                    cfg.order_warps, 0))
+    elif cfg.register_sort:
+        rows = min(k_pad, 128 * cfg.order_warps)
+        out.append(("order_blocked", kernels._order_blocked_kernel, dict(ROWS=rows, REGS=k_pad // rows,
+                                                                         WITH_SLOTS=False), cfg.order_warps, 0))
+    else:
+        out.append(("order", kernels._order_kernel, dict(K_PAD=k_pad, SORT=True, WITH_SLOTS=False), cfg.order_warps,
+                    0))
     return out
 
 
@@ -112,10 +129,12 @@ def main() -> int:
     args = parser.parse_args()
     rows_out = []
     for rows, width, k in SHAPES:
-        for select in (SelectConfig(), SelectConfig(stream_filter="thread")):
+        for select in (SelectConfig(), SelectConfig(stream_filter="thread"),
+                       SelectConfig(stream_filter="thread", stream_register_sort=True)):
             cfg = select.stream_for(rows, width, k)
             for name, kernel, consts, warps, per_thread in launch_cases(cfg, k):
-                row = {"rows": rows, "N": width, "K": k, "filter": cfg.filter, "kernel": name, "warps": warps,
+                row = {"rows": rows, "N": width, "K": k, "filter": cfg.filter, "register_sort": cfg.register_sort,
+                       "kernel": name, "warps": warps,
                        **{key: value for key, value in consts.items() if key in ("LANES", "LCAP", "UNROLL", "V")}}
                 result = _compile(kernel, consts, warps)
                 sass = result.pop("sass", "")
@@ -123,6 +142,9 @@ def main() -> int:
                 if per_thread and sass:
                     loop = _stream_loop_instructions(sass)
                     row.update(loop_instructions=loop, instructions_per_entry=round(loop / per_thread, 1))
+                elif sass:
+                    row["instructions"] = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass))
+                    row["shuffles"] = len(re.findall(r"SHFL", sass))
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)
     out = Path(args.out)

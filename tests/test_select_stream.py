@@ -369,3 +369,36 @@ def test_thread_filter_through_select_config(triton_backend):
     scores = _rows(160).to(_device())
     select = SelectConfig(algorithm="stream", stream=StreamConfig(splits=2, **THREAD), cached_bytes=1)
     assert torch.equal(select_topk_triton(scores, 9, config=select).cpu(), reference_select(scores.cpu(), 9))
+
+
+def test_register_sort_equals_the_plain_sort(triton_backend):
+    """register_sort (the winners loaded as a [rows, regs] tile, sorted as its flat sequence) gives the plain
+    one-program sort's output bitwise: 4 registers a row (k 300, 1 warp: a 128 x 4 tile), ties, rows with fewer
+    candidates than k (-1 padding), the global slots of a paged batch; and k = 40 (one register a row). Rows
+    of 512 = cap entries: the final kernel reads them directly (the filters are tested above)."""
+    from dataclasses import replace
+
+    from dsakit.ops.topk.config import StreamConfig
+    from dsakit.ops.topk.triton import SelectBuffers, launch_stream_select
+
+    scores = _rows(512).to(_device())
+    scores[0, 3:400] = 1.25  # ties at the k-th score
+    counts = torch.tensor([512, 500, 7, 0, 333, 512, 511, 320], dtype=torch.int32, device=scores.device)
+    table = torch.randperm(8 * 8, dtype=torch.int32).view(8, 8).to(scores.device)
+    seq = torch.arange(8, dtype=torch.int32, device=scores.device)
+    masked = scores.cpu().clone()
+    for row, c in enumerate(counts.tolist()):
+        masked[row, c:] = float("-inf")
+    for k in (300, 40):
+        results = []
+        for register_sort in (False, True):
+            config = StreamConfig(splits=1, **dict(THREAD, cap=512, lanes=4, order_warps=1, register_sort=register_sort))
+            buffers = SelectBuffers.allocate(8, 512, k, scores.device, config)
+            out = torch.full((8, k), -5, dtype=torch.int32, device=scores.device)
+            slots = torch.full((8, k), -5, dtype=torch.int32, device=scores.device)
+            launch_stream_select(scores, counts, out, k, True, buffers, slots=slots, seq=seq, block_table=table)
+            results.append((out.cpu(), slots.cpu()))
+        assert torch.equal(results[0][0], reference_select(masked, k)), k
+        assert torch.equal(results[1][0], results[0][0]) and torch.equal(results[1][1], results[0][1]), k
+    with pytest.raises(ValueError, match="register_sort"):
+        replace(_config(), register_sort=1)

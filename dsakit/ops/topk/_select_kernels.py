@@ -506,6 +506,42 @@ def _order_kernel(
 
 
 @triton.jit
+def _order_blocked_kernel(
+    out_ptr, stride_out, sel_key_ptr, sel_idx_ptr, sel_count_ptr,
+    slots_ptr, stride_slots, seq_ptr, table_ptr, stride_table,  # as _order_kernel (WITH_SLOTS)
+    K,
+    ROWS: tl.constexpr, REGS: tl.constexpr, WITH_SLOTS: tl.constexpr,
+):
+    """``_order_kernel`` (SORT) with the sort's low strides in registers (StreamConfig.register_sort).
+
+    The bitonic network of ``tl.sort`` compares entries at strides 1, 2, 4, ... of the sorted sequence, the
+    low strides most often (stride 2^s in 11 - s of the 66 stages for 2048 entries). Loaded as a plain vector,
+    four consecutive entries sit in a thread and stride 4 .. 128 cross lanes and warps (shuffles and shared
+    memory in 39 stages). Here the K_PAD = ROWS x REGS selected entries are loaded as a [ROWS, REGS] tile
+    whose rows run along the memory (entry (a, b) from position b ROWS + a: coalesced, every entry once;
+    their order does not matter before a sort) and sorted as the flat sequence a REGS + b, so the sequence's
+    low log2(REGS) + 2 bits are a thread's registers (with ROWS = 128 x warps: 4 rows per thread, the lanes
+    and warps above): 45 of the 66 stages stay in registers for REGS = 8. Position p = a REGS + b of the
+    sorted sequence is output column p."""
+    row = tl.program_id(0).to(tl.int64)
+    a = tl.arange(0, ROWS)[:, None]
+    b = tl.arange(0, REGS)[None, :]
+    written = tl.load(sel_count_ptr + row)
+    source = b * ROWS + a
+    filled = source < written
+    key = tl.load(sel_key_ptr + row * K + source, mask=filled, other=0)
+    idx = tl.load(sel_idx_ptr + row * K + source, mask=filled, other=0)
+    packed = tl.where(filled, key.to(tl.int64) * 4294967296 + (0x7FFFFFFF - idx).to(tl.int64), INT64_MIN)
+    ordered = tl.reshape(tl.sort(tl.reshape(packed, [ROWS * REGS]), descending=True), [ROWS, REGS])
+    col = a * REGS + b
+    placed = col < written
+    idx = tl.where(placed, 0x7FFFFFFF - (ordered & 0xFFFFFFFF).to(tl.int32), -1)
+    tl.store(out_ptr + row * stride_out + col, idx, mask=col < K)
+    if WITH_SLOTS:
+        _store_slots(slots_ptr, stride_slots, seq_ptr, table_ptr, stride_table, row, idx, placed, col, K)
+
+
+@triton.jit
 def _order_chunk_kernel(
     sel_key_ptr, sel_idx_ptr, sel_count_ptr, sorted_ptr, stride_sorted, K,
     CHUNK: tl.constexpr,

@@ -40,8 +40,8 @@ import triton
 
 from ..._memory import check_instance, check_int
 from ._inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
-from ._select_kernels import (STATS, _filter_kernel, _filter_thread_kernel, _final_kernel, _order_chunk_kernel,
-                              _order_kernel, _order_merge_kernel, _threshold_kernel)
+from ._select_kernels import (STATS, _filter_kernel, _filter_thread_kernel, _final_kernel, _order_blocked_kernel,
+                              _order_chunk_kernel, _order_kernel, _order_merge_kernel, _threshold_kernel)
 from .config import STREAM_MAX_K, SelectConfig, StreamConfig, pow2_floor
 
 @dataclass(frozen=True)
@@ -166,6 +166,15 @@ def _launch_order(out: torch.Tensor, counts: torch.Tensor, k: int, sort: bool, b
             out, out.stride(0), buffers.cand, buffers.cand.stride(0), buffers.sel_count,
             *slot_args(out, counts, slots, seq, block_table), k, CHUNK=chunk, LOG_CHUNK=chunk.bit_length() - 1,
             CHUNKS=chunks, WITH_SLOTS=slots is not None, num_warps=cfg.order_warps)
+        return
+    if sort and cfg.register_sort:
+        # 4 rows of the [rows, regs] tile per thread (16-byte loads): the sequence's low log2(regs) + 2 bits
+        # are registers when rows = 128 x warps
+        tile_rows = min(k_pad, 128 * cfg.order_warps)
+        _order_blocked_kernel[(rows,)](
+            out, out.stride(0), buffers.sel_key, buffers.sel_idx, buffers.sel_count,
+            *slot_args(out, counts, slots, seq, block_table), k, ROWS=tile_rows, REGS=k_pad // tile_rows,
+            WITH_SLOTS=slots is not None, num_warps=cfg.order_warps)
         return
     _order_kernel[(rows,)](
         out, out.stride(0), buffers.sel_key, buffers.sel_idx, buffers.sel_count,
