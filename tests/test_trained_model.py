@@ -55,3 +55,32 @@ def test_documents_are_reproducible_and_hold_their_answers():
         assert ids[0] == tokenizer.token_to_id("<bos>")
     # repeated filler lines give copyable tokens, never inside the answer
     assert int(a["copy_mask"].sum()) > 0 and not bool((a["copy_mask"] & a["answer_mask"]).any())
+
+
+def test_copy_warmup_batches_repeat_a_sequence_and_mask_only_the_predictable_copies():
+    from dsakit.models.data import DocumentBatches
+    from dsakit.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(MODEL_DIR)
+    data = DocumentBatches(tokenizer, [256, 512], 2048, seed=1, copy_steps=4, short_length=512)
+    early, late = data.batch(0), data.batch(3)
+    assert torch.equal(early["input_ids"], data.batch(0)["input_ids"])  # a pure function of the step
+    assert early["input_ids"].shape == (8, 256) and bool(early["valid"].all())
+    assert torch.equal(early["answer_mask"], early["copy_mask"])
+    specials = {tokenizer.token_to_id(t) for t in ("<pad>", "<unk>", "<bos>", "<eos>")}
+    for batch in (early, late):
+        for row in range(batch["input_ids"].shape[0]):
+            ids = batch["input_ids"][row].tolist()
+            assert ids[0] == tokenizer.token_to_id("<bos>") and not specials & set(ids[1:])
+            masked = batch["copy_mask"][row].nonzero().flatten().tolist()
+            assert masked and masked[0] > 3
+            # every masked token repeats the token at the same offset of the first copy of the sequence
+            period = next(p for p in range(16, 49) if ids[1 + p: 1 + 2 * p] == ids[1: 1 + p]) \
+                if batch is early else None
+            if period:
+                assert all(ids[i] == ids[i - period] for i in masked)
+    # the second half of the warm-up puts every other row's copies behind gaps of other random tokens
+    gapped = late["input_ids"][1].tolist()
+    assert gapped[1:17] != gapped[17:33]
+    # after the warm-up the documents take over
+    assert not torch.equal(data.batch(4)["answer_mask"], data.batch(4)["copy_mask"])
