@@ -91,9 +91,9 @@ class SelectBuffers:
     def exact_row_stats(self, rows: int, most: int = 4) -> dict:
         """Why the first ``most`` of the first ``rows`` rows that took the exact passes did (host sync;
         benchmarks): {row: per split [entries > thr, entries == thr, any candidate < thr, thr, (split 0: the
-        shared threshold of the thread filter), fullest
-        lane count]}; a fullest lane above ``config.lane_cap`` overflowed, fewer than k entries >= thr with a
-        candidate below it means the sampled threshold was too high."""
+        row's shared threshold with the thread filter), fullest lane count]}; a fullest lane above
+        ``config.lane_cap`` overflowed, fewer than k entries >= thr with a candidate below it means the sampled
+        threshold was too high (the thread filter reports "a candidate below" whenever thr > -inf)."""
         exact = (self.stats[:rows, 0, 6] == 0).nonzero().flatten().tolist()[:most]
         return {row: self.stats[row, :, :6].tolist() for row in exact}
 
