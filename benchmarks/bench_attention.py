@@ -18,10 +18,11 @@ Writes DIR/attention_bench.json (after every section, so a timeout keeps what wa
 0. (section "sweep", runs first) pipeline stages, tile size and the two-programs-per-output (dv_split 2,
    4 warps: two CTAs per SM) form on the prefill at K 2048 for every (format, heads); the fastest is then used by sections 1-3 (without the sweep: the library's DEFAULT_STAGES).
    Every row records its configuration. Sections 0-3 time the portable Triton kernel (kernel "triton").
-4. (section "gluon", bf16 KV on sm_90) the Gluon kernel (three configurations) beside the portable one on
-   the same inputs: prefill T 4096, K 2048, and decode B 64 / 128, next_n 1 / 2, K 2048, Hq 64 / 128; per
-   row the times and rates of both, the speedup, the Gluon kernel's full-size check (rule of 1.) and its max
-   difference from the portable kernel. Alone (``--sections gluon``) it is meant to take under 90 s.
+4. (section "gluon", sm_90) the Gluon kernels beside the portable one on the same inputs, bf16 KV (three
+   configurations of the bf16 kernel) and fp8-rope-bf16 KV (the fp8 kernel with 2 and 3 raw-byte buffers):
+   prefill T 4096, K 2048, and decode B 64 / 128, next_n 1 / 2, K 2048, Hq 64 / 128; per row the times and
+   rates of both, the speedup, the Gluon kernel's full-size check (rule of 1.) and its max difference from the
+   portable kernel. Alone (``--sections gluon``) it is meant to take under 3 minutes.
 """
 
 from __future__ import annotations
@@ -226,14 +227,18 @@ def main() -> None:
     print("wrote", path)
 
 
-# the Gluon kernel's configurations: 64 rows x 2 buffers (the default), 32 rows x 4 (deeper prefetch), and
-# 32 x 4 in the FA3 order (softmax of a tile under the previous tile's PV product)
-GLUON_CONFIGS = {"block64x2": dict(gluon_block_n=64, gluon_stages=2),
-                 "block32x4": dict(gluon_block_n=32, gluon_stages=4),
-                 "block32x4_overlap": dict(gluon_block_n=32, gluon_stages=4, gluon_overlap=True)}
+# the Gluon kernel's configurations per KV format. bf16: 64 rows x 2 buffers, 32 rows x 4 (deeper prefetch),
+# and 32 x 4 in the FA3 order (softmax of a tile under the previous tile's PV product). fp8 (32-row tiles, FA3
+# order, the dequantization of the next tile under the wgmma): 2 or 3 buffers of raw bytes
+GLUON_CONFIGS = {
+    "bf16": {"block64x2": dict(gluon_block_n=64, gluon_stages=2),
+             "block32x4": dict(gluon_block_n=32, gluon_stages=4),
+             "block32x4_overlap": dict(gluon_block_n=32, gluon_stages=4, gluon_overlap=True)},
+    "fp8-rope-bf16": {"fp8_stages2": dict(gluon_fp8_stages=2), "fp8_stages3": dict(gluon_fp8_stages=3)},
+}
 
 
-def gluon_vs_portable(q, pool, fmt, idx, sink, rows: int, work: float) -> dict:
+def gluon_vs_portable(q, pool, fmt, idx, sink, rows: int, work: float, configs: dict) -> dict:
     """Both kernels on the same inputs: the portable kernel's time, and per Gluon configuration its time,
     speedup, check and max difference from the portable kernel; ``work`` (FLOPs or bytes) / ms / 1e9 gives
     TFLOP/s or TB/s. A configuration that fails to compile or launch is recorded, not raised."""
@@ -241,7 +246,7 @@ def gluon_vs_portable(q, pool, fmt, idx, sink, rows: int, work: float) -> dict:
     p_out, p_lse = run_kernel(q, pool, fmt, idx, sink)
     row["portable_ms"] = median_ms(lambda: run_kernel(q, pool, fmt, idx, sink), "cuda", 60, warmup=10)
     row["portable_rate"] = work / row["portable_ms"] / 1e9
-    for name, cfg in GLUON_CONFIGS.items():
+    for name, cfg in configs.items():
         cfg = dict(kernel="gluon", **cfg)
         res = {}
         try:
@@ -260,28 +265,28 @@ def gluon_vs_portable(q, pool, fmt, idx, sink, rows: int, work: float) -> dict:
 
 
 def gluon_section(report: dict, path: Path, gen: torch.Generator, rows: int) -> None:
-    """Section 4: the Gluon sm_90 kernel (each of GLUON_CONFIGS) vs the portable kernel, bf16 KV, same
-    inputs per row; rate = TFLOP/s for prefill, TB/s for decode."""
+    """Section 4: the Gluon sm_90 kernels (each of GLUON_CONFIGS) vs the portable kernel, bf16 and fp8 KV,
+    same inputs per row; rate = TFLOP/s for prefill, TB/s for decode."""
     if torch.cuda.get_device_capability() != attn_triton.GLUON_CAPABILITY or not attn_triton.gluon_importable():
         major, minor = torch.cuda.get_device_capability()
         report["gluon_skipped"] = (f"needs sm_90 and Gluon; this GPU is sm_{major}{minor}, Gluon importable: "
                                    f"{attn_triton.gluon_importable()}")
         write_json(path, report)
         return
-    fmt = FORMATS["bf16"]
     cases = [("prefill", hq, 4096, 1, 2048) for hq in (64, 128)]
     cases += [("decode", hq, b, next_n, 2048) for hq in (64, 128) for b in (64, 128) for next_n in (1, 2)]
-    for mode, hq, b, next_n, k in cases:
+    for (mode, hq, b, next_n, k), fmt_name in [(c, f) for f in GLUON_CONFIGS for c in cases]:
+        fmt = FORMATS[fmt_name]
         if mode == "prefill":
             q, pool, idx, sink = prefill_inputs(fmt, hq, k, gen, t=b)
-            row = {"mode": mode, "format": "bf16", "heads": hq, "T": b, "K": k, "rate_unit": "TFLOP/s"}
+            row = {"mode": mode, "format": fmt_name, "heads": hq, "T": b, "K": k, "rate_unit": "TFLOP/s"}
             work = flops(b, hq, k)
         else:
             q, pool, idx, sink = decode_inputs(fmt, hq, b, next_n, gen, k=k)
-            row = {"mode": mode, "format": "bf16", "heads": hq, "B": b, "next_n": next_n, "K": k,
+            row = {"mode": mode, "format": fmt_name, "heads": hq, "B": b, "next_n": next_n, "K": k,
                    "rate_unit": "TB/s"}
             work = idx.shape[0] * k * fmt.bytes_per_entry + 2 * q.numel() * q.element_size()
-        row.update(gluon_vs_portable(q, pool, fmt, idx, sink, min(rows, q.shape[0]), work))
+        row.update(gluon_vs_portable(q, pool, fmt, idx, sink, min(rows, q.shape[0]), work, GLUON_CONFIGS[fmt_name]))
         report["gluon"].append(row)
         print(row, flush=True)
         write_json(path, report)

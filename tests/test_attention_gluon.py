@@ -48,17 +48,28 @@ def compiled_not_interpreted(monkeypatch):
 
 def test_auto_picks_gluon_only_where_it_applies(compiled_not_interpreted):
     """kernel "auto": Gluon on sm_90 with Gluon importable and bf16 pools (with or without a bf16 extra pool,
-    64 or 128 heads); the portable kernel for fp8 or mixed pools, other GPUs, no Gluon, or a CPU tensor."""
+    64 or 128 heads); fp8 pools (alone or with an fp8 extra pool) only with gluon_fp8 set; the portable kernel
+    for mixed pools, other GPUs, no Gluon, or a CPU tensor."""
     auto = AttentionConfig()
-    assert auto.kernel == "auto"
+    assert auto.kernel == "auto" and not auto.gluon_fp8
+    assert not AttentionConfig.for_device("cpu").gluon_fp8  # off in the shipped tables until the H200 run
     for a in (small_inputs(), small_inputs(heads=128), small_inputs(extra_fmt=BF16)):
         assert choose_attention_kernel(a, auto, capability=SM90, importable=True) == "gluon"
+    fp8_on = auto.replace(gluon_fp8=True)
+    for a in (small_inputs(FP8), small_inputs(FP8, heads=128), small_inputs(FP8, FP8)):
+        assert choose_attention_kernel(a, auto, capability=SM90, importable=True) == "triton"
+        assert choose_attention_kernel(a, fp8_on, capability=SM90, importable=True) == "gluon"
+        assert choose_attention_kernel(a, fp8_on, capability=(10, 0), importable=True) == "triton"
+    assert choose_attention_kernel(small_inputs(), fp8_on, capability=SM90, importable=True) == "gluon"
     bf16 = small_inputs()
     for a, capability, importable in ((small_inputs(FP8), SM90, True), (small_inputs(extra_fmt=FP8), SM90, True),
                                       (small_inputs(FP8, BF16), SM90, True), (bf16, (8, 0), True),
                                       (bf16, (10, 0), True), (bf16, (12, 0), True), (bf16, SM90, False),
                                       (bf16, None, True)):
-        assert choose_attention_kernel(a, auto, capability=capability, importable=importable) == "triton"
+        for config in (auto, fp8_on):
+            if config is fp8_on and a.kv_format is FP8 and a.extra_kv_format is None:
+                continue  # fp8 alone on sm_90 with the switch on: Gluon (above)
+            assert choose_attention_kernel(a, config, capability=capability, importable=importable) == "triton"
     assert choose_attention_kernel(bf16, auto) == "triton"  # detected: q is on the CPU
     # "triton" always takes the portable kernel, also where Gluon applies
     assert choose_attention_kernel(bf16, auto.replace(kernel="triton"), capability=SM90, importable=True) == "triton"
@@ -66,10 +77,12 @@ def test_auto_picks_gluon_only_where_it_applies(compiled_not_interpreted):
 
 def test_forced_gluon_names_why_it_cannot_run(compiled_not_interpreted):
     forced = AttentionConfig(kernel="gluon")
-    assert choose_attention_kernel(small_inputs(), forced, capability=SM90, importable=True) == "gluon"
+    for a in (small_inputs(), small_inputs(FP8), small_inputs(FP8, FP8)):  # fp8: gluon_fp8 only steers "auto"
+        assert choose_attention_kernel(a, forced, capability=SM90, importable=True) == "gluon"
     for a, capability, importable, match in (
-            (small_inputs(FP8), SM90, True, "bf16 pools only"),
-            (small_inputs(extra_fmt=FP8), SM90, True, "extra_kv_format"),
+            (small_inputs(extra_fmt=FP8), SM90, True, "mixed pools"),
+            (small_inputs(FP8, BF16), SM90, True, "mixed pools"),
+            (small_inputs(FP8), (8, 0), True, "sm_80"),
             (small_inputs(), (8, 9), True, "sm_89"),
             (small_inputs(), SM90, False, "no Gluon"),
             (small_inputs(), None, True, "not a CUDA GPU")):
@@ -97,11 +110,14 @@ def test_gluon_config_fields_are_checked():
                        (dict(gluon_stages=1), "gluon_stages"), (dict(gluon_stages=3), "gluon_stages"),
                        (dict(gluon_block_n=32, gluon_stages=5), "gluon_stages"),
                        (dict(gluon_overlap=True), "gluon_overlap needs gluon_stages >= 3"),
-                       (dict(gluon_overlap=1, gluon_block_n=32, gluon_stages=4), "gluon_overlap must be a bool")):
+                       (dict(gluon_overlap=1, gluon_block_n=32, gluon_stages=4), "gluon_overlap must be a bool"),
+                       (dict(gluon_fp8=1), "gluon_fp8 must be a bool"), (dict(gluon_fp8_stages=4), "gluon_fp8_stages"),
+                       (dict(gluon_fp8_stages=1), "gluon_fp8_stages")):
         with pytest.raises(ValueError, match=match):
             AttentionConfig(**bad)
     assert AttentionConfig(gluon_block_n=32, gluon_stages=4).gluon_stages == 4
     assert AttentionConfig(gluon_block_n=32, gluon_stages=3, gluon_overlap=True).gluon_overlap
+    assert AttentionConfig(gluon_fp8=True, gluon_fp8_stages=3).gluon_fp8_stages == 3
 
 
 class _RecordedLaunch:
@@ -168,12 +184,57 @@ def test_gluon_launch_arguments(monkeypatch, extra):
         assert bound["extra_offset"] == 0 and bound["XK"] == 0
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the split merge runs in the interpreter")
+@pytest.mark.parametrize("extra", [False, True])
+def test_gluon_fp8_launch_arguments(monkeypatch, extra):
+    """The fp8 kernel's launch (recorded, not run): the pool passed as uint8 and as bf16 views of one buffer, an
+    fp8 extra pool by its 16 B offset, 32-row tiles for the splits, gluon_fp8_stages raw buffers."""
+    if not gluon_importable():
+        pytest.skip("this Triton has no Gluon")
+    from dsakit.ops.attention import gluon as gluon_launch
+    from dsakit.ops.attention._gluon_kernels import sparse_attention_gluon_fp8_kernel
+
+    recorder = _RecordedLaunch(sparse_attention_gluon_fp8_kernel)
+    monkeypatch.setattr(gluon_launch, "sparse_attention_gluon_fp8_kernel", recorder)
+    gen = torch.Generator().manual_seed(5)
+    pool = make_pool(FP8, 3, gen)
+    kw = dict(sink=torch.randn(64, generator=gen))
+    if extra:
+        kw.update(extra_kv_cache=make_pool(FP8, 2, gen), extra_kv_format=FP8,
+                  extra_indices=torch.randint(-1, 128, (2, 40), generator=gen, dtype=torch.int32),
+                  extra_topk_length=torch.tensor([3, 40], dtype=torch.int32))
+    a = ref.check_sparse_attention_inputs(torch.randn(2, 64, D, generator=gen).bfloat16(), pool,
+                                          torch.randint(0, 192, (2, 200), generator=gen, dtype=torch.int32),
+                                          kv_format=FP8, **kw)
+    out, lse = gluon_launch.sparse_attention_gluon(a, AttentionConfig(num_splits=2, gluon_fp8_stages=3))
+    assert out.shape == (2, 64, D) and out.dtype == torch.bfloat16 and bool((out == 0).all())
+    (grid, args, kwargs), = recorder.calls
+    signature = inspect.signature(sparse_attention_gluon_fp8_kernel.fn)
+    launch_kwargs = dict(kwargs)
+    assert launch_kwargs.pop("num_warps") == 8
+    bound = signature.bind(*args, **launch_kwargs).arguments
+    assert list(bound) == list(signature.parameters)
+    assert grid == (2 * 1 * 2,)
+    assert bound["pool_ptr"].dtype == torch.uint8 and bound["rope_ptr"].dtype == torch.bfloat16
+    assert bound["pool_ptr"].data_ptr() == bound["rope_ptr"].data_ptr() == pool.data_ptr()
+    assert bound["STAGES"] == 3 and bound["NUM_SPLITS"] == 2 and bound["HAS_SINK"] and not bound["HAS_LEN"]
+    assert bound["tiles_per_split"] == 4  # 200 indices = 7 tiles of 32, 4 per split
+    assert bound["HAS_EXTRA"] == extra and bound["HAS_XLEN"] == extra
+    if extra:
+        assert bound["extra_offset"] * 16 == kw["extra_kv_cache"].data_ptr() - pool.data_ptr()
+        assert bound["xtiles_per_split"] == 1 and bound["XK"] == 40  # 40 indices = 2 tiles of 32
+
+
 COMPILE_VARIANTS = {
     "v4-prefill-h128-extra-sink": dict(),
     "decode-h64-splits-fp32q": dict(heads=64, num_splits=4, has_extra=False, has_sink=False, has_len=False,
                                     q_dtype="fp32"),
     "block32-stages4-fp16q": dict(block_n=32, stages=4, q_dtype="fp16"),
     "block32-stages3-overlap": dict(block_n=32, stages=3, overlap=True),
+    "fp8-prefill-h128-extra-sink": dict(fp8=True),
+    "fp8-stages3": dict(fp8=True, stages=3),
+    "fp8-decode-h64-splits-fp32q": dict(fp8=True, heads=64, num_splits=4, has_extra=False, has_sink=False,
+                                        has_len=False, q_dtype="fp32"),
 }
 
 # Run in a fresh process without TRITON_INTERPRET (the interpreter patches triton.language in this one, which
@@ -205,6 +266,7 @@ for name, kw in json.loads(sys.argv[1]).items():
     result[name] = dict(cubin=len(kernel.asm["cubin"]), shared=kernel.metadata.shared,
                         wgmma=ptx.count("wgmma.mma_async"), wait0="wgmma.wait_group.sync.aligned 0" in ptx,
                         cp_async_16=sum("cp.async.cg.shared.global" in l and ", 0x10," in l for l in ptx.splitlines()),
+                        cp_async_8=sum("cp.async.ca.shared.global" in l and ", 0x8," in l for l in ptx.splitlines()),
                         **ptxas_report(ptx))
 print(json.dumps(result))
 """
@@ -229,14 +291,18 @@ def compiled_variants(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(COMPILE_VARIANTS))
 def test_gluon_kernel_compiles_for_sm90(compiled_variants, name):
     """Ahead-of-time compile for GPUTarget("cuda", 90, 32) at the V4 shape (head dim 512): a cubin, async
-    wgmma (QK: 512 / 16 k-steps; PV: BLOCK_N / 16 per site) that ptxas keeps asynchronous, 16 B cp.async gathers,
-    within the 227 KB of an SM, no register spills."""
+    wgmma (QK: 512 / 16 k-steps; PV: BLOCK_N / 16 per site) that ptxas keeps asynchronous, 16 B cp.async gathers
+    (fp8: also 8 B ones for the scale bytes), within the 227 KB of an SM, no register spills."""
+    variant = COMPILE_VARIANTS[name]
     got = compiled_variants[name]
-    block_n = COMPILE_VARIANTS[name].get("block_n", 64)
+    fp8 = variant.get("fp8", False)
+    block_n = 32 if fp8 else variant.get("block_n", 64)
     assert got["cubin"] > 0
-    pv_sites = 2 if COMPILE_VARIANTS[name].get("overlap") else 1  # the FA3 order issues the last PV after the loop
+    # the FA3 order (the fp8 kernel's only order) issues the last PV after the loop
+    pv_sites = 2 if variant.get("overlap") or fp8 else 1
     assert got["wgmma"] == D // 16 + pv_sites * block_n // 16
     assert got["wait0"] and got["cp_async_16"] > 0
+    assert (got["cp_async_8"] > 0) == fp8
     assert got["shared"] <= 227 * 1024
     assert got["ptxas_ok"] and got["no_spills"]
     assert not got["wgmma_serialized"], "ptxas serialized the wgmma (C7514): the async MMAs would run in order"
@@ -254,10 +320,10 @@ def _needs_sm90():
         pytest.skip("the Gluon kernel runs on sm_90 only")
 
 
-def _case(t, hq, k, *, pages, gen, extra=False, q_dtype=torch.bfloat16):
+def _case(t, hq, k, *, pages, gen, extra=False, q_dtype=torch.bfloat16, fmt=BF16):
     """Full-size inputs on the GPU: random slots (some -1, some past the pool), topk_length with empty rows,
-    a sink; optionally a second bf16 pool with its own indices and lengths."""
-    pool = make_pool(BF16, pages, gen)
+    a sink; optionally a second pool of the same format ``fmt`` with its own indices and lengths."""
+    pool = make_pool(fmt, pages, gen)
     idx = torch.randint(0, pages * 64, (t, k), generator=gen, dtype=torch.int32)
     idx[:, ::7] = -1
     idx[:, 5] = pages * 64 + 3  # outside the pool: skipped like padding
@@ -266,20 +332,24 @@ def _case(t, hq, k, *, pages, gen, extra=False, q_dtype=torch.bfloat16):
     kw = dict(topk_length=length, sink=torch.randn(hq, generator=gen))
     if extra:
         xpages = 4
-        kw.update(extra_kv_cache=make_pool(BF16, xpages, gen), extra_kv_format="bf16",
+        kw.update(extra_kv_cache=make_pool(fmt, xpages, gen), extra_kv_format=fmt,
                   extra_indices=torch.randint(-1, xpages * 64, (t, 128), generator=gen, dtype=torch.int32),
                   extra_topk_length=torch.randint(0, 129, (t,), generator=gen, dtype=torch.int32))
     q = (torch.randn(t, hq, D, generator=gen) * 2).to(q_dtype)
+    kw["kv_format"] = fmt
     return q, pool, idx, kw
 
 
 def _check_full_size(q, pool, idx, kw, *, sample: int, config: AttentionConfig | None = None):
     """Gluon vs the reference on ``sample`` queries (flash rule: error <= 2 x the bf16 PyTorch error + 1e-5),
-    vs the portable kernel on every query (<= 3 x that bf16 error + 1e-5), empty rows exact, rerun bitwise."""
+    vs the portable kernel on every query (<= 3 x that bf16 error + 1e-5), empty rows exact, rerun bitwise.
+    fp8 pools: the dequantized values are the reference's exactly (power-of-two scales), so the same rule."""
+    kw = dict(kw)
+    fmt = kw.pop("kv_format")
     cuda = {n: (v.cuda() if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
-    a = ref.check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=BF16, **cuda)
+    a = ref.check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
     config = config or AttentionConfig()
-    assert choose_attention_kernel(a, config.replace(kernel="auto")) == "gluon"
+    assert choose_attention_kernel(a, config.replace(kernel="auto", gluon_fp8=True)) == "gluon"
     out, lse = sparse_attention_triton(a, config.replace(kernel="gluon"))
     again = sparse_attention_triton(a, config.replace(kernel="gluon"))
     assert torch.equal(again[0], out) and torch.equal(again[1], lse), "rerun differs"
@@ -290,10 +360,10 @@ def _check_full_size(q, pool, idx, kw, *, sample: int, config: AttentionConfig |
     sub = {n: (v[rows] if isinstance(v, torch.Tensor) and n in ("topk_length", "extra_indices",
                                                                  "extra_topk_length") else v)
            for n, v in kw.items()}
-    want_out, want_lse = ref.sparse_attention(q[rows], pool, idx[rows], kv_format=BF16, **sub)
-    kv, valid = gather_entries(pool, BF16, idx[rows], sub["topk_length"])
+    want_out, want_lse = ref.sparse_attention(q[rows], pool, idx[rows], kv_format=fmt, **sub)
+    kv, valid = gather_entries(pool, fmt, idx[rows], sub["topk_length"])
     if "extra_kv_cache" in kw:
-        xkv, xvalid = gather_entries(kw["extra_kv_cache"], BF16, sub["extra_indices"], sub["extra_topk_length"])
+        xkv, xvalid = gather_entries(kw["extra_kv_cache"], fmt, sub["extra_indices"], sub["extra_topk_length"])
         kv, valid = torch.cat([kv, xkv], 1), torch.cat([valid, xvalid], 1)
     base_out, base_lse = bf16_torch_attention(q[rows].float(), kv, valid, kw["sink"], D ** -0.5)
     g_out, g_lse = out[rows.cuda()].float().cpu(), lse[rows.cuda()].cpu()
@@ -347,9 +417,44 @@ def test_gluon_extra_pool_splits_and_q_dtypes(q_dtype):
         _check_full_size(*case, sample=6, config=config)
 
 
+FP8_CONFIGS = {"fp8-stages2": AttentionConfig(), "fp8-stages3": AttentionConfig(gluon_fp8_stages=3)}
+
+
 @pytest.mark.gpu
-def test_auto_on_gpu_falls_back_for_fp8():
-    """fp8 KV on sm_90: "auto" runs the portable kernel (bitwise the same as asking for it)."""
+@pytest.mark.parametrize("config", sorted(FP8_CONFIGS))
+def test_gluon_fp8_prefill_full_size(config):
+    """fp8-rope-bf16 pool, prefill-like: T 4096, H 128, K 2048 (one split per query)."""
+    _needs_sm90()
+    gen = torch.Generator().manual_seed(21)
+    _check_full_size(*_case(4096, 128, 2048, pages=1024, gen=gen, fmt=FP8), sample=16, config=FP8_CONFIGS[config])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", sorted(FP8_CONFIGS))
+@pytest.mark.parametrize("hq", [64, 128])
+def test_gluon_fp8_decode_full_size(hq, config):
+    """fp8-rope-bf16 pool, decode-like: B 64 queries, K 2048, automatic splits."""
+    _needs_sm90()
+    gen = torch.Generator().manual_seed(22)
+    _check_full_size(*_case(64, hq, 2048, pages=1024, gen=gen, fmt=FP8), sample=16, config=FP8_CONFIGS[config])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_gluon_fp8_extra_pool_and_splits(q_dtype):
+    """Two fp8 pools with their own lengths, few queries (several splits merged by the combine kernel) and one
+    split, q bf16 and fp32."""
+    _needs_sm90()
+    gen = torch.Generator().manual_seed(23)
+    case = _case(6, 128, 600, pages=16, gen=gen, extra=True, q_dtype=q_dtype, fmt=FP8)
+    for config in (AttentionConfig(), AttentionConfig(num_splits=1), AttentionConfig(gluon_fp8_stages=3)):
+        _check_full_size(*case, sample=6, config=config)
+
+
+@pytest.mark.gpu
+def test_auto_on_gpu_keeps_fp8_portable_unless_switched_on():
+    """fp8 KV on sm_90: "auto" runs the portable kernel (bitwise the same as asking for it) while gluon_fp8 is
+    off, the Gluon kernel (bitwise the same as kernel "gluon") when it is on."""
     _needs_sm90()
     gen = torch.Generator().manual_seed(14)
     pool = make_pool(FP8, 8, gen).cuda()
@@ -360,3 +465,6 @@ def test_auto_on_gpu_falls_back_for_fp8():
     auto = sparse_attention_triton(a)
     portable = sparse_attention_triton(a, kernel="triton")
     assert torch.equal(auto[0], portable[0]) and torch.equal(auto[1], portable[1])
+    switched = sparse_attention_triton(a, gluon_fp8=True)
+    forced = sparse_attention_triton(a, kernel="gluon")
+    assert torch.equal(switched[0], forced[0]) and torch.equal(switched[1], forced[1])

@@ -135,6 +135,72 @@ def _tile_start(i, idx_row, xidx_row, n_main, start, end, xstart, xend, num_slot
 
 
 @gluon.jit
+def _write_outputs(acc, m_i, l_i, t, hb, split, sink_ptr, out_ptr, lse_ptr, T, HQ: gl.constexpr,
+                   NUM_SPLITS: gl.constexpr, HAS_SINK: gl.constexpr, o_layout: gl.constexpr):
+    """Epilogue (as the portable kernel's): one split -> out = acc / (l + sink term), lse (natural log); several
+    -> the split's partial out = acc / l and lse (log2 units) for the combine kernel."""
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    m_o = gl.convert_layout(m_i, rows_o)
+    l_o = gl.convert_layout(l_i, rows_o)
+    m_use = gl.where(m_o == float("-inf"), 0.0, m_o)
+    lse2 = m_use + gl.log2(l_o)  # -inf for an empty index set
+    offs_h = hb * GLUON_HEAD_BLOCK + gl.arange(0, GLUON_HEAD_BLOCK, rows_o)
+    offs_d = gl.arange(0, HEAD_DIM, cols_o)
+    if NUM_SPLITS == 1:
+        denom = l_o
+        if HAS_SINK:
+            denom += gl.exp2(gl.load(sink_ptr + offs_h).to(gl.float32) * 1.4426950408889634 - m_use)
+        denom = gl.where(denom == 0.0, 1.0, denom)
+        out = acc / denom[:, None]
+        row = t * HQ + offs_h
+        gl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty))
+        gl.store(lse_ptr + row, lse2 * 0.6931471805599453)
+    else:
+        out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+        row = (split * T + t) * HQ + offs_h
+        gl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out)
+        gl.store(lse_ptr + row, lse2)
+
+
+@gluon.constexpr_function
+def _wgmma_layout(n):
+    """Register layout of a wgmma result [64, n]: two warpgroups side by side in N (n / 2 columns each)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n // 2, 16])
+
+
+@gluon.jit
+def _program_start(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, K, len_ptr, xidx_ptr, stride_xt, XK,
+                   xlen_ptr, tiles_per_split, xtiles_per_split, HQ: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr,
+                   q_layout: gl.constexpr):
+    """The program's (query t, head block hb, split), q[t, heads] as bf16 in shared memory (NVMMA, read by
+    every QK wgmma), and its index ranges: main [start, end) in n_main tiles, extra [xstart, xend) in n_extra,
+    walked as one sequence of tiles from the index rows idx_row / xidx_row."""
+    HB: gl.constexpr = HQ // GLUON_HEAD_BLOCK
+    pid = gl.program_id(0)
+    hb = pid % HB  # the head blocks of one query are neighbours: they share the gathered rows in L2
+    rest = pid // HB
+    split = rest % NUM_SPLITS
+    t = (rest // NUM_SPLITS).to(gl.int64)
+
+    offs_hq = hb * GLUON_HEAD_BLOCK + gl.arange(0, GLUON_HEAD_BLOCK, gl.SliceLayout(1, q_layout))
+    offs_dq = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, q_layout))
+    q = gl.load(q_ptr + t * stride_qt + offs_hq[:, None] * stride_qh + offs_dq[None, :])
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GLUON_HEAD_BLOCK, HEAD_DIM], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [GLUON_HEAD_BLOCK, HEAD_DIM], q_smem_layout, q.to(gl.bfloat16))
+
+    start, end, n_main = _split_range(len_ptr, t, split, tiles_per_split, K, HAS_LEN, BLOCK_N)
+    xstart = 0
+    xend = 0
+    n_extra = 0
+    if HAS_EXTRA:
+        xstart, xend, n_extra = _split_range(xlen_ptr, t, split, xtiles_per_split, XK, HAS_XLEN, BLOCK_N)
+    return (t, hb, split, q_smem, start, end, n_main, xstart, xend, n_extra, idx_ptr + t * stride_it,
+            xidx_ptr + t * stride_xt)
+
+
+@gluon.jit
 def sparse_attention_gluon_kernel(
     q_ptr, stride_qt, stride_qh,  # q [T, HQ, 512] (bf16 / fp16 / fp32; rounded to bf16)
     pool_ptr, num_slots, idx_ptr, stride_it, K, len_ptr,  # main pool as bf16, indices int32 [T, K], len [T]
@@ -148,48 +214,26 @@ def sparse_attention_gluon_kernel(
     OVERLAP: gl.constexpr,
 ):
     BLOCK_H: gl.constexpr = GLUON_HEAD_BLOCK
-    HB: gl.constexpr = HQ // BLOCK_H
     gl.static_assert(gl.num_warps() == GLUON_NUM_WARPS, "the kernel is laid out for two warpgroups")
     gl.static_assert(STAGES >= 2, "the gather of tile i+1 goes into the buffer PV(i-1) read: 2 stages at least")
 
     # layouts: scores [64, BLOCK_N] and accumulator [64, 512] on wgmma (two warpgroups side by side in N);
     # P as the register A operand of PV; gathers with 16 B (8 x bf16) per thread, a warp on a row's 512 B
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_N // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, HEAD_DIM // 2, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     gather_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [GLUON_NUM_WARPS, 1], [1, 0])
     smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
-    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HEAD_DIM], gl.bfloat16)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
-    pid = gl.program_id(0)
-    hb = pid % HB  # the head blocks of one query are neighbours: they share the gathered rows in L2
-    rest = pid // HB
-    split = rest % NUM_SPLITS
-    t = (rest // NUM_SPLITS).to(gl.int64)
-
-    # q -> shared memory (bf16), read by every QK wgmma of the program
-    offs_hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, gather_layout))
-    offs_dq = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gather_layout))
-    q = gl.load(q_ptr + t * stride_qt + offs_hq[:, None] * stride_qh + offs_dq[None, :])
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HEAD_DIM], q_smem_layout, q.to(gl.bfloat16))
+    # q in shared memory; this split's index ranges: main [start, end), extra [xstart, xend), one tile sequence
+    t, hb, split, q_smem, start, end, n_main, xstart, xend, n_extra, idx_row, xidx_row = _program_start(
+        q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, K, len_ptr, xidx_ptr, stride_xt, XK, xlen_ptr,
+        tiles_per_split, xtiles_per_split, HQ, NUM_SPLITS, BLOCK_N, HAS_LEN, HAS_EXTRA, HAS_XLEN, gather_layout)
     kv_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-
-    # this split's index ranges: main [start, end), extra [xstart, xend), walked as one sequence of tiles
-    start, end, n_main = _split_range(len_ptr, t, split, tiles_per_split, K, HAS_LEN, BLOCK_N)
-    xstart = 0
-    xend = 0
-    n_extra = 0
-    if HAS_EXTRA:
-        xstart, xend, n_extra = _split_range(xlen_ptr, t, split, xtiles_per_split, XK, HAS_XLEN, BLOCK_N)
     n_tiles = n_main + n_extra
-    idx_row = idx_ptr + t * stride_it
-    xidx_row = xidx_ptr + t * stride_xt
 
     for j in gl.static_range(STAGES - 1):
         row, row_valid = _gather_rows(idx_row, xidx_row, j, n_main, start, end, xstart, xend, num_slots,
@@ -248,23 +292,207 @@ def sparse_attention_gluon_kernel(
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     async_copy.wait_group(0)  # the gathers issued past the last tile (empty groups, masked rows)
 
-    m_o = gl.convert_layout(m_i, rows_o)
-    l_o = gl.convert_layout(l_i, rows_o)
-    m_use = gl.where(m_o == float("-inf"), 0.0, m_o)
-    lse2 = m_use + gl.log2(l_o)  # -inf for an empty index set
-    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, rows_o)
-    offs_d = gl.arange(0, HEAD_DIM, cols_o)
-    if NUM_SPLITS == 1:
-        denom = l_o
-        if HAS_SINK:
-            denom += gl.exp2(gl.load(sink_ptr + offs_h).to(gl.float32) * 1.4426950408889634 - m_use)
-        denom = gl.where(denom == 0.0, 1.0, denom)
-        out = acc / denom[:, None]
-        row = t * HQ + offs_h
-        gl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty))
-        gl.store(lse_ptr + row, lse2 * 0.6931471805599453)
-    else:
-        out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-        row = (split * T + t) * HQ + offs_h
-        gl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out)
-        gl.store(lse_ptr + row, lse2)
+    _write_outputs(acc, m_i, l_i, t, hb, split, sink_ptr, out_ptr, lse_ptr, T, HQ, NUM_SPLITS, HAS_SINK, o_layout)
+
+# ---------------------------------------------------------------------------------------------------------
+# fp8 KV pools (fp8-rope-bf16, 584 B per entry): raw bytes gathered by cp.async, dequantized to bf16 in
+# shared memory, then the same wgmma QK / PV as above (FA3 order)
+# ---------------------------------------------------------------------------------------------------------
+
+_FP8_KV = AttentionKVFormat.FP8_ROPE_BF16
+FP8_PAGE_BYTES = gl.constexpr(_FP8_KV.page_bytes)  # 37440: 64 x 576 data bytes, 64 x 8 scale bytes, pad
+FP8_ROW_BYTES = gl.constexpr(_FP8_KV.value_bytes)  # 576: 448 e4m3 + 64 bf16 rope
+FP8_NOPE = gl.constexpr(_FP8_KV.nope_dim)  # 448
+FP8_SCALE_BYTES = gl.constexpr(_FP8_KV.scale_bytes)  # 8: 7 ue8m0 + 1 pad
+FP8_SCALE_AT = gl.constexpr(ENTRIES_PER_PAGE * _FP8_KV.value_bytes)  # 36864: scales' offset in the page
+FP8_BLOCK = gl.constexpr(64)  # e4m3 dims per scale (dsakit.formats.ATTENTION_FP8_BLOCK)
+FP8_BLOCKS = gl.constexpr(8)  # 512 / 64 column blocks of a row: 7 scaled e4m3 blocks, then the rope block
+FP8_ROPE_BLOCK = gl.constexpr(_FP8_KV.nope_dim // 64)  # 7
+GLUON_FP8_BLOCK_N = gl.constexpr(32)  # gathered rows per fp8 tile (shared memory allows no more, see below)
+GLUON_FP8_KV_BUFFERS = gl.constexpr(3)  # bf16 tiles: QK(i), PV(i-1) and the dequantization of tile i+1
+
+
+@gluon.jit
+def _fp8_rows(idx_row, xidx_row, tile, n_main, start, end, xstart, xend, num_slots, x_num_slots, extra_offset,
+              rows_layout: gl.constexpr):
+    """-> (16 B units of the pool base (0 main, extra_offset extra), page, entry (int64, 0 where invalid),
+    valid) of the rows of combined tile ``tile`` in the 1D layout ``rows_layout``."""
+    slot, valid = _tile_slots(idx_row, xidx_row, tile, n_main, start, end, xstart, xend, num_slots, x_num_slots,
+                              GLUON_FP8_BLOCK_N, rows_layout)
+    s = gl.where(valid, slot, 0).to(gl.int64)
+    base16 = gl.where(tile < n_main, 0, extra_offset).to(gl.int64)  # int64 before scaling (see _row_offsets)
+    return base16, s // ENTRIES, s % ENTRIES, valid
+
+
+@gluon.jit
+def _fp8_gather_offsets(idx_row, xidx_row, tile, n_main, start, end, xstart, xend, num_slots, x_num_slots,
+                        extra_offset, nope_layout: gl.constexpr, rope_layout: gl.constexpr,
+                        scale_layout: gl.constexpr):
+    """Index loads of the gather of tile ``tile`` (issued early, their latency under the wgmma) -> the byte
+    offsets of the rows' e4m3 values, the bf16-element offsets of their rope dims, the byte offsets of their
+    scales (from the pool's base), each with its row mask, in the row layout its copy uses. Every offset is a
+    sum of multiples of 16 B (8 B for the scales), which the compiler proves, so the copies are 16 B (8 B)."""
+    rows3: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, nope_layout))
+    b16, page, entry, nope_valid = _fp8_rows(idx_row, xidx_row, tile, n_main, start, end, xstart, xend, num_slots,
+                                             x_num_slots, extra_offset, rows3)
+    nope_off = b16 * 16 + page * FP8_PAGE_BYTES + entry * FP8_ROW_BYTES
+    b16, page, entry, rope_valid = _fp8_rows(idx_row, xidx_row, tile, n_main, start, end, xstart, xend, num_slots,
+                                             x_num_slots, extra_offset, gl.SliceLayout(1, rope_layout))
+    rope_off = b16 * 8 + page * (FP8_PAGE_BYTES // 2) + entry * (FP8_ROW_BYTES // 2) + FP8_NOPE // 2
+    b16, page, entry, scale_valid = _fp8_rows(idx_row, xidx_row, tile, n_main, start, end, xstart, xend,
+                                              num_slots, x_num_slots, extra_offset, gl.SliceLayout(1, scale_layout))
+    scale_off = b16 * 16 + page * FP8_PAGE_BYTES + FP8_SCALE_AT + entry * FP8_SCALE_BYTES
+    return nope_off, nope_valid, rope_off, rope_valid, scale_off, scale_valid
+
+
+@gluon.jit
+def _issue_fp8_copies(nope_buf, rope_buf, scale_buf, pool_ptr, rope_ptr, nope_off, nope_valid, rope_off,
+                      rope_valid, scale_off, scale_valid, nope_layout: gl.constexpr, rope_layout: gl.constexpr,
+                      scale_layout: gl.constexpr):
+    """cp.async the raw bytes of one tile's rows (zeros where not valid) and commit them as one group:
+    e4m3 values into nope_buf uint8 [32, 8, 64] (column blocks 0..6; block 7 zero), rope dims into rope_buf
+    bf16 [32, 64], the 8 scale bytes into scale_buf uint8 [32, 8]."""
+    blk = gl.arange(0, FP8_BLOCKS, gl.SliceLayout(0, gl.SliceLayout(2, nope_layout)))
+    col = gl.arange(0, FP8_BLOCK, gl.SliceLayout(0, gl.SliceLayout(1, nope_layout)))
+    nope_mask = nope_valid[:, None, None] & (blk < FP8_ROPE_BLOCK)[None, :, None]
+    nope_ptrs = pool_ptr + nope_off[:, None, None] + (blk * FP8_BLOCK)[None, :, None] + col[None, None, :]
+    async_copy.async_copy_global_to_shared(nope_buf, nope_ptrs, mask=nope_mask)
+    rope_cols = gl.arange(0, FP8_BLOCK, gl.SliceLayout(0, rope_layout))
+    async_copy.async_copy_global_to_shared(rope_buf, rope_ptr + rope_off[:, None] + rope_cols[None, :],
+                                           mask=rope_valid[:, None])
+    scale_cols = gl.arange(0, FP8_SCALE_BYTES, gl.SliceLayout(0, scale_layout))
+    async_copy.async_copy_global_to_shared(scale_buf, pool_ptr + scale_off[:, None] + scale_cols[None, :],
+                                           mask=scale_valid[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _dequantize_fp8_tile(nope_buf, rope_buf, scale_buf, kv_buf, nope_layout: gl.constexpr):
+    """Raw tile (shared memory) -> bf16 kv_buf [32, 512]: e4m3 x 2^(scale byte - 127) rounded to bf16 as the
+    portable kernel does (exact: a power-of-two scale), rope dims copied. A warp reads one row's 512 value
+    bytes (16 B per thread, no bank conflicts) and writes its 1 KB of bf16; in two halves of 16 rows, which
+    halves the registers it takes beside the accumulator of the wgmma in flight."""
+    HALF: gl.constexpr = GLUON_FP8_BLOCK_N // 2
+    blk = gl.arange(0, FP8_BLOCKS, gl.SliceLayout(0, gl.SliceLayout(2, nope_layout)))
+    is_rope = (blk == FP8_ROPE_BLOCK)[None, :, None]
+    for h in gl.static_range(2):
+        raw = nope_buf.slice(h * HALF, HALF).load(nope_layout)  # uint8 [16, 8, 64]
+        sc = scale_buf.slice(h * HALF, HALF).load(gl.SliceLayout(2, nope_layout))  # uint8 [16, 8]
+        scale = gl.exp2(sc.to(gl.float32) - 127.0)
+        x = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None]
+        rope = rope_buf.slice(h * HALF, HALF).load(gl.SliceLayout(1, nope_layout))  # bf16 [16, 64], every block
+        x = gl.where(is_rope, rope.to(gl.float32)[:, None, :], x)
+        kv_buf.slice(h * HALF, HALF).store(gl.reshape(x.to(gl.bfloat16), [HALF, HEAD_DIM]))
+
+
+@gluon.jit
+def sparse_attention_gluon_fp8_kernel(
+    q_ptr, stride_qt, stride_qh,  # q [T, HQ, 512] (bf16 / fp16 / fp32; rounded to bf16)
+    pool_ptr, rope_ptr, num_slots, idx_ptr, stride_it, K, len_ptr,  # main fp8 pool as uint8 and as bf16
+    extra_offset, x_num_slots, xidx_ptr, stride_xt, XK, xlen_ptr,  # extra fp8 pool at 16 * extra_offset bytes
+    sink_ptr,  # fp32 [HQ]
+    out_ptr, lse_ptr,  # as sparse_attention_gluon_kernel
+    T, scale_log2, tiles_per_split, xtiles_per_split,
+    HQ: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr,
+):
+    """fp8-rope-bf16 pools (main, and extra if any, both fp8), 32-row tiles, FA3 order::
+
+        raw[STAGES]  uint8 [32, 8, 64] e4m3 + bf16 [32, 64] rope + uint8 [32, 8] scales   (cp.async gathers)
+        kv[3]        bf16 [32, 512] (NVMMA)                                                (dequantized tiles)
+        prologue: gather tiles 0 .. STAGES-1; dequantize tile 0; gather tile STAGES
+        for tile i:
+            S = q @ kv[i]^T (async); acc += P(i-1) @ kv[i-1] (async)
+            dequantize tile i+1 -> kv[i+1] under them (its buffer last read by PV(i-2), retired)
+            gather tile i+1+STAGES into the raw buffer tile i+1 came from
+            wait S; online softmax; wait PV(i-1); acc *= alpha
+        acc += P(last) @ kv[last]
+
+    Shared memory: q 64 KB + 3 x 32 KB + STAGES x 20.25 KB (STAGES <= 3 within the 227 KB of an SM)."""
+    BLOCK_H: gl.constexpr = GLUON_HEAD_BLOCK
+    BLOCK_N: gl.constexpr = GLUON_FP8_BLOCK_N
+    NBUF: gl.constexpr = GLUON_FP8_KV_BUFFERS
+    gl.static_assert(gl.num_warps() == GLUON_NUM_WARPS, "the kernel is laid out for two warpgroups")
+    gl.static_assert(STAGES >= 2, "a raw gather at least one tile ahead of its dequantization")
+
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [GLUON_NUM_WARPS, 1], [1, 0])
+    # raw tiles: a warp on one row's 8 x 64 value bytes (16 B per thread); rope 16 B per thread (8 threads a
+    # row); the 8 scale bytes of a row per thread
+    nope_layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [GLUON_NUM_WARPS, 1, 1], [2, 1, 0])
+    rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GLUON_NUM_WARPS, 1], [1, 0])
+    scale_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [GLUON_NUM_WARPS, 1], [1, 0])
+    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    t, hb, split, q_smem, start, end, n_main, xstart, xend, n_extra, idx_row, xidx_row = _program_start(
+        q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, K, len_ptr, xidx_ptr, stride_xt, XK, xlen_ptr,
+        tiles_per_split, xtiles_per_split, HQ, NUM_SPLITS, BLOCK_N, HAS_LEN, HAS_EXTRA, HAS_XLEN, q_layout)
+    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, HEAD_DIM], kv_layout)
+    nope_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, FP8_BLOCKS, FP8_BLOCK], plain3)
+    rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, FP8_BLOCK], plain2)
+    scale_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, FP8_SCALE_BYTES], plain2)
+    n_tiles = n_main + n_extra
+
+    for j in gl.static_range(STAGES):
+        no, nv, ro, rv, so, sv = _fp8_gather_offsets(idx_row, xidx_row, j, n_main, start, end, xstart, xend,
+                                                     num_slots, x_num_slots, extra_offset, nope_layout,
+                                                     rope_layout, scale_layout)
+        _issue_fp8_copies(nope_smem.index(j), rope_smem.index(j), scale_smem.index(j), pool_ptr, rope_ptr,
+                          no, nv, ro, rv, so, sv, nope_layout, rope_layout, scale_layout)
+    # PV(-1) multiplies zeros by the zeroed buffer of tile -1
+    kv_smem.index(NBUF - 1).store(gl.zeros([BLOCK_N, HEAD_DIM], gl.bfloat16, q_layout))
+    async_copy.wait_group(STAGES - 1)  # tile 0's raw bytes (this thread's) ...
+    gl.thread_barrier()  # ... and every thread's
+    _dequantize_fp8_tile(nope_smem.index(0), rope_smem.index(0), scale_smem.index(0), kv_smem.index(0),
+                         nope_layout)
+    fence_async_shared()  # q, the zeros and tile 0 (generic-proxy stores) before wgmma reads them
+    gl.thread_barrier()  # every thread's, and raw buffer 0 is free again
+    no, nv, ro, rv, so, sv = _fp8_gather_offsets(idx_row, xidx_row, STAGES, n_main, start, end, xstart, xend,
+                                                 num_slots, x_num_slots, extra_offset, nope_layout, rope_layout,
+                                                 scale_layout)
+    _issue_fp8_copies(nope_smem.index(0), rope_smem.index(0), scale_smem.index(0), pool_ptr, rope_ptr,
+                      no, nv, ro, rv, so, sv, nope_layout, rope_layout, scale_layout)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, rows_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, rows_s)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+    p_prev = gl.zeros([BLOCK_H, BLOCK_N], gl.bfloat16, p_layout)
+    acc = gl.zeros([BLOCK_H, HEAD_DIM], gl.float32, o_layout)
+    for i in range(n_tiles):
+        # index loads first (tile i+1+STAGES's gather, tile i's score mask): their latency runs under the wgmma
+        no, nv, ro, rv, so, sv = _fp8_gather_offsets(idx_row, xidx_row, i + 1 + STAGES, n_main, start, end, xstart,
+                                                     xend, num_slots, x_num_slots, extra_offset, nope_layout,
+                                                     rope_layout, scale_layout)
+        _, valid = _tile_slots(idx_row, xidx_row, i, n_main, start, end, xstart, xend, num_slots, x_num_slots,
+                               BLOCK_N, cols_s)
+        s_tok = warpgroup_mma(q_smem, kv_smem.index(i % NBUF).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        acc_tok = warpgroup_mma(p_prev, kv_smem.index((i + NBUF - 1) % NBUF), acc, is_async=True)
+        # dequantize tile i+1 under QK(i) and PV(i-1): its bf16 buffer was read by PV(i-2), which both
+        # warpgroups retired in the previous iteration (before the barrier below)
+        raw = (i + 1) % STAGES
+        async_copy.wait_group(STAGES - 1)  # tile i+1's raw bytes (this thread's) ...
+        gl.thread_barrier()  # ... and every thread's
+        _dequantize_fp8_tile(nope_smem.index(raw), rope_smem.index(raw), scale_smem.index(raw),
+                             kv_smem.index((i + 1) % NBUF), nope_layout)
+        fence_async_shared()  # the bf16 tile (generic-proxy stores) before wgmma reads it
+        gl.thread_barrier()  # every thread's part written; the raw buffer read by all: it takes the next gather
+        _issue_fp8_copies(nope_smem.index(raw), rope_smem.index(raw), scale_smem.index(raw), pool_ptr, rope_ptr,
+                          no, nv, ro, rv, so, sv, nope_layout, rope_layout, scale_layout)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))  # QK(i) retired (issued first); PV(i-1) may run on
+        p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i, scale_log2)
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+        acc = acc * gl.convert_layout(alpha, rows_o, assert_trivial=True)[:, None]
+        p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    acc_tok = warpgroup_mma(p_prev, kv_smem.index((n_tiles + NBUF - 1) % NBUF), acc, is_async=True)
+    acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+    async_copy.wait_group(0)  # the gathers issued past the last tile (masked rows)
+
+    _write_outputs(acc, m_i, l_i, t, hb, split, sink_ptr, out_ptr, lse_ptr, T, HQ, NUM_SPLITS, HAS_SINK, o_layout)

@@ -43,7 +43,11 @@ class AttentionConfig:
     are the portable kernel's; the Gluon kernel reads gluon_block_n (gathered rows per tile and the N of the
     QK wgmma; 64 or 32), gluon_stages (shared-memory buffers of gathered tiles, >= 2), gluon_overlap
     (experimental, off: FA3 order, the softmax of a tile under the previous tile's PV product; needs
-    gluon_stages >= 3), num_splits and combine_*.
+    gluon_stages >= 3), num_splits and combine_*. gluon_fp8: "auto" also takes the Gluon kernel for
+    fp8-rope-bf16 pools (off: not yet timed on the H200; kernel "gluon" runs it regardless); that kernel
+    gathers 32-row tiles of raw bytes into gluon_fp8_stages buffers (2 or 3: q 64 KB + three bf16 tiles
+    96 KB + 20.25 KB per buffer within the 227 KB of an sm_90 SM) and ignores gluon_block_n / gluon_stages /
+    gluon_overlap (it always runs the overlapped order).
     """
 
     block_n: int = 64
@@ -58,6 +62,8 @@ class AttentionConfig:
     gluon_block_n: int = 64
     gluon_stages: int = 2
     gluon_overlap: bool = False
+    gluon_fp8: bool = False
+    gluon_fp8_stages: int = 2
 
     def __post_init__(self):
         for name in ("block_n", "num_warps", "combine_block_h", "combine_warps"):
@@ -73,6 +79,9 @@ class AttentionConfig:
         check_int("gluon_stages", self.gluon_stages, 2, (227 - 64 - 4) // self.gluon_block_n)
         if not isinstance(self.gluon_overlap, bool):
             raise ValueError(f"gluon_overlap must be a bool, got {self.gluon_overlap!r}")
+        if not isinstance(self.gluon_fp8, bool):
+            raise ValueError(f"gluon_fp8 must be a bool, got {self.gluon_fp8!r}")
+        check_choice("gluon_fp8_stages", check_int("gluon_fp8_stages", self.gluon_fp8_stages), (2, 3))
         if self.gluon_overlap and self.gluon_stages < 3:
             raise ValueError(f"gluon_overlap needs gluon_stages >= 3 (so gluon_block_n 32), got {self.gluon_stages}")
         if HEAD_BLOCK % self.combine_block_h:

@@ -72,9 +72,12 @@ def gluon_unsupported_reason(a: SparseAttentionInputs, capability: tuple[int, in
         return "this Triton has no Gluon Hopper API (triton.experimental.gluon, Triton >= 3.5)"
     if triton_interpreted():
         return "TRITON_INTERPRET=1: Gluon kernels do not run in the interpreter"
-    for what, fmt in (("kv_format", a.kv_format), ("extra_kv_format", a.extra_kv_format)):
-        if fmt is not None and fmt.kind != "bf16":
-            return f"{what} is {fmt.name!r}: the Gluon kernel reads bf16 pools only (fp8 KV runs the portable kernel)"
+    kinds = {a.kv_format.kind} | ({a.extra_kv_format.kind} if a.extra_kv_format is not None else set())
+    if not kinds <= {"bf16", "fp8-rope-bf16"}:
+        return f"kv_format {a.kv_format.name!r}: the Gluon kernels read bf16 and fp8-rope-bf16 pools"
+    if len(kinds) > 1:
+        return (f"kv_format is {a.kv_format.name!r} and extra_kv_format {a.extra_kv_format.name!r}: the Gluon "
+                f"kernels take two pools of one format (mixed pools run the portable kernel)")
     if a.q.shape[1] not in TRITON_HEADS:
         return f"Hq = {a.q.shape[1]}, the Gluon kernel takes Hq in {TRITON_HEADS}"
     return None
@@ -85,10 +88,12 @@ def choose_attention_kernel(a: SparseAttentionInputs, config: AttentionConfig,
                             importable: bool | None = None) -> str:
     """"gluon" or "triton" (portable) for checked inputs ``a`` under ``config.kernel``.
 
-    "auto" takes Gluon exactly where :func:`gluon_unsupported_reason` finds nothing against it, the portable
-    kernel otherwise (fp8 or mixed pools, other GPUs, the CPU interpreter); "gluon" raises ValueError with
-    that reason instead of falling back; "triton" is always the portable kernel. ``capability`` and
-    ``importable`` default to the device's and this Triton's (tests pass them to force the choice)."""
+    "auto" takes Gluon exactly where :func:`gluon_unsupported_reason` finds nothing against it and, for fp8
+    pools, ``config.gluon_fp8`` is set (off until the H200 has timed the fp8 kernel); the portable kernel
+    otherwise (mixed pools, other GPUs, the CPU interpreter); "gluon" takes Gluon wherever it can run (fp8
+    pools too) and raises ValueError with the reason instead of falling back; "triton" is always the portable
+    kernel. ``capability`` and ``importable`` default to the device's and this Triton's (tests pass them to
+    force the choice)."""
     kernel = config.kernel
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"config.kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
@@ -98,7 +103,7 @@ def choose_attention_kernel(a: SparseAttentionInputs, config: AttentionConfig,
         capability = _device_capability(a.q.device)
     reason = gluon_unsupported_reason(a, capability, importable)
     if reason is None:
-        return "gluon"
+        return "gluon" if kernel == "gluon" or config.gluon_fp8 or not _is_fp8(a.kv_format) else "triton"
     if kernel == "gluon":
         raise ValueError(f"kernel='gluon' cannot run these inputs: {reason}; use kernel='auto' or 'triton'")
     return "triton"
