@@ -84,3 +84,22 @@ def test_copy_warmup_batches_repeat_a_sequence_and_mask_only_the_predictable_cop
     assert gapped[1:17] != gapped[17:33]
     # after the warm-up the documents take over
     assert not torch.equal(data.batch(4)["answer_mask"], data.batch(4)["copy_mask"])
+
+
+def test_copy_warmup_gaps_reach_past_the_window_when_asked():
+    from dsakit.models.data import DocumentBatches
+    from dsakit.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(MODEL_DIR)
+    data = DocumentBatches(tokenizer, [512], 2048, seed=2, copy_steps=2, copy_gapped_share=1.0, copy_min_gap=160)
+    late = data.batch(1)
+    for row in range(late["input_ids"].shape[0]):
+        ids = late["input_ids"][row].tolist()
+        first_masked = int(late["copy_mask"][row].nonzero()[0])
+        repeat_start = first_masked - 2  # the mask skips a repeat's first 2 tokens
+        # the repeat copies the sequence (>= 16 tokens) that started after BOS, 160 or more tokens after its end
+        assert ids[repeat_start:repeat_start + 16] == ids[1:17]
+        assert repeat_start >= 1 + 16 + 160
+    for bad in ({"copy_gapped_share": 1.5}, {"copy_min_gap": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DocumentBatches(tokenizer, [512], 2048, seed=2, copy_steps=2, **bad)

@@ -120,7 +120,8 @@ class DocumentBatches(torch.utils.data.Dataset):
 
     def __init__(self, tokenizer, lengths: list[int], tokens_per_batch: int, seed: int,
                  kind_weights: dict | None = None, prefix: str = "train", repeat_rate: float = 0.0,
-                 short_steps: int = 0, short_length: int = 512, copy_steps: int = 0):
+                 short_steps: int = 0, short_length: int = 512, copy_steps: int = 0,
+                 copy_gapped_share: float = 0.5, copy_min_gap: int = 32):
         if not lengths or any(not isinstance(n, int) or n < 128 for n in lengths):
             raise ValueError(f"lengths must be ints >= 128, got {lengths!r}")
         if tokens_per_batch < max(lengths):
@@ -141,6 +142,14 @@ class DocumentBatches(torch.utils.data.Dataset):
         # warm-up: the first ``copy_steps`` steps are the copy toy (see ``copy_row``), which forms the copying
         # (induction) attention in a few hundred steps where documents alone did not in 1500
         self.copy_steps = copy_steps
+        # in the second half of the warm-up, this share of the rows puts each repeat behind a gap of at least
+        # copy_min_gap tokens (above the sliding window: the copy must go through the compressed entries)
+        if not 0.0 <= copy_gapped_share <= 1.0:
+            raise ValueError(f"copy_gapped_share must be in [0, 1], got {copy_gapped_share!r}")
+        if not isinstance(copy_min_gap, int) or copy_min_gap < 1:
+            raise ValueError(f"copy_min_gap must be an int >= 1, got {copy_min_gap!r}")
+        self.copy_gapped_share = copy_gapped_share
+        self.copy_min_gap = copy_min_gap
         self.vocab_size = tokenizer.get_vocab_size()
         self.bos_id = tokenizer.token_to_id(BOS)
         self.pad_id = tokenizer.token_to_id(PAD)
@@ -186,8 +195,9 @@ class DocumentBatches(torch.utils.data.Dataset):
 
     def copy_row(self, rng: random.Random, length: int, gaps: bool = False) -> tuple[list[int], list[int]]:
         """The copy toy: BOS + a random sequence of 16-48 tokens (ids drawn uniformly above the special tokens)
-        repeated until ``length`` tokens; with ``gaps`` each repeat follows a run of 32 to length / 3 other
-        random tokens, so the copy must reach past the 128-token window (through the compressed entries).
+        repeated until ``length`` tokens; with ``gaps`` each repeat follows a run of ``copy_min_gap`` to
+        max(copy_min_gap, length / 3) other random tokens, so the copy must reach past the sliding window
+        (through the compressed entries) when copy_min_gap exceeds it.
         -> (ids, indices of the tokens that copying predicts: every repeat after its first 2 tokens). Nothing
         but copying lowers the loss on the repeats (ln(vocab) without it)."""
         first = max(self.pad_id, self.eos_id, self.bos_id) + 8  # above the specials and the chat-role tokens
@@ -199,7 +209,7 @@ class DocumentBatches(torch.utils.data.Dataset):
         ids, copyable = [self.bos_id] + seq, []
         while len(ids) < length:
             if gaps:
-                ids.extend(draw(rng.randint(32, max(32, length // 3))))
+                ids.extend(draw(rng.randint(self.copy_min_gap, max(self.copy_min_gap, length // 3))))
             copyable.extend(range(len(ids) + 2, len(ids) + len(seq)))
             ids.extend(seq)
         return ids[:length], [i for i in copyable if i < length]
@@ -227,7 +237,8 @@ class DocumentBatches(torch.utils.data.Dataset):
     def copy_batch(self, step: int) -> dict:
         """A batch of ``copy_row`` rows (same layout as ``batch``; the repeats are both the answer and the copy
         mask, so the answer weight applies to them): the first half of the warm-up plain repeats at the shortest
-        length, the second half at the short lengths with every other row's repeats behind long gaps."""
+        length, the second half at the short lengths with a ``copy_gapped_share`` of the rows' repeats behind
+        gaps (see ``copy_row``)."""
         late = step >= self.copy_steps // 2
         choices = self.short_lengths if late else [min(self.lengths)]
         length = choices[random.Random(f"{self.prefix}:{self.seed}:len:{step}").randrange(len(choices))]
@@ -235,8 +246,9 @@ class DocumentBatches(torch.utils.data.Dataset):
         input_ids = torch.empty((rows, length), dtype=torch.long)
         copy_mask = torch.zeros((rows, length), dtype=torch.bool)
         for row in range(rows):
-            ids, copyable = self.copy_row(random.Random(f"{self.prefix}:{self.seed}:copy:{step}:{row}"), length,
-                                          gaps=late and row % 2 == 1)
+            rng = random.Random(f"{self.prefix}:{self.seed}:copy:{step}:{row}")
+            gapped = late and (row + 0.5) / rows <= self.copy_gapped_share
+            ids, copyable = self.copy_row(rng, length, gaps=gapped)
             input_ids[row] = torch.tensor(ids)
             copy_mask[row, copyable] = True
         return {"input_ids": input_ids, "answer_mask": copy_mask.clone(), "valid": torch.ones_like(copy_mask),

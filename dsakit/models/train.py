@@ -51,7 +51,8 @@ DENSE_TOPK = 1 << 20  # above any number of compressed entries: the CSA layers a
 MODEL_MAX_LENGTH = 16384  # what the tokenizer config advertises
 
 
-def model_config(vocab_size: int, topk: int, *, hidden_size: int = 128, max_positions: int = 65536):
+def model_config(vocab_size: int, topk: int, *, hidden_size: int = 128, max_positions: int = 65536,
+                 sliding_window: int = 128):
     """The tiny DeepseekV4Config: 4 layers (hca, window, csa, csa), hidden 128, 2 heads of 512, q_lora 64,
     indexer 4 heads x 128, 2 routed experts (top-1) + a shared one of width 128, 2 hyper-connection streams."""
     from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
@@ -61,7 +62,7 @@ def model_config(vocab_size: int, topk: int, *, hidden_size: int = 128, max_posi
         layer_types=list(LAYER_TYPES), mlp_layer_types=["moe"] * len(LAYER_TYPES), num_attention_heads=2,
         head_dim=512, q_lora_rank=64, o_groups=2, o_lora_rank=64, index_n_heads=4, index_head_dim=128,
         index_topk=topk, n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1, moe_intermediate_size=128,
-        hc_mult=2, hc_sinkhorn_iters=8, sliding_window=128, max_position_embeddings=max_positions,
+        hc_mult=2, hc_sinkhorn_iters=8, sliding_window=sliding_window, max_position_embeddings=max_positions,
         rope_parameters=dict(V4_YARN), bos_token_id=2, eos_token_id=3, pad_token_id=0, tie_word_embeddings=False,
         num_nextn_predict_layers=0)
 
@@ -221,7 +222,7 @@ def build_or_load(args, device):
             model = DeepseekV4ForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
             model.config.index_topk = args.topk
         else:
-            config = model_config(tokenizer.get_vocab_size(), args.topk)
+            config = model_config(tokenizer.get_vocab_size(), args.topk, sliding_window=args.window)
             config._attn_implementation = "eager"
             model = DeepseekV4ForCausalLM(config)
             if args.key_norm_init != 1.0:
@@ -351,6 +352,10 @@ def parse_args(argv=None):
     ap.add_argument("--kinds", default=None, help="document kind weights, e.g. passkey=1,codes=1 (default: data.py's)")
     ap.add_argument("--short-steps", type=int, default=0, help="first steps on lengths <= --short-length only")
     ap.add_argument("--short-length", type=int, default=512)
+    ap.add_argument("--window", type=int, default=128, help="sliding window of the model (new models only)")
+    ap.add_argument("--copy-gapped-share", type=float, default=0.5,
+                    help="share of the copy-toy rows with gapped repeats in the warm-up's second half")
+    ap.add_argument("--copy-min-gap", type=int, default=32, help="shortest gap before a gapped repeat (tokens)")
     ap.add_argument("--dense-lr", type=float, default=None, help="peak learning rate of the dense stage")
     ap.add_argument("--clip-norm", type=float, default=1.0, help="gradient-norm clip (0: none)")
     ap.add_argument("--copy-steps", type=int, default=0,
@@ -397,7 +402,8 @@ def main(argv=None) -> int:
     data = DocumentBatches(tokenizer, args.lengths, args.tokens_per_batch, args.seed, kind_weights=args.kinds,
                            repeat_rate=args.repeat_rate,
                            short_steps=args.short_steps, short_length=args.short_length,
-                           copy_steps=args.copy_steps)
+                           copy_steps=args.copy_steps, copy_gapped_share=args.copy_gapped_share,
+                           copy_min_gap=args.copy_min_gap)
     ratio = model.config.compress_rates["compressed_sparse_attention"]
     model.train()
     last_save = time.time()
