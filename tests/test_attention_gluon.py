@@ -126,6 +126,7 @@ class _RecordedLaunch:
 
     def __init__(self, kernel):
         self.calls = []
+        self.kernel = kernel
         self.out_at = list(inspect.signature(kernel.fn).parameters).index("out_ptr")  # then lse_ptr
 
     def __getitem__(self, grid):
@@ -136,6 +137,29 @@ class _RecordedLaunch:
 
         return launch
 
+    @classmethod
+    def install(cls, monkeypatch, name: str) -> "_RecordedLaunch":
+        """Replace the Gluon kernel ``name`` in the launcher module by a recorder (skip without Gluon)."""
+        if not gluon_importable():
+            pytest.skip("this Triton has no Gluon")
+        from dsakit.ops.attention import _gluon_kernels
+        from dsakit.ops.attention import gluon as gluon_launch
+
+        recorder = cls(getattr(_gluon_kernels, name))
+        monkeypatch.setattr(gluon_launch, name, recorder)
+        return recorder
+
+    def bound(self) -> tuple[tuple, dict]:
+        """-> (grid, the kernel's arguments by parameter name) of the one recorded launch, after checking that
+        they bind to every parameter in order and that it asked for 8 warps."""
+        (grid, args, kwargs), = self.calls
+        signature = inspect.signature(self.kernel.fn)
+        launch_kwargs = dict(kwargs)
+        assert launch_kwargs.pop("num_warps") == 8
+        bound = signature.bind(*args, **launch_kwargs).arguments
+        assert list(bound) == list(signature.parameters)
+        return grid, bound
+
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the split merge runs in the interpreter")
 @pytest.mark.parametrize("extra", [False, True])
@@ -143,13 +167,9 @@ def test_gluon_launch_arguments(monkeypatch, extra):
     """The launcher's arguments (checked on the CPU with the launch recorded, not run): they bind to the
     kernel's parameters, the grid is (query, head block, split), the pools are read as bf16 views, the extra
     pool's offset is in 16 B units, every optional input sets its flag, the split partials are fp32."""
-    if not gluon_importable():
-        pytest.skip("this Triton has no Gluon")
+    recorder = _RecordedLaunch.install(monkeypatch, "sparse_attention_gluon_kernel")
     from dsakit.ops.attention import gluon as gluon_launch
-    from dsakit.ops.attention._gluon_kernels import sparse_attention_gluon_kernel
 
-    recorder = _RecordedLaunch(sparse_attention_gluon_kernel)
-    monkeypatch.setattr(gluon_launch, "sparse_attention_gluon_kernel", recorder)
     gen = torch.Generator().manual_seed(4)
     pool = make_pool(BF16, 3, gen)
     kw = dict(topk_length=torch.tensor([5, 0, 9], dtype=torch.int32), sink=torch.randn(128, generator=gen))
@@ -163,12 +183,7 @@ def test_gluon_launch_arguments(monkeypatch, extra):
     assert out.shape == (3, 128, D) and out.dtype == torch.float32 and lse.shape == (3, 128)
     # two zero partials with LSE 0 (log2 units) each: merged out 0, lse ln 2 (the combine kernel ran on them)
     assert bool((out == 0).all()) and torch.allclose(lse, torch.full_like(lse, math.log(2)))
-    (grid, args, kwargs), = recorder.calls
-    signature = inspect.signature(sparse_attention_gluon_kernel.fn)
-    launch_kwargs = dict(kwargs)
-    assert launch_kwargs.pop("num_warps") == 8
-    bound = signature.bind(*args, **launch_kwargs).arguments
-    assert list(bound) == list(signature.parameters)
+    grid, bound = recorder.bound()
     assert grid == (3 * 2 * 2,) and all(type(g) is int for g in grid)
     assert bound["pool_ptr"].dtype == torch.bfloat16 and bound["pool_ptr"].data_ptr() == pool.data_ptr()
     assert bound["PAGE_ELEMS"] == BF16.page_bytes // 2 and bound["NUM_SPLITS"] == 2
@@ -189,13 +204,9 @@ def test_gluon_launch_arguments(monkeypatch, extra):
 def test_gluon_fp8_launch_arguments(monkeypatch, extra):
     """The fp8 kernel's launch (recorded, not run): the pool passed as uint8 and as bf16 views of one buffer, an
     fp8 extra pool by its 16 B offset, 32-row tiles for the splits, gluon_fp8_stages raw buffers."""
-    if not gluon_importable():
-        pytest.skip("this Triton has no Gluon")
+    recorder = _RecordedLaunch.install(monkeypatch, "sparse_attention_gluon_fp8_kernel")
     from dsakit.ops.attention import gluon as gluon_launch
-    from dsakit.ops.attention._gluon_kernels import sparse_attention_gluon_fp8_kernel
 
-    recorder = _RecordedLaunch(sparse_attention_gluon_fp8_kernel)
-    monkeypatch.setattr(gluon_launch, "sparse_attention_gluon_fp8_kernel", recorder)
     gen = torch.Generator().manual_seed(5)
     pool = make_pool(FP8, 3, gen)
     kw = dict(sink=torch.randn(64, generator=gen))
@@ -208,12 +219,7 @@ def test_gluon_fp8_launch_arguments(monkeypatch, extra):
                                           kv_format=FP8, **kw)
     out, lse = gluon_launch.sparse_attention_gluon(a, AttentionConfig(num_splits=2, gluon_fp8_stages=3))
     assert out.shape == (2, 64, D) and out.dtype == torch.bfloat16 and bool((out == 0).all())
-    (grid, args, kwargs), = recorder.calls
-    signature = inspect.signature(sparse_attention_gluon_fp8_kernel.fn)
-    launch_kwargs = dict(kwargs)
-    assert launch_kwargs.pop("num_warps") == 8
-    bound = signature.bind(*args, **launch_kwargs).arguments
-    assert list(bound) == list(signature.parameters)
+    grid, bound = recorder.bound()
     assert grid == (2 * 1 * 2,)
     assert bound["pool_ptr"].dtype == torch.uint8 and bound["rope_ptr"].dtype == torch.bfloat16
     assert bound["pool_ptr"].data_ptr() == bound["rope_ptr"].data_ptr() == pool.data_ptr()
@@ -380,9 +386,14 @@ def _check_full_size(q, pool, idx, kw, *, sample: int, config: AttentionConfig |
     assert (lse[both] - p_lse[both]).abs().max().item() <= 3 * base_lse_err + 1e-5
 
 
-# the default tile and the experimental FA3-order form
-FULL_SIZE_CONFIGS = {"block64x2": AttentionConfig(),
-                     "block32x4-overlap": AttentionConfig(gluon_block_n=32, gluon_stages=4, gluon_overlap=True)}
+# (KV format, config): the bf16 kernel's 64-row tile and its FA3-order form; the fp8 kernel with 2 and 3 raw
+# buffers
+FULL_SIZE_CONFIGS = {
+    "bf16-block64x2": (BF16, AttentionConfig()),
+    "bf16-block32x4-overlap": (BF16, AttentionConfig(gluon_block_n=32, gluon_stages=4, gluon_overlap=True)),
+    "fp8-stages2": (FP8, AttentionConfig()),
+    "fp8-stages3": (FP8, AttentionConfig(gluon_fp8_stages=3)),
+}
 
 
 @pytest.mark.gpu
@@ -390,8 +401,9 @@ FULL_SIZE_CONFIGS = {"block64x2": AttentionConfig(),
 def test_gluon_prefill_full_size(config):
     """Prefill-like: T 4096, H 128, K 2048 (one split per query)."""
     _needs_sm90()
+    fmt, cfg = FULL_SIZE_CONFIGS[config]
     gen = torch.Generator().manual_seed(11)
-    _check_full_size(*_case(4096, 128, 2048, pages=1024, gen=gen), sample=16, config=FULL_SIZE_CONFIGS[config])
+    _check_full_size(*_case(4096, 128, 2048, pages=1024, gen=gen, fmt=fmt), sample=16, config=cfg)
 
 
 @pytest.mark.gpu
@@ -400,8 +412,9 @@ def test_gluon_prefill_full_size(config):
 def test_gluon_decode_full_size(hq, config):
     """Decode-like: B 64 queries, K 2048, automatic splits (one at H 128, several at H 64)."""
     _needs_sm90()
+    fmt, cfg = FULL_SIZE_CONFIGS[config]
     gen = torch.Generator().manual_seed(12)
-    _check_full_size(*_case(64, hq, 2048, pages=1024, gen=gen), sample=16, config=FULL_SIZE_CONFIGS[config])
+    _check_full_size(*_case(64, hq, 2048, pages=1024, gen=gen, fmt=fmt), sample=16, config=cfg)
 
 
 @pytest.mark.gpu
@@ -415,28 +428,6 @@ def test_gluon_extra_pool_splits_and_q_dtypes(q_dtype):
     for config in (AttentionConfig(), AttentionConfig(num_splits=1), AttentionConfig(gluon_block_n=32, gluon_stages=4),
                    AttentionConfig(gluon_block_n=32, gluon_stages=3, gluon_overlap=True)):
         _check_full_size(*case, sample=6, config=config)
-
-
-FP8_CONFIGS = {"fp8-stages2": AttentionConfig(), "fp8-stages3": AttentionConfig(gluon_fp8_stages=3)}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", sorted(FP8_CONFIGS))
-def test_gluon_fp8_prefill_full_size(config):
-    """fp8-rope-bf16 pool, prefill-like: T 4096, H 128, K 2048 (one split per query)."""
-    _needs_sm90()
-    gen = torch.Generator().manual_seed(21)
-    _check_full_size(*_case(4096, 128, 2048, pages=1024, gen=gen, fmt=FP8), sample=16, config=FP8_CONFIGS[config])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", sorted(FP8_CONFIGS))
-@pytest.mark.parametrize("hq", [64, 128])
-def test_gluon_fp8_decode_full_size(hq, config):
-    """fp8-rope-bf16 pool, decode-like: B 64 queries, K 2048, automatic splits."""
-    _needs_sm90()
-    gen = torch.Generator().manual_seed(22)
-    _check_full_size(*_case(64, hq, 2048, pages=1024, gen=gen, fmt=FP8), sample=16, config=FP8_CONFIGS[config])
 
 
 @pytest.mark.gpu
