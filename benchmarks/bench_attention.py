@@ -158,7 +158,10 @@ def main() -> None:
         sys.exit("bench_attention needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "attention_bench.json"
-    report = {"env": environment("cuda", args.commit), "copy_ceiling_tbs": COPY_CEILING_TBS,
+    report = {"env": {**environment("cuda", args.commit),
+                      "timing": "every kernel eager: triton.testing.do_bench median (warmup 10, rep 60 ms), "
+                                "same inputs, same process"},
+              "copy_ceiling_tbs": COPY_CEILING_TBS,
               "flop_formula": "T * Hq * K * (2 * 512 + 2 * 512)",
               "decode_bytes_formula": "T * K * bytes_per_token + q bytes + out bytes",
               "prefill": [], "decode": [], "sweep": [], "gluon": []}
