@@ -103,3 +103,18 @@ def test_copy_warmup_gaps_reach_past_the_window_when_asked():
     for bad in ({"copy_gapped_share": 1.5}, {"copy_min_gap": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DocumentBatches(tokenizer, [512], 2048, seed=2, copy_steps=2, **bad)
+
+
+def test_set_window_narrows_every_layer_and_the_saved_config(tmp_path):
+    from transformers import DeepseekV4ForCausalLM
+
+    from dsakit.models.train import model_config, set_window
+
+    model = DeepseekV4ForCausalLM(model_config(599, 4, hidden_size=64, max_positions=512))
+    set_window(model, 64)
+    assert model.config.sliding_window == 64
+    assert {layer.self_attn.sliding_window for layer in model.model.layers} == {64}
+    model.save_pretrained(tmp_path)
+    assert DeepseekV4ForCausalLM.from_pretrained(tmp_path).config.sliding_window == 64
+    with pytest.raises(ValueError, match="window"):
+        set_window(model, 0)

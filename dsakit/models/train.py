@@ -91,6 +91,16 @@ def soften_attention_(model, gain: float) -> None:
             attn.o_a_proj.weight.mul_(1.0 / gain)
 
 
+def set_window(model, window: int) -> None:
+    """Give every attention layer (and the config, which builds the mask and is saved) a sliding window of
+    ``window`` tokens; the weights do not depend on it."""
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    model.config.sliding_window = window
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = window
+
+
 def indexer_modules(model) -> list:
     return [layer.self_attn.compressor.indexer for layer in model.model.layers
             if getattr(layer.self_attn, "compressor", None) is not None
@@ -221,8 +231,10 @@ def build_or_load(args, device):
         if args.init_from:  # warm start: the weights of an earlier run, fresh stages and optimizer
             model = DeepseekV4ForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
             model.config.index_topk = args.topk
+            if args.window is not None:  # a narrower window pushes retrieval into the compressed entries
+                set_window(model, args.window)
         else:
-            config = model_config(tokenizer.get_vocab_size(), args.topk, sliding_window=args.window)
+            config = model_config(tokenizer.get_vocab_size(), args.topk, sliding_window=args.window or 128)
             config._attn_implementation = "eager"
             model = DeepseekV4ForCausalLM(config)
             if args.key_norm_init != 1.0:
@@ -352,7 +364,8 @@ def parse_args(argv=None):
     ap.add_argument("--kinds", default=None, help="document kind weights, e.g. passkey=1,codes=1 (default: data.py's)")
     ap.add_argument("--short-steps", type=int, default=0, help="first steps on lengths <= --short-length only")
     ap.add_argument("--short-length", type=int, default=512)
-    ap.add_argument("--window", type=int, default=128, help="sliding window of the model (new models only)")
+    ap.add_argument("--window", type=int, default=None,
+                    help="sliding window of the model (new models: default 128; --init-from: the checkpoint's)")
     ap.add_argument("--copy-gapped-share", type=float, default=0.5,
                     help="share of the copy-toy rows with gapped repeats in the warm-up's second half")
     ap.add_argument("--copy-min-gap", type=int, default=32, help="shortest gap before a gapped repeat (tokens)")
