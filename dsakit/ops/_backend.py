@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import os
 
@@ -22,6 +24,32 @@ _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 def triton_available() -> bool:
     return _TRITON_AVAILABLE
+
+
+# the GPU the Gluon kernels are written for: wgmma and the 227 KB shared memory of sm_90 (H100 / H200 / H800)
+GLUON_CAPABILITY = (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_importable() -> bool:
+    """True when this Triton ships Gluon with the Hopper wgmma API the Gluon kernels use (Triton >= 3.5)."""
+    try:
+        hopper = importlib.import_module("triton.experimental.gluon.language.nvidia.hopper")
+    except ImportError:
+        return False
+    return all(hasattr(hopper, name) for name in ("warpgroup_mma", "warpgroup_mma_wait", "warpgroup_mma_init"))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device (asked once per device), None for any other device."""
+    if device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def triton_interpreted() -> bool:

@@ -10,15 +10,13 @@ more than the outputs and the partial buffers.
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
 
 from ..._memory import check_instance
 from ...pool import num_slots
 from ...formats import AttentionKVFormat
-from .._backend import triton_interpreted
+from .._backend import GLUON_CAPABILITY, gluon_importable, triton_interpreted
+from .._backend import device_capability as _device_capability
 from ._kernels import _sparse_attention_kernel
 from ._launch import LOG2E, choose_num_splits, merge_splits, plan_launch
 from .config import ATTENTION_DEFAULTS, ATTENTION_KERNELS, HEAD_BLOCK, TRITON_HEADS, AttentionConfig
@@ -31,33 +29,8 @@ DEFAULT_STAGES: dict[tuple[str, int], int] = ATTENTION_DEFAULTS["H200"].stages
 __all__ = ["sparse_attention_triton", "choose_num_splits", "choose_attention_kernel", "gluon_importable",
            "AttentionConfig", "TRITON_HEADS"]
 
-# the GPU the Gluon kernel is written for: wgmma and the 227 KB shared memory of sm_90 (H100 / H200 / H800)
-GLUON_CAPABILITY = (9, 0)
-
-
 def _is_fp8(fmt: AttentionKVFormat) -> bool:
     return fmt.kind == "fp8-rope-bf16"
-
-
-@functools.lru_cache(maxsize=None)
-def gluon_importable() -> bool:
-    """True when this Triton ships Gluon with the Hopper wgmma API the Gluon kernel uses (Triton >= 3.5)."""
-    try:
-        hopper = importlib.import_module("triton.experimental.gluon.language.nvidia.hopper")
-    except ImportError:
-        return False
-    return all(hasattr(hopper, name) for name in ("warpgroup_mma", "warpgroup_mma_wait", "warpgroup_mma_init"))
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))
-
-
-def _device_capability(device: torch.device) -> tuple[int, int] | None:
-    if device.type != "cuda":
-        return None
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def gluon_unsupported_reason(a: SparseAttentionInputs, capability: tuple[int, int] | None,

@@ -12,6 +12,12 @@ from .._tuning import gpu_key
 KERNELS = ("auto", "tile", "group")
 DECODE_FP4 = ("blocks", "dequant")
 DECODE_LOADS = ("gather", "tma")
+PREFILL_KERNELS = ("triton", "gluon")
+# (key tile, warps) of the Gluon prefill kernel that compile for sm_90 without spills and with asynchronous wgmma
+# (tests/test_scores_gluon.py): 128 entries need two warpgroups (one spills its three [64, 128] fp32 tiles)
+GLUON_TILES = ((128, 8), (64, 4), (64, 8))
+GLUON_STAGES = (3, 4, 5, 6)  # q buffers: 32 KB of keys + 16 KB per buffer (<= 128 KB of the 227 KB of an SM)
+GLUON_MAX_BLOCK_T = 64  # the Gluon kernel's query tile (one wgmma M); plans' shorter tiles are padded to it
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,13 @@ class ScoresConfig:
     and GPUs before sm_90 always gather.
     page_term_pages / page_term_warps: page columns per program and warps of the page-term pass of the
     page-centred formats (q . c once per query, head and page, before the scores kernel).
+    prefill_kernel: the kernel of tile plans (prefill) for bf16 keys: "triton" (default: the portable tile
+    kernel) or "gluon" (sm_90 only: the Gluon kernel whose per-head dots are asynchronous wgmma overlapped with
+    the previous head's relu-and-weight epilogue; :func:`dsakit.ops.scores.triton.choose_prefill_kernel`
+    refuses it with a ValueError where it cannot run: not an sm_90 GPU, no Gluon, the interpreter, other key
+    formats). Its key tile is prefill_block_n (64 or 128) and needs prefill_block_t <= 64;
+    prefill_gluon_warps / prefill_gluon_stages: its warps (one or two warpgroups, :data:`GLUON_TILES`) and q
+    buffers (q of head h + stages - 2 is gathered while head h is scored).
     formats: the per-format measured defaults (:class:`FormatLaunch`) that fields left at None fall back to.
 
     Every launch setting of the kernels comes from here: :meth:`tile_launch`, :meth:`group_launch`,
@@ -112,6 +125,9 @@ class ScoresConfig:
     prefill_maxnreg: int | None = None
     page_term_pages: int = 64
     page_term_warps: int = 4
+    prefill_kernel: str = "triton"
+    prefill_gluon_warps: int = 8
+    prefill_gluon_stages: int = 4
     formats: tuple[tuple[str, FormatLaunch], ...] = field(default=H200_FORMATS, repr=False)
 
     def __post_init__(self):
@@ -119,6 +135,12 @@ class ScoresConfig:
             raise ValueError(f"kernel must be 'auto', 'tile' or 'group', got {self.kernel!r}")
         if self.decode_fp4 not in DECODE_FP4:
             raise ValueError(f"decode_fp4 must be 'blocks' or 'dequant', got {self.decode_fp4!r}")
+        if self.prefill_kernel not in PREFILL_KERNELS:
+            raise ValueError(f"prefill_kernel must be 'triton' or 'gluon', got {self.prefill_kernel!r}")
+        if self.prefill_gluon_stages not in GLUON_STAGES or isinstance(self.prefill_gluon_stages, bool):
+            raise ValueError(f"prefill_gluon_stages must be one of {GLUON_STAGES}, got {self.prefill_gluon_stages!r}")
+        if self.prefill_gluon_warps not in (4, 8) or isinstance(self.prefill_gluon_warps, bool):
+            raise ValueError(f"prefill_gluon_warps must be 4 or 8, got {self.prefill_gluon_warps!r}")
         if self.decode_loads not in DECODE_LOADS:
             raise ValueError(f"decode_loads must be 'gather' or 'tma', got {self.decode_loads!r}")
         bt = self.prefill_block_t
@@ -136,6 +158,13 @@ class ScoresConfig:
             value = getattr(self, name)
             check_int(name, value, 1, message=f"{name} must be a positive int", allow_none=True)
 
+        if self.prefill_kernel == "gluon":
+            if (self.prefill_block_n, self.prefill_gluon_warps) not in GLUON_TILES:
+                raise ValueError(f"prefill_kernel='gluon' takes (prefill_block_n, prefill_gluon_warps) in "
+                                 f"{GLUON_TILES}, got ({self.prefill_block_n}, {self.prefill_gluon_warps})")
+            if self.prefill_block_t > GLUON_MAX_BLOCK_T:
+                raise ValueError(f"prefill_kernel='gluon' needs prefill_block_t <= {GLUON_MAX_BLOCK_T} (its query "
+                                 f"tile), got {self.prefill_block_t}")
         for name in ("decode_maxnreg", "prefill_maxnreg"):
             reg = getattr(self, name)
             if reg is not None and (isinstance(reg, bool) or not isinstance(reg, int) or not 24 <= reg <= 255
@@ -156,6 +185,11 @@ class ScoresConfig:
         warps = self.prefill_warps or (4 if block_t * bn <= 64 * 128 else 8)
         return Launch(bn, 1, warps, self.prefill_stages or self.format_launch(name).prefill_stages,
                       self.prefill_maxnreg)
+
+    def gluon_launch(self) -> Launch:
+        """The Gluon prefill kernel (``prefill_kernel="gluon"``): BLOCK_N = prefill_block_n, warps =
+        prefill_gluon_warps, stages = prefill_gluon_stages (q buffers; no register cap)."""
+        return Launch(self.prefill_block_n, 1, self.prefill_gluon_warps, self.prefill_gluon_stages)
 
     def group_launch(self, name: str, columns: int, width: int, fp4_blocks: bool) -> Launch:
         """Decode gather kernel for key format ``name``, ``columns`` = queries x heads per program, ``width``
@@ -234,4 +268,5 @@ class ScoresConfig:
 # later measured 0.4-2.3 % faster on 2 stages, FormatLaunch.prefill_stages); decode per format: H200_FORMATS.
 SCORES_DEFAULTS: dict[str, ScoresConfig] = {"H200": ScoresConfig(), "default": ScoresConfig()}
 
-__all__ = ["ScoresConfig", "SCORES_DEFAULTS", "FormatLaunch", "Launch", "H200_FORMATS"]
+__all__ = ["ScoresConfig", "SCORES_DEFAULTS", "FormatLaunch", "Launch", "H200_FORMATS", "PREFILL_KERNELS",
+           "GLUON_TILES"]
