@@ -45,7 +45,7 @@ def test_config_fields_are_checked():
                        (dict(prefill_gluon_stages=7), "prefill_gluon_stages"),
                        (dict(prefill_gluon_warps=2), "prefill_gluon_warps"),
                        (dict(prefill_gluon_warps=True), "prefill_gluon_warps"),
-                       (dict(prefill_kernel="gluon", prefill_gluon_warps=4), r"\(128, 4\)"),
+                       (dict(prefill_kernel="gluon", prefill_block_n=32), r"\(32, 8\)"),
                        (dict(prefill_kernel="gluon", prefill_block_n=256), r"\(256, 8\)"),
                        (dict(prefill_kernel="gluon", prefill_block_t=128), "prefill_block_t <= 64")):
         with pytest.raises(ValueError, match=match):
@@ -134,9 +134,9 @@ class _RecordedLaunch:
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 def test_gluon_launch_arguments(monkeypatch, q_dtype):
     """The launcher's Gluon launch (forced choice, launch recorded, not run): the arguments bind to the kernel's
-    parameters in order, the grid is (query tiles x key tiles) as the Triton kernel's, q arrives as bf16 (fp8
-    widened exactly, fp32 rounded once) with its own strides, the keys as the pool's bf16 view, the launch
-    settings come from ScoresConfig.gluon_launch."""
+    parameters in order, the grid is (query tiles x key tiles) as the Triton kernel's, q arrives as contiguous
+    bf16 (fp8 widened exactly, fp32 rounded once; here from a non-contiguous view), the keys as the pool's bf16
+    view, the launch settings come from ScoresConfig.gluon_launch."""
     if not gluon_importable():
         pytest.skip("this Triton has no Gluon")
     from dsakit.ops.scores import gluon as gluon_launch
@@ -145,6 +145,9 @@ def test_gluon_launch_arguments(monkeypatch, q_dtype):
     monkeypatch.setattr(gluon_launch, "index_scores_gluon_tile_kernel", recorder)
     monkeypatch.setattr(scores_triton, "choose_prefill_kernel", lambda *a, **k: "gluon")
     q, w, batch = _cpu_case(t=70, heads=6, q_dtype=q_dtype)
+    wide = torch.zeros(70, 12, 128).to(q_dtype)
+    wide[:, ::2] = q
+    q = wide[:, ::2]  # a strided view of the same values
     q_scale = torch.rand(70, 6) + 0.5
     config = ScoresConfig(prefill_kernel="gluon", prefill_block_n=64, prefill_gluon_warps=4, prefill_gluon_stages=5)
     scores_triton.index_scores_triton(q, w, batch, q_scale=q_scale, config=config)
@@ -157,7 +160,7 @@ def test_gluon_launch_arguments(monkeypatch, q_dtype):
     assert grid == (2 * 5,)  # 70 rows = 2 tiles of <= 64, 300 entries = 5 tiles of 64
     assert bound["q_ptr"].dtype == torch.bfloat16
     assert torch.equal(bound["q_ptr"].float(), q.to(torch.bfloat16).float())
-    assert (bound["stride_qt"], bound["stride_qh"]) == bound["q_ptr"].stride()[:2]
+    assert bound["q_ptr"].is_contiguous() and bound["q_ptr"].data_ptr() % 16 == 0  # the kernel's q addressing
     assert bound["values_ptr"].dtype == torch.bfloat16 and bound["values_ptr"].data_ptr() == batch.pool.data_ptr()
     assert bound["q_scale_ptr"] is q_scale and bound["HAS_Q_SCALE"] and bound["HAS_POS"]
     assert (bound["H"], bound["BLOCK_N"], bound["STAGES"]) == (6, 64, 5)
@@ -167,6 +170,7 @@ def test_gluon_launch_arguments(monkeypatch, q_dtype):
 COMPILE_VARIANTS = {
     "h64-block128-warps8-stages4": dict(),
     "h64-block128-warps8-stages6": dict(stages=6),
+    "h64-block128-warps4": dict(warps=4),
     "h64-block64-warps4-stages3": dict(block_n=64, warps=4, stages=3),
     "h64-block64-warps8": dict(block_n=64),
     "h7-qscale-bf16w-nopos": dict(heads=7, has_q_scale=True, weights_dtype="bf16", has_pos=False),
@@ -307,8 +311,9 @@ def _check_scores(q, w, batch, *, sample, q_scale=None, configs=(GLUON,)):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [GLUON, replace(GLUON, prefill_gluon_stages=6),
+                                    replace(GLUON, prefill_gluon_warps=4),
                                     replace(GLUON, prefill_block_n=64, prefill_gluon_warps=4, prefill_gluon_stages=3)],
-                         ids=["block128-w8-s4", "block128-w8-s6", "block64-w4-s3"])
+                         ids=["block128-w8-s4", "block128-w8-s6", "block128-w4-s4", "block64-w4-s3"])
 def test_gluon_scores_full_size(benchmark_helpers, config):
     """The benchmark's prefill shape: T 8192 queries x N 65536 entries, H 64, every query sees every entry."""
     _needs_sm90()
@@ -326,7 +331,7 @@ def test_gluon_scores_small_odd_shapes(benchmark_helpers, q_dtype):
     q, w, batch = _gpu_case([1, 77, 1000, 4099], [1, 5, 70, 131], 7, seed=41, q_dtype=q_dtype)
     q_scale = torch.rand(q.shape[0], 7, device="cuda") + 0.5
     configs = [replace(GLUON, prefill_block_n=bn, prefill_gluon_warps=wp, prefill_gluon_stages=st)
-               for (bn, wp), st in zip(GLUON_TILES, (3, 5, 6))]
+               for (bn, wp), st in zip(GLUON_TILES, (3, 4, 5, 6))]
     _check_scores(q, w, batch, sample=12, q_scale=q_scale, configs=configs)
 
 

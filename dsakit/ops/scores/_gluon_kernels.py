@@ -34,8 +34,9 @@ split its columns. fp32 registers per thread: 3 x 64 x BLOCK_N / (32 x warps) (a
 
 bf16 keys only: page p holds entry e's 128 bf16 values at element p * 8192 + e * 128 (``dsakit.formats``,
 16 KB pages), read through the pool's bf16 view. q is bf16 (the launcher rounds fp32 / fp16 q once and widens
-fp8 q exactly, as the Triton kernel does in registers). Rows are gathered 16 B per thread and copy: the
-launcher guarantees 16 B aligned bases and q strides that are multiples of 16 elements.
+fp8 q exactly, as the Triton kernel does in registers) and contiguous: q[t, h] is read at element (t * H + h) *
+128 and stride_qt / stride_qh are not read. Rows are gathered 16 B per thread and copy: the launcher
+guarantees 16 B aligned bases (``gluon.gluon_q``, ``check_pool``).
 """
 
 from __future__ import annotations
@@ -90,12 +91,17 @@ def _tile_queries(counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr, t
 
 
 @gluon.jit
-def _issue_q_copies(q_buf, q_ptr, q_rows, row_ok, head, stride_qh, H: gl.constexpr, gather: gl.constexpr):
-    """cp.async q[rows, head, :] into q_buf bf16 [64, 128] (zeros for masked rows and for head >= H, whose
-    group only keeps the group count uniform) and commit them as one group. q_rows: rows * stride_qt."""
+def _issue_q_copies(q_buf, q_ptr, tile_rows_ptr, length, head, H: gl.constexpr, gather: gl.constexpr):
+    """cp.async q[rows, head, :] into q_buf bf16 [64, 128] for the tile's rows (``length`` of them from
+    tile_rows_ptr; zeros for the others and for head >= H, whose group only keeps the group count uniform) and
+    commit them as one group. The rows are loaded again for every head (an L1 hit) rather than kept: held
+    across the head loop they would take registers the three [64, BLOCK_N] fp32 tiles need."""
+    offs_t = gl.arange(0, GLUON_BLOCK_T, gl.SliceLayout(1, gather))
+    row_ok = offs_t < length
+    rows = gl.load(tile_rows_ptr + offs_t, mask=row_ok, other=0)
     cols = gl.arange(0, D, gl.SliceLayout(0, gather))
     live = row_ok & (head < H)
-    offs = q_rows + gl.minimum(head, H - 1).to(gl.int64) * stride_qh
+    offs = (rows * H + gl.minimum(head, H - 1)).to(gl.int64) * D  # q contiguous: row-major [T, H, D]
     async_copy.async_copy_global_to_shared(q_buf, q_ptr + offs[:, None] + cols[None, :], mask=live[:, None])
     async_copy.commit_group()
 
@@ -118,16 +124,16 @@ def _relu_weighted(acc, s, w):
 
 
 @gluon.jit
-def _overlapped_head(h, acc, s_cur, s_next, w_cur, q_smem, k_t, q_ptr, q_rows, g_ok, w_ptr, q_scale_ptr, rows,
-                     row_ok, stride_qh, stride_wt, stride_wh, stride_st, stride_sh, H: gl.constexpr,
+def _overlapped_head(h, acc, s_cur, s_next, w_cur, q_smem, k_t, q_ptr, tile_rows_ptr, length, w_ptr, q_scale_ptr,
+                     rows, row_ok, stride_wt, stride_wh, stride_st, stride_sh, H: gl.constexpr,
                      STAGES: gl.constexpr, HAS_Q_SCALE: gl.constexpr, gather: gl.constexpr):
     """Head h of the loop: S(h) is in flight in s_cur (weights w_cur); issue S(h + 1) into s_next's registers
-    (whose last value, S(h - 1), is consumed), gather q(h + STAGES - 1), then retire S(h) and add its relu x w
-    under S(h + 1) -> (acc, S(h) retired, S(h + 1) in flight, w of head h + 1)."""
+    (whose last value, S(h - 1), is consumed) as soon as q(h + 1) is in shared memory, gather q(h + STAGES - 1),
+    then retire S(h) and add its relu x w under S(h + 1) -> (acc, S(h) retired, S(h + 1) in flight, w of head h + 1)."""
     async_copy.wait_group(STAGES - 3)  # q(h + 1) (this thread's copies) ...
     fence_async_shared()  # (cp.async writes through the generic proxy; wgmma reads through the async one)
     gl.thread_barrier()  # ... every thread's; and every thread has retired S(h - 1): its q buffer is free
-    _issue_q_copies(q_smem.index((h + STAGES - 1) % STAGES), q_ptr, q_rows, g_ok, h + STAGES - 1, stride_qh, H,
+    _issue_q_copies(q_smem.index((h + STAGES - 1) % STAGES), q_ptr, tile_rows_ptr, length, h + STAGES - 1, H,
                     gather)
     s_next = warpgroup_mma(q_smem.index((h + 1) % STAGES), k_t, s_next, use_acc=False, is_async=True)
     w_next = _head_weights(w_ptr, q_scale_ptr, rows, row_ok, h + 1, stride_wt, stride_wh, stride_st, stride_sh,
@@ -158,7 +164,7 @@ def index_scores_gluon_tile_kernel(
     STAGES: gl.constexpr,
 ):
     """Arguments as ``_index_scores_tile_kernel`` (scales_ptr and the page-term buffer are never read: bf16
-    keys have neither); values_ptr is the pool's bf16 view, q bf16."""
+    keys have neither; nor are the q strides: q is contiguous); values_ptr is the pool's bf16 view, q bf16."""
     gl.static_assert(STAGES >= 3, "q(h + STAGES - 1) goes into the buffer of S(h - 1): 3 buffers at least")
     NUM_WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = _scores_layout(BLOCK_N, NUM_WARPS)
@@ -190,11 +196,10 @@ def index_scores_gluon_tile_kernel(
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, GLUON_BLOCK_T, D], q_layout)
         async_copy.async_copy_global_to_shared(k_smem, values_ptr + k_offs[:, None] + cols_g[None, :],
                                                mask=entry_ok[:, None])  # committed with q(0)
-        _, g_rows, g_ok, _, _ = _tile_queries(counts_ptr, pos_ptr, rows_ptr, tile_seq_ptr, tile_start_ptr,
-                                              tile_len_ptr, tile, ratio, num_seqs, False, rows_g)
-        q_rows = g_rows * stride_qt
+        tile_rows_ptr = rows_ptr + gl.load(tile_start_ptr + tile)
+        length = gl.load(tile_len_ptr + tile)
         for j in gl.static_range(STAGES - 1):
-            _issue_q_copies(q_smem.index(j), q_ptr, q_rows, g_ok, j, stride_qh, H, gather)
+            _issue_q_copies(q_smem.index(j), q_ptr, tile_rows_ptr, length, j, H, gather)
         k_t = k_smem.permute((1, 0))  # [D, BLOCK_N], the B operand
         s_zero = gl.zeros([GLUON_BLOCK_T, BLOCK_N], gl.float32, s_layout)
 
@@ -211,15 +216,15 @@ def index_scores_gluon_tile_kernel(
         # serialize the wgmma, C7514)
         for p in range((H - 1) // 2):
             acc, s_a, s_b, w_cur = _overlapped_head(
-                2 * p, acc, s_a, s_b, w_cur, q_smem, k_t, q_ptr, q_rows, g_ok, w_ptr, q_scale_ptr, rows, row_ok,
-                stride_qh, stride_wt, stride_wh, stride_st, stride_sh, H, STAGES, HAS_Q_SCALE, gather)
+                2 * p, acc, s_a, s_b, w_cur, q_smem, k_t, q_ptr, tile_rows_ptr, length, w_ptr, q_scale_ptr, rows,
+                row_ok, stride_wt, stride_wh, stride_st, stride_sh, H, STAGES, HAS_Q_SCALE, gather)
             acc, s_b, s_a, w_cur = _overlapped_head(
-                2 * p + 1, acc, s_b, s_a, w_cur, q_smem, k_t, q_ptr, q_rows, g_ok, w_ptr, q_scale_ptr, rows, row_ok,
-                stride_qh, stride_wt, stride_wh, stride_st, stride_sh, H, STAGES, HAS_Q_SCALE, gather)
+                2 * p + 1, acc, s_b, s_a, w_cur, q_smem, k_t, q_ptr, tile_rows_ptr, length, w_ptr, q_scale_ptr, rows,
+                row_ok, stride_wt, stride_wh, stride_st, stride_sh, H, STAGES, HAS_Q_SCALE, gather)
         if H % 2 == 0:  # S(H - 2) in flight in s_a: one more overlapped head, then S(H - 1) in s_b
             acc, s_a, s_b, w_cur = _overlapped_head(
-                H - 2, acc, s_a, s_b, w_cur, q_smem, k_t, q_ptr, q_rows, g_ok, w_ptr, q_scale_ptr, rows, row_ok,
-                stride_qh, stride_wt, stride_wh, stride_st, stride_sh, H, STAGES, HAS_Q_SCALE, gather)
+                H - 2, acc, s_a, s_b, w_cur, q_smem, k_t, q_ptr, tile_rows_ptr, length, w_ptr, q_scale_ptr, rows,
+                row_ok, stride_wt, stride_wh, stride_st, stride_sh, H, STAGES, HAS_Q_SCALE, gather)
             s_last = warpgroup_mma_wait(0, deps=(s_b, ))
         else:  # S(H - 1) in flight in s_a
             s_last = warpgroup_mma_wait(0, deps=(s_a, ))

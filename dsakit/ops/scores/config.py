@@ -13,9 +13,11 @@ KERNELS = ("auto", "tile", "group")
 DECODE_FP4 = ("blocks", "dequant")
 DECODE_LOADS = ("gather", "tma")
 PREFILL_KERNELS = ("triton", "gluon")
-# (key tile, warps) of the Gluon prefill kernel that compile for sm_90 without spills and with asynchronous wgmma
-# (tests/test_scores_gluon.py): 128 entries need two warpgroups (one spills its three [64, 128] fp32 tiles)
-GLUON_TILES = ((128, 8), (64, 4), (64, 8))
+# (key tile, warps) of the Gluon prefill kernel, compiled for sm_90 with asynchronous wgmma and no spills at the
+# V4 shape (H 64, tests/test_scores_gluon.py): (128, 8) two warpgroups side by side (128 registers: two programs
+# per SM), the default; (128, 4) one warpgroup on the whole tile (255 registers; it spills at other head counts,
+# with q_scale or with 3 q buffers); (64, 4) and (64, 8) half the key tile (q gathered twice as often)
+GLUON_TILES = ((128, 8), (128, 4), (64, 4), (64, 8))
 GLUON_STAGES = (3, 4, 5, 6)  # q buffers: 32 KB of keys + 16 KB per buffer (<= 128 KB of the 227 KB of an SM)
 GLUON_MAX_BLOCK_T = 64  # the Gluon kernel's query tile (one wgmma M); plans' shorter tiles are padded to it
 
@@ -103,7 +105,8 @@ class ScoresConfig:
     refuses it with a ValueError where it cannot run: not an sm_90 GPU, no Gluon, the interpreter, other key
     formats). Its key tile is prefill_block_n (64 or 128) and needs prefill_block_t <= 64;
     prefill_gluon_warps / prefill_gluon_stages: its warps (one or two warpgroups, :data:`GLUON_TILES`) and q
-    buffers (q of head h + stages - 2 is gathered while head h is scored).
+    buffers (q of head h + stages - 2 is gathered while head h is scored; 4 buffers and 8 warps: 96 KB of
+    shared memory and 128 registers, two programs per SM).
     formats: the per-format measured defaults (:class:`FormatLaunch`) that fields left at None fall back to.
 
     Every launch setting of the kernels comes from here: :meth:`tile_launch`, :meth:`group_launch`,

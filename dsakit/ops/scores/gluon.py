@@ -23,13 +23,13 @@ _ALIGN = 16  # bytes: cp.async copies 16 B per thread
 
 def gluon_q(q: torch.Tensor) -> torch.Tensor:
     """q [T, H, 128] as the Gluon kernel gathers it: bf16 (fp8 e4m3 widened exactly, as the Triton kernel does
-    in registers; fp32 / fp16 were rounded by ``prepare_q``), unit stride along D, the T and H strides multiples
-    of 16 elements and a 16 B aligned base (a contiguous copy otherwise): Triton then specializes them as
-    divisible by 16 at launch, which is what lets the compiler prove each row's 16 B copies aligned."""
+    in registers; fp32 / fp16 were rounded by ``prepare_q``), contiguous (row t, head h at element
+    (t * H + h) * 128: the kernel computes that offset instead of holding per-row addresses across its head
+    loop) and 16 B aligned, so that every row's 16 B copies are provably aligned (a copy otherwise)."""
     if q.dtype != torch.bfloat16:
         q = q.to(torch.bfloat16)
-    if q.stride(2) != 1 or q.stride(0) % 16 or q.stride(1) % 16 or q.data_ptr() % _ALIGN:
-        q = q.contiguous()
+    if not q.is_contiguous() or q.data_ptr() % _ALIGN:
+        q = q.clone(memory_format=torch.contiguous_format)
     return q
 
 
@@ -46,8 +46,8 @@ def compile_gluon_scores_kernel(*, heads: int = 64, block_n: int = 128, stages: 
                                 maxnreg: int | None = None, target: GPUTarget | None = None):
     """Compile the Gluon tile kernel ahead of time (no GPU needed) -> triton's CompiledKernel (asm: ttgir, ptx,
     cubin; metadata.shared bytes). ``maxnreg``: a register cap (None: the launcher's, i.e. none); ``target``
-    default: sm_90 (``GPUTarget("cuda", 90, 32)``). Pointers are declared 16 B aligned and the q strides
-    multiples of 16 elements, as Triton specializes them at launch for the q of :func:`gluon_q`."""
+    default: sm_90 (``GPUTarget("cuda", 90, 32)``). Pointers are declared 16 B aligned, as Triton specializes
+    them at launch (the pool's base: ``check_pool``; q: :func:`gluon_q`)."""
     signature = {
         "q_ptr": "*bf16", "w_ptr": f"*{weights_dtype}", "q_scale_ptr": "*fp32", "values_ptr": "*bf16",
         "scales_ptr": "*u8", "block_table_ptr": "*i32", "counts_ptr": "*i32", "pos_ptr": "*i32", "rows_ptr": "*i32",
@@ -61,8 +61,7 @@ def compile_gluon_scores_kernel(*, heads: int = 64, block_n: int = 128, stages: 
     signature.update({name: "constexpr" for name in constexprs})
     kernel = index_scores_gluon_tile_kernel
     names = kernel.arg_names
-    aligned = [n for n, ty in signature.items() if ty.startswith("*")] + ["stride_qt", "stride_qh"]
-    attrs = {(names.index(n),): [["tt.divisibility", _ALIGN]] for n in aligned}
+    attrs = {(names.index(n),): [["tt.divisibility", _ALIGN]] for n, ty in signature.items() if ty.startswith("*")}
     source = GluonASTSource(kernel, signature, constexprs, attrs)
     options = {"num_warps": warps} if maxnreg is None else {"num_warps": warps, "maxnreg": maxnreg}
     return triton.compile(source, target=target or GPUTarget("cuda", 90, 32), options=options)
