@@ -85,6 +85,23 @@ def test_choice_takes_gluon_only_where_it_can_run(compiled_not_interpreted):
         choose_prefill_kernel(GLUON, BF16, torch.device("cpu"))
 
 
+def test_auto_takes_gluon_where_it_can_run_and_triton_elsewhere(compiled_not_interpreted):
+    """"auto" (the value for a per-GPU table once the H200 has timed the kernel): Gluon for bf16 keys on sm_90
+    with Gluon and <= 64-row tiles, the Triton kernel everywhere "gluon" would be refused, never an error."""
+    auto = ScoresConfig(prefill_kernel="auto", prefill_block_t=128)  # larger tiles are allowed: Triton runs them
+    cuda = torch.device("cuda", 0)
+    assert choose_prefill_kernel(auto, BF16, cuda, 64, capability=SM90, importable=True) == "gluon"
+    cpu = torch.device("cpu")
+    for fmt, device, capability, importable, tile in (
+            ("fp8", cuda, SM90, True, 64), ("fp4-centred", cuda, SM90, True, 64), ("bf16", cuda, (8, 0), True, 64),
+            ("bf16", cuda, (10, 0), True, 64), ("bf16", cuda, SM90, False, 64), ("bf16", cpu, None, True, 64),
+            ("bf16", cuda, SM90, True, 128)):
+        assert choose_prefill_kernel(auto, KeyFormat.parse(fmt), device, tile, capability=capability,
+                                     importable=importable) == "triton"
+    with pytest.raises(ValueError, match="prefill_kernel='auto' takes"):
+        ScoresConfig(prefill_kernel="auto", prefill_block_n=256)
+
+
 def _cpu_case(t=40, heads=6, n=300, q_dtype=torch.bfloat16, seed=3):
     """One bf16 sequence of n entries (shuffled pages), t causal queries at its end."""
     gen = torch.Generator().manual_seed(seed)
@@ -112,8 +129,10 @@ def test_interpreter_refuses_gluon_and_keeps_triton(monkeypatch):
 
     with pytest.raises(ValueError, match="prefill_kernel='gluon'"):
         index_topk_triton(q, w, batch, 8, config=TopkConfig(scores=GLUON))
+    auto = scores_triton.index_scores_triton(q, w, batch, config=ScoresConfig(kernel="tile", prefill_kernel="auto"))
     got = scores_triton.index_scores_triton(q, w, batch, config=ScoresConfig(kernel="tile"))
     torch.testing.assert_close(got, reference_scores(q, w, batch), rtol=1e-5, atol=1e-4)
+    assert torch.equal(auto, got)  # "auto" in the interpreter: the Triton kernel
     # a decode (group) plan never asks for the prefill kernel
     decode_q, decode_w, decode_batch = _cpu_case(t=1, heads=16, n=200)
     scores_triton.index_scores_triton(decode_q, decode_w, decode_batch, config=GLUON)

@@ -12,7 +12,7 @@ from .._tuning import gpu_key
 KERNELS = ("auto", "tile", "group")
 DECODE_FP4 = ("blocks", "dequant")
 DECODE_LOADS = ("gather", "tma")
-PREFILL_KERNELS = ("triton", "gluon")
+PREFILL_KERNELS = ("triton", "gluon", "auto")
 # (key tile, warps) of the Gluon prefill kernel, compiled for sm_90 with asynchronous wgmma and no spills at the
 # V4 shape (H 64, tests/test_scores_gluon.py): (128, 8) two warpgroups side by side (128 registers: two programs
 # per SM), the default; (128, 4) one warpgroup on the whole tile (255 registers; it spills at other head counts,
@@ -103,7 +103,9 @@ class ScoresConfig:
     kernel) or "gluon" (sm_90 only: the Gluon kernel whose per-head dots are asynchronous wgmma overlapped with
     the previous head's relu-and-weight epilogue; :func:`dsakit.ops.scores.triton.choose_prefill_kernel`
     refuses it with a ValueError where it cannot run: not an sm_90 GPU, no Gluon, the interpreter, other key
-    formats). Its key tile is prefill_block_n (64 or 128) and needs prefill_block_t <= 64;
+    formats) or "auto" (the Gluon kernel exactly where it can run, the Triton kernel elsewhere: the value a
+    per-GPU table takes once the H200 has timed it). Its key tile is prefill_block_n (64 or 128); "gluon" needs
+    prefill_block_t <= 64 ("auto" runs the Triton kernel on larger tiles);
     prefill_gluon_warps / prefill_gluon_stages: its warps (one or two warpgroups, :data:`GLUON_TILES`) and q
     buffers (q of head h + stages - 2 is gathered while head h is scored; 4 buffers and 8 warps: 96 KB of
     shared memory and 128 registers, two programs per SM).
@@ -139,7 +141,7 @@ class ScoresConfig:
         if self.decode_fp4 not in DECODE_FP4:
             raise ValueError(f"decode_fp4 must be 'blocks' or 'dequant', got {self.decode_fp4!r}")
         if self.prefill_kernel not in PREFILL_KERNELS:
-            raise ValueError(f"prefill_kernel must be 'triton' or 'gluon', got {self.prefill_kernel!r}")
+            raise ValueError(f"prefill_kernel must be 'triton', 'gluon' or 'auto', got {self.prefill_kernel!r}")
         if self.prefill_gluon_stages not in GLUON_STAGES or isinstance(self.prefill_gluon_stages, bool):
             raise ValueError(f"prefill_gluon_stages must be one of {GLUON_STAGES}, got {self.prefill_gluon_stages!r}")
         if self.prefill_gluon_warps not in (4, 8) or isinstance(self.prefill_gluon_warps, bool):
@@ -161,13 +163,13 @@ class ScoresConfig:
             value = getattr(self, name)
             check_int(name, value, 1, message=f"{name} must be a positive int", allow_none=True)
 
-        if self.prefill_kernel == "gluon":
-            if (self.prefill_block_n, self.prefill_gluon_warps) not in GLUON_TILES:
-                raise ValueError(f"prefill_kernel='gluon' takes (prefill_block_n, prefill_gluon_warps) in "
-                                 f"{GLUON_TILES}, got ({self.prefill_block_n}, {self.prefill_gluon_warps})")
-            if self.prefill_block_t > GLUON_MAX_BLOCK_T:
-                raise ValueError(f"prefill_kernel='gluon' needs prefill_block_t <= {GLUON_MAX_BLOCK_T} (its query "
-                                 f"tile), got {self.prefill_block_t}")
+        gluon = self.prefill_kernel
+        if gluon != "triton" and (self.prefill_block_n, self.prefill_gluon_warps) not in GLUON_TILES:
+            raise ValueError(f"prefill_kernel={gluon!r} takes (prefill_block_n, prefill_gluon_warps) in "
+                             f"{GLUON_TILES}, got ({self.prefill_block_n}, {self.prefill_gluon_warps})")
+        if gluon == "gluon" and self.prefill_block_t > GLUON_MAX_BLOCK_T:
+            raise ValueError(f"prefill_kernel='gluon' needs prefill_block_t <= {GLUON_MAX_BLOCK_T} (its query tile), "
+                             f"got {self.prefill_block_t}")
         for name in ("decode_maxnreg", "prefill_maxnreg"):
             reg = getattr(self, name)
             if reg is not None and (isinstance(reg, bool) or not isinstance(reg, int) or not 24 <= reg <= 255

@@ -343,8 +343,9 @@ def choose_prefill_kernel(config: ScoresConfig, fmt, device: torch.device, tile_
     """"triton" or "gluon": the kernel of a tile plan (prefill) under ``config.prefill_kernel`` for keys of
     format ``fmt`` on ``device``, the plan's tiles of ``tile_size`` rows. "triton" is always the portable
     kernel; "gluon" is the Gluon kernel, or a ValueError naming why it cannot run (no fallback: the switch is
-    an explicit opt-in). ``capability`` / ``importable`` default to the device's and this Triton's (tests pass
-    them to force the choice)."""
+    an explicit opt-in); "auto" is the Gluon kernel where it can run, the portable one elsewhere.
+    ``capability`` / ``importable`` default to the device's and this Triton's (tests pass them to force the
+    choice)."""
     if config.prefill_kernel == "triton":
         return "triton"
     if capability == "detect":
@@ -352,6 +353,8 @@ def choose_prefill_kernel(config: ScoresConfig, fmt, device: torch.device, tile_
     reason = gluon_prefill_unsupported_reason(fmt, torch.device(device), capability, importable)
     if reason is None and tile_size > GLUON_MAX_BLOCK_T:
         reason = f"the tile plan has {tile_size}-row query tiles, the Gluon kernel takes <= {GLUON_MAX_BLOCK_T}"
+    if reason is not None and config.prefill_kernel == "auto":
+        return "triton"
     if reason is not None:
         raise ValueError(f"prefill_kernel='gluon' cannot run here: {reason}; use prefill_kernel='triton'")
     return "gluon"
