@@ -5,14 +5,11 @@ portable Triton kernel (tolerance: the flash-attention rule of test_attention_tr
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from _sm90_compile import compile_variants  # tests/ is on sys.path
 import torch
 
 from dsakit.formats import AttentionKVFormat
@@ -243,55 +240,11 @@ COMPILE_VARIANTS = {
                                         has_len=False, q_dtype="fp32"),
 }
 
-# Run in a fresh process without TRITON_INTERPRET (the interpreter patches triton.language in this one, which
-# breaks a real compile) and with an empty cache (a compile, not a cache hit).
-_COMPILE_SCRIPT = """
-import json, subprocess, sys, tempfile
-from triton.backends.nvidia.compiler import get_ptxas
-from dsakit.ops.attention.gluon import compile_gluon_kernel
-
-def ptxas_report(ptx):
-    # ptxas -v on the kernel's PTX: spills, and C7514 (wgmma serialized: the asynchrony lost)
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                              capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
-    return dict(ptxas_ok=proc.returncode == 0, no_spills=" 0 bytes spill stores, 0 bytes spill loads" in log,
-                wgmma_serialized="C7514" in log)
-
-result = {}
-for name, kw in json.loads(sys.argv[1]).items():
-    try:
-        kernel = compile_gluon_kernel(**kw)
-    except (FileNotFoundError, PermissionError) as exc:  # no ptxas in this Triton install
-        print(json.dumps({"skip": str(exc)}))
-        sys.exit(0)
-    ptx = kernel.asm["ptx"]
-    result[name] = dict(cubin=len(kernel.asm["cubin"]), shared=kernel.metadata.shared,
-                        wgmma=ptx.count("wgmma.mma_async"), wait0="wgmma.wait_group.sync.aligned 0" in ptx,
-                        cp_async_16=sum("cp.async.cg.shared.global" in l and ", 0x10," in l for l in ptx.splitlines()),
-                        cp_async_8=sum("cp.async.ca.shared.global" in l and ", 0x8," in l for l in ptx.splitlines()),
-                        **ptxas_report(ptx))
-print(json.dumps(result))
-"""
-
 
 @pytest.fixture(scope="module")
 def compiled_variants(tmp_path_factory):
-    if not gluon_importable():
-        pytest.skip("this Triton has no Gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(COMPILE_VARIANTS)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(f"no sm_90 compile toolchain: {result['skip']}")
-    return result
+    return compile_variants("dsakit.ops.attention.gluon:compile_gluon_kernel", COMPILE_VARIANTS,
+                            tmp_path_factory.mktemp("triton_cache"))
 
 
 @pytest.mark.parametrize("name", sorted(COMPILE_VARIANTS))

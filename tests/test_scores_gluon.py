@@ -6,14 +6,12 @@ bf16 prefill top-k at full size against the reference and the Triton tile kernel
 from __future__ import annotations
 
 import inspect
-import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from _sm90_compile import compile_variants  # tests/ is on sys.path
 import torch
 
 from dsakit import PagedBatch
@@ -199,54 +197,10 @@ COMPILE_VARIANTS = {
 for _kw in COMPILE_VARIANTS.values():
     _kw.setdefault("warps", 8)
 
-# Run in a fresh process without TRITON_INTERPRET (the interpreter patches triton.language in this one, which
-# breaks a real compile) and with an empty cache (a compile, not a cache hit).
-_COMPILE_SCRIPT = """
-import json, subprocess, sys, tempfile
-from triton.backends.nvidia.compiler import get_ptxas
-from dsakit.ops.scores.gluon import compile_gluon_scores_kernel
-
-def ptxas_report(ptx):
-    # ptxas -v on the kernel's PTX: spills, and C7514 (wgmma serialized: the asynchrony lost)
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                              capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
-    return dict(ptxas_ok=proc.returncode == 0, no_spills=" 0 bytes spill stores, 0 bytes spill loads" in log,
-                wgmma_serialized="C7514" in log, log=log[-2000:])
-
-result = {}
-for name, kw in json.loads(sys.argv[1]).items():
-    try:
-        kernel = compile_gluon_scores_kernel(**kw)
-    except (FileNotFoundError, PermissionError) as exc:  # no ptxas in this Triton install
-        print(json.dumps({"skip": str(exc)}))
-        sys.exit(0)
-    ptx = kernel.asm["ptx"]
-    result[name] = dict(cubin=len(kernel.asm["cubin"]), shared=kernel.metadata.shared,
-                        wgmma=ptx.count("wgmma.mma_async"), wait1="wgmma.wait_group.sync.aligned 1" in ptx,
-                        cp_async_16=sum("cp.async.cg.shared.global" in l and ", 0x10," in l for l in ptx.splitlines()),
-                        **ptxas_report(ptx))
-print(json.dumps(result))
-"""
-
-
 @pytest.fixture(scope="module")
 def compiled_variants(tmp_path_factory):
-    if not gluon_importable():
-        pytest.skip("this Triton has no Gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(COMPILE_VARIANTS)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(f"no sm_90 compile toolchain: {result['skip']}")
-    return result
+    return compile_variants("dsakit.ops.scores.gluon:compile_gluon_scores_kernel", COMPILE_VARIANTS,
+                            tmp_path_factory.mktemp("triton_cache"))
 
 
 @pytest.mark.parametrize("name", sorted(COMPILE_VARIANTS))

@@ -1,0 +1,72 @@
+"""Ahead-of-time sm_90 compiles of dsakit's Gluon kernels for the CPU suite (no GPU needed).
+
+``compile_variants(compiler, variants, cache_dir)`` runs ``compiler(**kwargs)`` (a ``"module:function"`` path
+returning Triton's CompiledKernel, e.g. ``dsakit.ops.attention.gluon:compile_gluon_kernel``) for every
+variant in a fresh process without TRITON_INTERPRET (the interpreter patches triton.language in this one,
+which breaks a real compile) and with an empty cache (a compile, not a cache hit), and returns per variant:
+cubin bytes, shared memory, wgmma count, whether a wait leaves 0 / 1 wgmma in flight, 16 B / 8 B cp.async
+counts, and ptxas -v's verdict (no spills; C7514 = ptxas serialized the wgmma, the asynchrony lost).
+Skips the calling test when Triton has no Gluon or no ptxas."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = """
+import importlib, json, subprocess, sys, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
+
+module, function = sys.argv[1].split(":")
+compiler = getattr(importlib.import_module(module), function)
+
+def ptxas_report(ptx):
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                              capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    return dict(ptxas_ok=proc.returncode == 0, no_spills=" 0 bytes spill stores, 0 bytes spill loads" in log,
+                wgmma_serialized="C7514" in log, log=log[-2000:])
+
+result = {}
+for name, kw in json.loads(sys.argv[2]).items():
+    try:
+        kernel = compiler(**kw)
+    except (FileNotFoundError, PermissionError) as exc:  # no ptxas in this Triton install
+        print(json.dumps({"skip": str(exc)}))
+        sys.exit(0)
+    ptx = kernel.asm["ptx"]
+    lines = ptx.splitlines()
+    result[name] = dict(cubin=len(kernel.asm["cubin"]), shared=kernel.metadata.shared,
+                        wgmma=ptx.count("wgmma.mma_async"),
+                        wait0="wgmma.wait_group.sync.aligned 0" in ptx,
+                        wait1="wgmma.wait_group.sync.aligned 1" in ptx,
+                        cp_async_16=sum("cp.async.cg.shared.global" in l and ", 0x10," in l for l in lines),
+                        cp_async_8=sum("cp.async.ca.shared.global" in l and ", 0x8," in l for l in lines),
+                        **ptxas_report(ptx))
+print(json.dumps(result))
+"""
+
+
+def compile_variants(compiler: str, variants: dict, cache_dir: Path) -> dict:
+    from dsakit.ops._backend import gluon_importable
+
+    if not gluon_importable():
+        pytest.skip("this Triton has no Gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, compiler, json.dumps(variants)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(f"no sm_90 compile toolchain: {result['skip']}")
+    return result
