@@ -118,3 +118,23 @@ def test_set_window_narrows_every_layer_and_the_saved_config(tmp_path):
     assert DeepseekV4ForCausalLM.from_pretrained(tmp_path).config.sliding_window == 64
     with pytest.raises(ValueError, match="window"):
         set_window(model, 0)
+
+
+SHIPPED = (MODEL_DIR / "model.safetensors").is_file()
+
+
+@pytest.mark.skipif(not SHIPPED, reason="no trained weights shipped in models/dsakit-v4-tiny")
+def test_shipped_model_finds_passkeys_at_1k_tokens_through_dsakit_blocks(monkeypatch):
+    """The shipped checkpoint, patched onto dsakit's blocks with bf16 index keys at its top-k, finds the passkey
+    of seeded ~1K-token documents (greedy) in at least 9 of 10 cases."""
+    import time
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from tiny_model_passkey import found_passkeys
+
+    torch.manual_seed(0)
+    started = time.time()
+    rows = found_passkeys(str(MODEL_DIR), length=1024, cases=10, seed=0, index_key_format="bf16")
+    assert all(700 <= r["tokens"] <= 1024 for r in rows)
+    assert sum(r["found"] for r in rows) >= 9, [(r["passkey"], r["output"]) for r in rows]
+    assert time.time() - started < 60
