@@ -138,3 +138,15 @@ def test_shipped_model_finds_passkeys_at_1k_tokens_through_dsakit_blocks(monkeyp
     assert all(700 <= r["tokens"] <= 1024 for r in rows)
     assert sum(r["found"] for r in rows) >= 9, [(r["passkey"], r["output"]) for r in rows]
     assert time.time() - started < 60
+
+
+def test_stop_at_step_saves_the_checkpoint_of_that_step(tmp_path):
+    from dsakit.models.train import main
+
+    out = tmp_path / "run"
+    assert main(["--out", str(out), "--tokenizer", str(MODEL_DIR), "--device", "cpu", "--steps", "4,1,1",
+                 "--lengths", "128", "--tokens-per-batch", "256", "--copy-steps", "4", "--stop-at-step", "2",
+                 "--eval-docs", "0", "--workers", "0", "--topk", "4", "--log-every", "1"]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["stage_steps"] == {"dense": 2} and (out / "model.safetensors").is_file()
+    assert (out / "resume.pt").is_file()

@@ -369,6 +369,8 @@ def parse_args(argv=None):
     ap.add_argument("--copy-gapped-share", type=float, default=0.5,
                     help="share of the copy-toy rows with gapped repeats in the warm-up's second half")
     ap.add_argument("--copy-min-gap", type=int, default=32, help="shortest gap before a gapped repeat (tokens)")
+    ap.add_argument("--stop-at-step", type=int, default=0,
+                    help="save and stop after this global step (the schedule still spans --steps)")
     ap.add_argument("--dense-lr", type=float, default=None, help="peak learning rate of the dense stage")
     ap.add_argument("--clip-norm", type=float, default=1.0, help="gradient-norm clip (0: none)")
     ap.add_argument("--copy-steps", type=int, default=0,
@@ -483,12 +485,19 @@ def main(argv=None) -> int:
             state["stage_elapsed"] = time.time() - started
             log["stage_steps"][stage] = state["stage_step"]
             log["stage_seconds"][stage] = round(state["stage_elapsed"], 1)
+            if args.stop_at_step and state["global_step"] >= args.stop_at_step:
+                break
             if time.time() - last_save > args.save_every_seconds:
                 state["log"] = log
                 save(model, opt, state, log, out)
                 last_save = time.time()
         state["stage_elapsed"] = time.time() - started
         resumed = None
+        if args.stop_at_step and state["global_step"] >= args.stop_at_step:
+            state["log"] = log
+            save(model, opt, state, log, out)
+            print(f"stopped at step {state['global_step']} (--stop-at-step), saved to {out}", flush=True)
+            return 0
     state.update(stage=len(STAGES), stage_step=0)
     set_topk(model, args.topk)
     model.config.index_topk = args.topk
