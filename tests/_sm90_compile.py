@@ -70,3 +70,21 @@ def compile_variants(compiler: str, variants: dict, cache_dir: Path) -> dict:
     if "skip" in result:
         pytest.skip(f"no sm_90 compile toolchain: {result['skip']}")
     return result
+
+
+def assert_async_and_spill_free(got: dict) -> None:
+    """ptxas accepted the kernel with no register spills and kept its wgmma asynchronous (no C7514)."""
+    assert got["ptxas_ok"] and got["no_spills"], got["log"]
+    assert not got["wgmma_serialized"], "ptxas serialized the wgmma (C7514): the async MMAs would run in order"
+
+
+def needs_sm90() -> None:
+    """Skip the calling gpu test unless this Triton has Gluon and the GPU is sm_90."""
+    import torch
+
+    from dsakit.ops._backend import gluon_importable
+
+    if not gluon_importable():
+        pytest.skip("this Triton has no Gluon")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels run on sm_90 only")

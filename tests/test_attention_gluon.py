@@ -9,7 +9,7 @@ import math
 import os
 
 import pytest
-from _sm90_compile import compile_variants  # tests/ is on sys.path
+from _sm90_compile import assert_async_and_spill_free, compile_variants, needs_sm90  # tests/ on sys.path
 import torch
 
 from dsakit.formats import AttentionKVFormat
@@ -263,20 +263,12 @@ def test_gluon_kernel_compiles_for_sm90(compiled_variants, name):
     assert got["wait0"] and got["cp_async_16"] > 0
     assert (got["cp_async_8"] > 0) == fp8
     assert got["shared"] <= 227 * 1024
-    assert got["ptxas_ok"] and got["no_spills"]
-    assert not got["wgmma_serialized"], "ptxas serialized the wgmma (C7514): the async MMAs would run in order"
+    assert_async_and_spill_free(got)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # On the H200 (gpu marker): full size against the reference (sampled queries) and the portable kernel
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _needs_sm90():
-    if not gluon_importable():
-        pytest.skip("this Triton has no Gluon")
-    if torch.cuda.get_device_capability() != SM90:
-        pytest.skip("the Gluon kernel runs on sm_90 only")
 
 
 def _case(t, hq, k, *, pages, gen, extra=False, q_dtype=torch.bfloat16, fmt=BF16):
@@ -353,7 +345,7 @@ FULL_SIZE_CONFIGS = {
 @pytest.mark.parametrize("config", sorted(FULL_SIZE_CONFIGS))
 def test_gluon_prefill_full_size(config):
     """Prefill-like: T 4096, H 128, K 2048 (one split per query)."""
-    _needs_sm90()
+    needs_sm90()
     fmt, cfg = FULL_SIZE_CONFIGS[config]
     gen = torch.Generator().manual_seed(11)
     _check_full_size(*_case(4096, 128, 2048, pages=1024, gen=gen, fmt=fmt), sample=16, config=cfg)
@@ -364,7 +356,7 @@ def test_gluon_prefill_full_size(config):
 @pytest.mark.parametrize("hq", [64, 128])
 def test_gluon_decode_full_size(hq, config):
     """Decode-like: B 64 queries, K 2048, automatic splits (one at H 128, several at H 64)."""
-    _needs_sm90()
+    needs_sm90()
     fmt, cfg = FULL_SIZE_CONFIGS[config]
     gen = torch.Generator().manual_seed(12)
     _check_full_size(*_case(64, hq, 2048, pages=1024, gen=gen, fmt=fmt), sample=16, config=cfg)
@@ -375,7 +367,7 @@ def test_gluon_decode_full_size(hq, config):
 def test_gluon_extra_pool_splits_and_q_dtypes(q_dtype):
     """A second bf16 pool with its own lengths, few queries (several splits merged by the combine kernel),
     q in each float dtype, the 32-row / 4-stage tile and the FA3-order form."""
-    _needs_sm90()
+    needs_sm90()
     gen = torch.Generator().manual_seed(13)
     case = _case(6, 128, 600, pages=16, gen=gen, extra=True, q_dtype=q_dtype)
     for config in (AttentionConfig(), AttentionConfig(num_splits=1), AttentionConfig(gluon_block_n=32, gluon_stages=4),
@@ -388,7 +380,7 @@ def test_gluon_extra_pool_splits_and_q_dtypes(q_dtype):
 def test_gluon_fp8_extra_pool_and_splits(q_dtype):
     """Two fp8 pools with their own lengths, few queries (several splits merged by the combine kernel) and one
     split, q bf16 and fp32."""
-    _needs_sm90()
+    needs_sm90()
     gen = torch.Generator().manual_seed(23)
     case = _case(6, 128, 600, pages=16, gen=gen, extra=True, q_dtype=q_dtype, fmt=FP8)
     for config in (AttentionConfig(), AttentionConfig(num_splits=1), AttentionConfig(gluon_fp8_stages=3)):
@@ -399,7 +391,7 @@ def test_gluon_fp8_extra_pool_and_splits(q_dtype):
 def test_auto_on_gpu_keeps_fp8_portable_unless_switched_on():
     """fp8 KV on sm_90: "auto" runs the portable kernel (bitwise the same as asking for it) while gluon_fp8 is
     off, the Gluon kernel (bitwise the same as kernel "gluon") when it is on."""
-    _needs_sm90()
+    needs_sm90()
     gen = torch.Generator().manual_seed(14)
     pool = make_pool(FP8, 8, gen).cuda()
     q = torch.randn(4, 64, D, generator=gen).bfloat16().cuda()

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from _sm90_compile import compile_variants  # tests/ is on sys.path
+from _sm90_compile import assert_async_and_spill_free, compile_variants, needs_sm90  # tests/ on sys.path
 import torch
 
 from dsakit import PagedBatch
@@ -217,20 +217,12 @@ def test_gluon_scores_kernel_compiles_for_sm90(compiled_variants, name):
     assert got["wgmma"] == sites * 128 // 16
     assert got["wait1"] and got["cp_async_16"] > 0
     assert got["shared"] == (block_n + stages * 64) * 128 * 2 <= 227 * 1024
-    assert got["ptxas_ok"] and got["no_spills"], got["log"]
-    assert not got["wgmma_serialized"], "ptxas serialized the wgmma (C7514): the async MMAs would run in order"
+    assert_async_and_spill_free(got)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # On the H200 (gpu marker): full size against the reference (sampled rows) and the Triton tile kernel
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _needs_sm90():
-    if not gluon_importable():
-        pytest.skip("this Triton has no Gluon")
-    if torch.cuda.get_device_capability() != SM90:
-        pytest.skip("the Gluon kernel runs on sm_90 only")
 
 
 def _gpu_case(lengths, queries, heads, *, seed, q_dtype=torch.bfloat16, causal=True):
@@ -289,7 +281,7 @@ def _check_scores(q, w, batch, *, sample, q_scale=None, configs=(GLUON,)):
                          ids=["block128-w8-s4", "block128-w8-s6", "block128-w4-s4", "block64-w4-s3"])
 def test_gluon_scores_full_size(benchmark_helpers, config):
     """The benchmark's prefill shape: T 8192 queries x N 65536 entries, H 64, every query sees every entry."""
-    _needs_sm90()
+    needs_sm90()
     q, w, batch = _gpu_case([65536], [8192], 64, seed=31, causal=False)
     _check_scores(q, w, batch, sample=8, configs=(config,))
 
@@ -300,7 +292,7 @@ def test_gluon_scores_small_odd_shapes(benchmark_helpers, q_dtype):
     """Ragged causal batch (sequences of 1, 77, 1000 and 4099 entries with 1, 5, 70 and 131 queries: partial
     query and key tiles, a tile plan of 16..64-row tiles), odd H (7), q_scale, q in each dtype, every supported
     (block_n, warps) tile and 3..6 q buffers."""
-    _needs_sm90()
+    needs_sm90()
     q, w, batch = _gpu_case([1, 77, 1000, 4099], [1, 5, 70, 131], 7, seed=41, q_dtype=q_dtype)
     q_scale = torch.rand(q.shape[0], 7, device="cuda") + 0.5
     configs = [replace(GLUON, prefill_block_n=bn, prefill_gluon_warps=wp, prefill_gluon_stages=st)
@@ -313,7 +305,7 @@ def test_gluon_prefill_topk_matches_triton(benchmark_helpers):
     """index_topk end to end with the Gluon scores: the same selection as with the Triton tile kernel (scores
     equal up to fp32 summation order, so only exact ties at the k-th value could differ: none with randn keys),
     at 8192 x 65536, K 2048, H 64."""
-    _needs_sm90()
+    needs_sm90()
     from dsakit.ops.topk.config import TopkConfig
     from dsakit.ops.topk.triton import index_topk_triton
 
