@@ -234,7 +234,7 @@ def main() -> None:
 # and 32 x 4 in the FA3 order (softmax of a tile under the previous tile's PV product). fp8 (32-row tiles, FA3
 # order, the dequantization of the next tile under the wgmma): 2 or 3 buffers of raw bytes
 GLUON_CONFIGS = {
-    "bf16": {"block64x2": dict(gluon_block_n=64, gluon_stages=2),
+    "bf16": {"block64x2": dict(gluon_block_n=64, gluon_stages=2, gluon_overlap=False),
              "block32x4": dict(gluon_block_n=32, gluon_stages=4),
              "block32x4_overlap": dict(gluon_block_n=32, gluon_stages=4, gluon_overlap=True)},
     "fp8-rope-bf16": {"fp8_stages2": dict(gluon_fp8_stages=2), "fp8_stages3": dict(gluon_fp8_stages=3)},

@@ -62,8 +62,8 @@ def filter_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]]
     kernel (the final kernel's range narrowing is ~1,350 SASS instructions per thread and step at 8 warps, 32
     buffer slots a thread, ~870 at 16: 128 registers instead of 208, two programs per SM), and where one
     program sorts a row (>= 1024 rows) the register-blocked sort (``StreamConfig.register_sort``)."""
-    warp = SelectConfig().stream_for(rows, n, k)
-    thread = SelectConfig(stream_filter="thread").stream_for(rows, n, k)
+    warp = SelectConfig(stream_filter="warp", stream_register_sort=False).stream_for(rows, n, k)
+    thread = SelectConfig(stream_filter="thread", stream_register_sort=False).stream_for(rows, n, k)
     out = [("warp", warp), ("thread", thread)]
     for unroll in (thread.unroll // 2, thread.unroll * 2):
         if 1 <= unroll <= 64:
@@ -71,6 +71,9 @@ def filter_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]]
     out.append(("thread_final16", dataclasses.replace(thread, final_warps=16)))
     if thread.sort_chunks(k) == 1:  # the one-program sort (>= 1024 rows) with its low strides in registers
         out.append(("thread_regsort", dataclasses.replace(thread, register_sort=True)))
+        out.append(("warp_regsort", dataclasses.replace(warp, register_sort=True)))
+        out.append((f"thread_unroll{thread.unroll * 2}_regsort",
+                    dataclasses.replace(thread, unroll=thread.unroll * 2, register_sort=True)))
     return out
 
 
@@ -114,7 +117,7 @@ def compare_filters(args, report: dict, path: Path) -> list[str]:
                 for name, cfg, buffers, out in variants:
                     labels = (("sorted", True, "all"), ("filter", True, "filter") if "unroll" in name else
                               ("filter+final", True, "filter+final"))
-                    if name == "thread_regsort":  # only the sort differs from "thread"
+                    if name.endswith("_regsort"):  # only the sort differs from its base variant
                         labels = (("sorted", True, "all"),)
                     if name in ("warp", "thread"):  # the two launch rules: every stage; variants: two
                         labels += (("unsorted", False, "all"), ("filter", True, "filter"))

@@ -10,6 +10,9 @@
 #      FlashMLA beside dsakit's attention twice (bench_attention_vs_flashmla), the Gluon fp8-KV rows
 #      (bench_attention --sections gluon).
 #   3  every peer beside dsakit twice (bench_peers), then Nsight Compute on the kernels behind missed targets.
+#   4  (after the select defaults changed and FlashMLA's build was fixed) the select filters again with the
+#      register sort on both filters, the centred store twice, Nsight Compute on the store and on the centred
+#      decode's select, every peer twice, FlashMLA beside dsakit's attention twice.
 #
 # Builds are reused on a warm machine (/tmp/dsakit-anchors); a cold machine rebuilds what a phase needs.
 # Every step has its own time limit so a call ends inside the device tool's 10 minutes; results go to
@@ -85,6 +88,31 @@ case "$phase" in
     step ncu_select_thread 50 "${ncu_common[@]}" -k regex:"_filter|_final|_order" -c 6 python3 benchmarks/profile_topk.py \
       --mode decode --format fp8 --n 131072 --stream-filter thread
     step ncu_centred 50 "${ncu_common[@]}" -k regex:"_page_term|_index_scores" -c 4 python3 benchmarks/profile_centred.py
+    ;;
+  4)
+    # FlashMLA (fixed build) and DeepGEMM build in the background while the GPU runs what needs neither
+    flashmla_start
+    ( deepgemm 6; echo "deepgemm build rc=$? ${SECONDS}s" >> "$res/summary.txt" ) &
+    dg_pid=$!
+    step select_filters 130 python3 benchmarks/bench_select.py --filters --rep 10 --out "$res" --commit "$commit"
+    mkdir -p "$res/store1" "$res/store2"
+    step store_centred_run1 100 python3 benchmarks/bench_store.py --out "$res/store1" --commit "$commit" --skip check,bandwidth,memory --centred
+    step store_centred_run2 100 python3 benchmarks/bench_store.py --out "$res/store2" --commit "$commit" --skip check,bandwidth,memory --centred
+    ncu_common=(ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis
+                --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats)
+    step ncu_store 60 "${ncu_common[@]}" --nvtx --nvtx-include "profile/" python3 benchmarks/profile_store.py
+    step ncu_centred_select 60 "${ncu_common[@]}" -k regex:"_page_term|_index_scores|_filter|_final|_order" -c 6 \
+      python3 benchmarks/profile_centred.py
+    wait "$dg_pid"
+    deepgemm || echo "DeepGEMM not importable" | tee -a "$res/summary.txt"
+    source benchmarks/anchors/build_streamindex.sh .anchors/streamindex-06e9216.tgz >> "$res/streamindex_build.log" 2>&1
+    mkdir -p "$res/run1" "$res/run2"
+    step peers_run1 120 python3 benchmarks/bench_peers.py --rep 40 --out "$res/run1" --commit "$commit"
+    step peers_run2 120 python3 benchmarks/bench_peers.py --rep 40 --out "$res/run2" --commit "$commit"
+    flashmla_wait 240
+    mkdir -p "$res/fm1" "$res/fm2"
+    step attention_vs_flashmla_run1 110 python3 benchmarks/bench_attention_vs_flashmla.py --out "$res/fm1" --commit "$commit"
+    step attention_vs_flashmla_run2 110 python3 benchmarks/bench_attention_vs_flashmla.py --out "$res/fm2" --commit "$commit"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

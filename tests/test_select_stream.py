@@ -336,16 +336,21 @@ def test_thread_filter_relu_zero_rows_and_nan_threshold(triton_backend):
 
 def test_thread_filter_launch_rule():
     """stream_filter="thread" keeps the warp rule's buffer and lanes per row, one lane per thread, v = 1, tie
-    lists >= 32 that together hold >= 2 k; the default stays the warp filter, and the configs validate."""
+    lists >= 32 that together hold >= 2 k; the default is the warp filter for >= 512 rows and the thread filter
+    for fewer (the H200's measurement), a pair picks per row count, and the configs validate."""
     from dataclasses import replace
 
     from dsakit.ops.topk.config import SelectConfig, StreamConfig
 
-    assert SelectConfig().stream_filter == "warp" and SelectConfig().stream_for(64, 131072, 2048).filter == "warp"
+    assert SelectConfig().stream_for(64, 131072, 2048).filter == "thread"
+    assert SelectConfig().stream_for(511, 131072, 2048).filter == "thread"
+    assert SelectConfig().stream_for(512, 65536, 2048).filter == "warp"
+    assert SelectConfig(stream_filter=("thread", "warp")).stream_for(8192, 65536, 2048).filter == "thread"
+    assert SelectConfig(stream_filter=("thread", "warp")).stream_for(64, 65536, 2048).filter == "warp"
     thread = SelectConfig(stream_filter="thread")
     for rows, width, k in [(64, 131072, 2048), (64, 65536, 2048), (256, 131072, 2048), (8192, 65536, 2048),
                            (8192, 65536, 512), (16, 262144, 4096)]:
-        cfg, warp = thread.stream_for(rows, width, k), SelectConfig().stream_for(rows, width, k)
+        cfg, warp = thread.stream_for(rows, width, k), SelectConfig(stream_filter="warp").stream_for(rows, width, k)
         assert cfg.filter == "thread" and cfg.v == 1 and cfg.lanes == 32 * cfg.num_warps, cfg
         assert (cfg.splits, cfg.cap, cfg.sample) == (warp.splits, warp.cap, warp.sample)
         assert cfg.lane_cap >= 32 and cfg.tie_cap >= 32 and cfg.splits * cfg.lanes * cfg.tie_cap >= 2 * k, cfg
@@ -356,8 +361,9 @@ def test_thread_filter_launch_rule():
         StreamConfig(splits=1, **dict(TINY, unroll=2))
     with pytest.raises(ValueError, match="filter"):
         replace(StreamConfig(splits=1, **THREAD), filter="block")
-    with pytest.raises(ValueError, match="stream_filter"):
-        SelectConfig(stream_filter="block")
+    for bad in ("block", ("warp",), ("warp", "thread", "warp"), ("warp", "block"), ["warp", "thread"]):
+        with pytest.raises(ValueError, match="stream_filter"):
+            SelectConfig(stream_filter=bad)
 
 
 def test_thread_filter_through_select_config(triton_backend):

@@ -7,6 +7,9 @@
 #
 # FLASH_MLA_DISABLE_SM100=1 drops the sm_100f code generation and FLASH_MLA_DISABLE_FP16=1 the fp16 dense
 # decode (both are FlashMLA's own setup.py switches); nothing is downloaded (build_ext --inplace, no pip).
+# CUDA 13 keeps libcu++ (cuda/std/...) under include/cccl, which nvcc adds by itself but the host compiler
+# does not: the binding (csrc/api/api.cpp, built by g++) includes cutlass headers that need it, so the
+# folder goes on CPLUS_INCLUDE_PATH (the first H200 build at 312c102 failed there).
 # A second call on the same machine reuses the build in $DSAKIT_ANCHOR_DIR/flashmla (default
 # /tmp/dsakit-anchors). Returns non-zero (and prints the build log's tail) on failure, so callers can report
 # FlashMLA as missing instead of stopping.
@@ -25,6 +28,7 @@ if ! ls "$_fm_install"/flash_mla/cuda*.so >/dev/null 2>&1; then
   if ! ( echo "ninja: $(command -v ninja || echo 'absent (BuildExtension then compiles the sources one by one)')" \
          && tar -xzf "$_fm_tgz" -C "$_fm_root/flashmla-src" \
          && cd "$_fm_root/flashmla-src/FlashMLA" \
+         && if [ -d "$CUDA_HOME/include/cccl" ]; then export CPLUS_INCLUDE_PATH=$CUDA_HOME/include/cccl${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}; fi \
          && FLASH_MLA_DISABLE_SM100=1 FLASH_MLA_DISABLE_FP16=1 NVCC_THREADS=${NVCC_THREADS:-2} \
             MAX_JOBS=${MAX_JOBS:-$(nproc)} python3 setup.py build_ext --inplace \
          && ls flash_mla/cuda*.so \

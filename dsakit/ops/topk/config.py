@@ -194,21 +194,30 @@ class SelectConfig:
     # bound of the cached buffers of one launch (bytes): more rows than fit are selected in consecutive
     # launches over row slices (still no sync), so the select adds at most this much to a chunked index_topk
     cached_bytes: int = 256 << 20
-    # the streaming filter (StreamConfig.filter): "warp" (measured default) or "thread" (one lane per thread,
-    # float compares: ~26 instead of ~57 SASS instructions per entry in the sm_90 loop; not yet timed on the
-    # H200). With "thread" a launch keeps the same candidate buffer and lanes of stream_lane_entries each,
-    # one lane per thread: num_warps = lanes / 32 per split program, and stream_thread_unroll tiles per step
-    # for >= 512 rows / fewer (more loads in flight per thread where few programs stream long rows)
-    stream_filter: str = "warp"
+    # the streaming filter (StreamConfig.filter): "warp" (one lane per warp, integer compares) or "thread" (one
+    # lane per thread, float compares: ~23 instead of ~57 SASS instructions per entry in the sm_90 loop); one
+    # name for every launch, or (filter for >= 512 rows, filter for fewer). H200 at 312c102, two rounds
+    # (select_filters_h200_312c102.json): decode 64 x 131072 sorted 0.079 -> 0.066 ms, 64 x 65536 0.060 ->
+    # 0.053 with "thread"; 8192 x 65536 3.45 (warp) against 3.62 (thread: its faster filter, 1.33 vs 1.46 ms,
+    # feeds a slower final step). With "thread" a launch keeps the same candidate buffer and lanes of
+    # stream_lane_entries each, one lane per thread: num_warps = lanes / 32 per split program, and
+    # stream_thread_unroll tiles per step for >= 512 rows / fewer
+    stream_filter: "str | tuple[str, str]" = ("warp", "thread")
     stream_thread_unroll: tuple[int, int] = (8, 32)
-    # the one-program sort of the k winners with its low strides in registers (StreamConfig.register_sort):
-    # sm_90 SASS at k 2048, 2 warps: 1,344 instead of 2,496 shuffles, 72 instead of 256 shared-memory stores
-    # per thread, 126 instead of 168 registers; not yet timed on the H200
-    stream_register_sort: bool = False
+    # the one-program sort of the k winners (>= 1024 rows; fewer rows use order chunks) with its low strides in
+    # registers (StreamConfig.register_sort): 1,344 instead of 2,496 shuffles, 72 instead of 256 shared-memory
+    # stores per thread in the sm_90 SASS at k 2048; H200 at 312c102, 8192 x 65536 after the thread filter:
+    # 3.62 -> 3.19 ms sorted, both rounds
+    stream_register_sort: bool = True
 
     def __post_init__(self):
         check_choice("algorithm", self.algorithm, ("auto", "stream", "multipass"))
-        check_choice("stream_filter", self.stream_filter, ("warp", "thread"))
+        filters = self.stream_filter if isinstance(self.stream_filter, tuple) else (self.stream_filter,)
+        if len(filters) not in (1, 2) or (isinstance(self.stream_filter, tuple) and len(filters) != 2):
+            raise ValueError(f"stream_filter must be 'warp', 'thread' or a (many rows, few rows) pair of them, "
+                             f"got {self.stream_filter!r}")
+        for name in filters:
+            check_choice("stream_filter", name, ("warp", "thread"))
         check_bool("stream_register_sort", self.stream_register_sort)
         for value in self.stream_thread_unroll:
             check_power_of_two("stream_thread_unroll", value, 1, 64)
@@ -256,7 +265,8 @@ class SelectConfig:
         tie_cap = max(32, 2 * v)
         many = rows >= 512
         num_warps, unroll = self.stream_warps[0], 1
-        if self.stream_filter == "thread":
+        stream_filter = self.filter_for(rows)
+        if stream_filter == "thread":
             # the same lanes per row as the warp filter, one per thread (32..256 per split program); with v = 1
             # the tie lists hold >= 32 entries and together about 2 k (the ties known complete cover >= 2 k
             # entries of a relu-zero row)
@@ -267,7 +277,13 @@ class SelectConfig:
                             num_warps=num_warps, final_warps=self.stream_warps[1],
                             order_warps=self.stream_order_warps[0 if many else 1], bins=self.stream_bins,
                             order_chunks=self.stream_order_chunks[0 if rows >= 1024 else 1],
-                            filter=self.stream_filter, unroll=unroll, register_sort=self.stream_register_sort)
+                            filter=stream_filter, unroll=unroll, register_sort=self.stream_register_sort)
+
+    def filter_for(self, rows: int) -> str:
+        """The streaming filter ("warp" or "thread") of a launch over ``rows`` rows."""
+        if isinstance(self.stream_filter, str):
+            return self.stream_filter
+        return self.stream_filter[0 if rows >= 512 else 1]
 
     @staticmethod
     def for_device(device: "torch.device | str | None" = None) -> "SelectConfig":
