@@ -357,6 +357,29 @@ def test_refused_backend_stores_nothing(monkeypatch):
     assert cache.length(seq) == 0
 
 
+def test_auto_backend_runs_head_counts_the_kernel_does_not_take(monkeypatch):
+    """backend='auto' on a block whose head count the Triton attention kernel does not take (2 here, as the
+    shipped tiny model) runs the reference attention instead of refusing the call (found on the H200: serving
+    the tiny model on CUDA raised); an explicit 'triton' is still refused by name."""
+    import dsakit.layers.attention as layer_module
+
+    layer = random_layer("csa", "auto", "cpu", num_heads=2, o_groups=2)
+    assert layer.attention_backend() == "reference"
+    assert random_layer("csa", "auto", "cpu").attention_backend() == "auto"  # 64 heads: the kernel's
+    assert random_layer("csa", "triton", "cpu", num_heads=2, o_groups=2).attention_backend() == "triton"
+    real = layer_module.resolve_backend
+    # as on CUDA: "auto" resolves to the Triton ops
+    monkeypatch.setattr(layer_module, "resolve_backend",
+                        lambda backend, *t: "triton" if backend == "auto" else real(backend, *t))
+    x = hidden(15, 9)
+    want_layer = random_layer("csa", "reference", "cpu", num_heads=2, o_groups=2)
+    with torch.no_grad():
+        cache, want_cache = layer.new_cache(16), want_layer.new_cache(16)
+        got = layer(x, cache, cache.add_sequence())
+        want = want_layer(x, want_cache, want_cache.add_sequence())
+    assert torch.equal(got, want)
+
+
 def test_failed_call_rolls_the_cache_back(monkeypatch):
     """A failure after the stores (here in the attention of the last chunk, after the pools and slot maps grew
     and the rings moved) puts the sequence back as it was, the other sequence untouched; the retry gives

@@ -306,7 +306,15 @@ class V4Attention(nn.Module):
         return sparse_attention_paged(qk, cache.kv.pool, win_slots, kv_format=self.kv_format,
                                       extra_kv_cache=None if extra_slots is None else cache.extra.pool,
                                       extra_indices=extra_slots, sink=self.sinks.float(),
-                                      softmax_scale=self.head_dim ** -0.5, backend=self.backend)
+                                      softmax_scale=self.head_dim ** -0.5, backend=self.attention_backend())
+
+    def attention_backend(self) -> str:
+        """The sparse-attention op's backend: ``backend``, except that "auto" takes the reference where the
+        Triton kernel cannot run this block's head count (it takes TRITON_HEADS; small test and toy models such
+        as the shipped tiny model have 2), so a CUDA model of any size runs under the default."""
+        if self.backend == "auto" and self.num_heads not in attention_ops.TRITON_HEADS:
+            return "reference"
+        return self.backend
 
     def window_slots(self, cache: V4LayerCache, seq: int, positions: torch.Tensor, *,
                      start: int | None = None) -> torch.Tensor:
@@ -376,7 +384,7 @@ class V4Attention(nn.Module):
 
     def _check_backend(self, hidden: torch.Tensor, cache: V4LayerCache) -> None:
         """The ops' backend can run on these tensors (asked before anything is stored)."""
-        if resolve_backend(self.backend, hidden, cache.kv.pool) == "triton":
+        if resolve_backend(self.attention_backend(), hidden, cache.kv.pool) == "triton":
             heads = attention_ops.TRITON_HEADS
             if self.num_heads not in heads:
                 raise ValueError(f"backend {self.backend!r} runs the Triton attention kernel, which takes "
