@@ -13,6 +13,9 @@
 #   4  (after the select defaults changed and FlashMLA's build was fixed) the select filters again with the
 #      register sort on both filters, the centred store twice, Nsight Compute on the store and on the centred
 #      decode's select, every peer twice, FlashMLA beside dsakit's attention twice.
+#   5  (next session) the centred decode step kernel by kernel in CUDA graphs (no name filter), the centred
+#      store twice, Nsight Compute on the 8192 x 8192 prefill and on fp4 decode; the gpu-marked suite is a
+#      separate call (carry .whl: python3 -m pytest -m gpu tests).
 #
 # Builds are reused on a warm machine (/tmp/dsakit-anchors); a cold machine rebuilds what a phase needs.
 # Every step has its own time limit so a call ends inside the device tool's 10 minutes; results go to
@@ -113,6 +116,21 @@ case "$phase" in
     mkdir -p "$res/fm1" "$res/fm2"
     step attention_vs_flashmla_run1 110 python3 benchmarks/bench_attention_vs_flashmla.py --out "$res/fm1" --commit "$commit"
     step attention_vs_flashmla_run2 110 python3 benchmarks/bench_attention_vs_flashmla.py --out "$res/fm2" --commit "$commit"
+    ;;
+  5)
+    # the runs Round 8 left (benchmarks/NOTES.md): the centred decode step kernel by kernel, the centred store
+    # twice, the short-context prefill and fp4 decode under Nsight Compute, then the gpu-marked suite
+    ncu_common=(ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis
+                --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats)
+    step centred_decode_graph 90 "${ncu_common[@]}" --nvtx --nvtx-include "profile/" --graph-profiling node \
+      python3 benchmarks/profile_centred.py --decode-graph
+    mkdir -p "$res/store1" "$res/store2"
+    step store_centred_run1 150 python3 benchmarks/bench_store.py --out "$res/store1" --commit "$commit" --skip check,bandwidth,memory --centred
+    step store_centred_run2 100 python3 benchmarks/bench_store.py --out "$res/store2" --commit "$commit" --skip check,bandwidth,memory --centred
+    step ncu_prefill_8k 60 "${ncu_common[@]}" -k regex:"_index_scores|_filter|_final|_order" -c 8 \
+      python3 benchmarks/profile_topk.py --mode prefill --format fp8 --n 8192 --t 8192
+    step ncu_fp4_decode 60 "${ncu_common[@]}" -k regex:"_index_scores" -c 2 python3 benchmarks/profile_topk.py \
+      --mode decode --format fp4 --n 65536
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
