@@ -124,6 +124,8 @@ case "$phase" in
                 --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats)
     step centred_decode_graph 90 "${ncu_common[@]}" --nvtx --nvtx-include "profile/" --graph-profiling node \
       python3 benchmarks/profile_centred.py --decode-graph
+    step centred_fp4_decode_graph 90 "${ncu_common[@]}" --nvtx --nvtx-include "profile/" --graph-profiling node \
+      python3 benchmarks/profile_centred.py --decode-graph --format fp4-centred
     mkdir -p "$res/store1" "$res/store2"
     step store_centred_run1 150 python3 benchmarks/bench_store.py --out "$res/store1" --commit "$commit" --skip check,bandwidth,memory --centred
     step store_centred_run2 100 python3 benchmarks/bench_store.py --out "$res/store2" --commit "$commit" --skip check,bandwidth,memory --centred
