@@ -408,3 +408,42 @@ def test_register_sort_equals_the_plain_sort(triton_backend):
         assert torch.equal(results[1][0], results[0][0]) and torch.equal(results[1][1], results[0][1]), k
     with pytest.raises(ValueError, match="register_sort"):
         replace(_config(), register_sort=1)
+
+
+def test_sample_groups_keep_page_clustered_rows_off_the_exact_path(triton_backend):
+    """Rows whose 64-entry pages carry offsets of 3 standard deviations of the rest (the centred formats' page
+    term, neighbouring tokens alike): the default sample (groups of 8 at offsets that walk through the row's
+    slices) sends none of these 8 rows to the exact whole-row passes, where groups of 32 sent 4 (the layout
+    before: with the sample's entries correlated in runs of 32, its 5-sigma margin covers about one). Both give
+    the exact top-k; the decode launch rule of 64 rows (4 split programs, thread filter) at 32768 x k 1024."""
+    import dataclasses
+
+    from dsakit.ops.topk.config import SelectConfig
+    from dsakit.ops.topk.triton import SelectBuffers, launch_stream_select
+
+    n, k = 32768, 1024
+    gen = torch.Generator().manual_seed(1)
+    page = torch.randn(8, n // 64, generator=gen) * 3.0
+    scores = (page.repeat_interleave(64, dim=1) + torch.randn(8, n, generator=gen)).to(_device())
+    counts = torch.full((8,), n, dtype=torch.int32, device=scores.device)
+    default = SelectConfig().stream_for(64, n, k)
+    assert default.sample_group == 8 and default.splits == 4
+    exact_rows = {}
+    for group in (8, 32):
+        cfg = dataclasses.replace(default, sample_group=group)
+        buffers = SelectBuffers.allocate(8, n, k, scores.device, cfg)
+        out = torch.empty((8, k), dtype=torch.int32, device=scores.device)
+        launch_stream_select(scores, counts, out, k, True, buffers)
+        assert torch.equal(out.cpu(), reference_select(scores.cpu(), k))
+        exact_rows[group] = buffers.path_counts(8)["exact"]
+    assert exact_rows[8] == 0 and exact_rows[32] >= 2, exact_rows
+
+
+def test_sample_group_is_validated():
+    from dsakit.ops.topk.config import SelectConfig, StreamConfig
+
+    for bad in (0, 3, 64):
+        with pytest.raises(ValueError, match="sample_group"):
+            StreamConfig(splits=1, **dict(TINY, sample_group=bad))
+        with pytest.raises(ValueError, match="stream_sample_group"):
+            SelectConfig(stream_sample_group=bad)

@@ -8,7 +8,8 @@ included); the key of -inf, ``KEY_NEG_INF``, is below every candidate.
 Three kernels per call (see the launcher's docstring for the buffers):
 
 * ``_filter_kernel``, grid (rows, splits): every program of a row first derives the same threshold key
-  ``thr`` from a fixed sample of the row (SAMPLE entries in SAMPLE / 32 groups of 32 spread over the row; the
+  ``thr`` from a fixed sample of the row (SAMPLE entries in groups of SAMPLE_GROUP, one group per equal slice of
+  the row at an offset that varies from slice to slice; the
   sample rank is chosen so that about 1.75 k of the row's entries are expected above it, never more than CAP
   in practice); a row with at most CAP entries uses thr = KEY_NEG_INF (take every candidate). Then it streams
   its segment of the row once: keys > thr are appended with their index to the split's candidate buffer,
@@ -90,16 +91,27 @@ def _narrow(key, valid, lo, hi, in_range, needed, BINS: tl.constexpr):
 
 @triton.jit
 def _sample_threshold(row_scores, n, K, CAP: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr,
-                      MARGIN: tl.constexpr):
+                      MARGIN: tl.constexpr, SAMPLE_GROUP: tl.constexpr):
     """Threshold key of a row: KEY_NEG_INF when n <= CAP (every candidate fits the buffer), else the key of
     sample rank r = m + MARGIN sqrt(m) + 1 (m = SAMPLE * K / n, the expected sample rank of the k-th entry), so
     that the entries >= thr include the top k and number about k * r / m, with a margin of ~MARGIN standard
-    deviations on both sides (below k: the row goes to the exact path; above CAP: same)."""
+    deviations on both sides (below k: the row goes to the exact path; above CAP: same).
+
+    The margin assumes independent sample entries. Scores come in runs of similar values (a page's entries
+    share its centre in the centred formats; neighbouring tokens resemble each other), so a group of
+    consecutive entries counts as about one entry there: the sample reads SAMPLE_GROUP consecutive entries
+    (8 fp32 = one 32-byte sector: as many sectors as longer groups) from each of SAMPLE / SAMPLE_GROUP equal
+    slices of the row, at an offset that walks through the slice (7 groups further per slice), so that the
+    groups do not all sit at the same position of their pages either (entry 0 of a centred page is its
+    centre, with a zero residual)."""
     thr = n * 0 + KEY_NEG_INF
     if n > CAP:
         lane = tl.arange(0, SAMPLE)
-        groups: tl.constexpr = SAMPLE // 32
-        pos = (lane // 32).to(tl.int64) * n // groups + lane % 32
+        groups: tl.constexpr = SAMPLE // SAMPLE_GROUP
+        group = (lane // SAMPLE_GROUP).to(tl.int64)
+        # offsets stay inside the group's slice: [g n / groups, (g + 1) n / groups) holds >= n // groups entries
+        room = tl.maximum(n // groups - SAMPLE_GROUP, 0) + 1
+        pos = group * n // groups + (group * (7 * SAMPLE_GROUP)) % room + lane % SAMPLE_GROUP
         inside = pos < n
         key, valid = _order_key(tl.load(row_scores + pos, mask=inside, other=float("-inf")), inside)
         m = (SAMPLE * 1.0 / n.to(tl.float32)) * K
@@ -125,6 +137,7 @@ def _filter_kernel(
     K,
     SPLITS: tl.constexpr, CAP: tl.constexpr, LANES: tl.constexpr, LCAP: tl.constexpr,
     TCAP: tl.constexpr, V: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr, MARGIN: tl.constexpr,
+    SAMPLE_GROUP: tl.constexpr,
 ):
     """One pass over a split of a row. Split s of SPLITS streams the tiles s, s + SPLITS, s + 2 SPLITS, ...
     of LANES * V entries; a tile is [V, LANES]: lane l owns entries l * V .. l * V + V - 1 of it and appends
@@ -142,7 +155,7 @@ def _filter_kernel(
     n = tl.load(counts_ptr + row_id)
     row = row_id.to(tl.int64)
     row_scores = scores_ptr + row * stride_scores
-    thr = _sample_threshold(row_scores, n, K, CAP, SAMPLE, BINS, MARGIN)
+    thr = _sample_threshold(row_scores, n, K, CAP, SAMPLE, BINS, MARGIN, SAMPLE_GROUP)
 
     BLOCK: tl.constexpr = LANES * V
     part = row * SPLITS + split
@@ -195,13 +208,14 @@ def _threshold_kernel(
     stats_ptr,                      # int32 [R, SPLITS, STATS]: the threshold key goes to word 4 of split 0
     K,
     SPLITS: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr, MARGIN: tl.constexpr,
+    SAMPLE_GROUP: tl.constexpr,
 ):
     """Grid (rows,): the sampled threshold key of each row (``_sample_threshold``), computed once per row for the
     SPLITS programs of ``_filter_thread_kernel`` (which then start streaming at once instead of each sampling)."""
     row_id = tl.program_id(0)
     n = tl.load(counts_ptr + row_id)
     row = row_id.to(tl.int64)
-    thr = _sample_threshold(scores_ptr + row * stride_scores, n, K, CAP, SAMPLE, BINS, MARGIN)
+    thr = _sample_threshold(scores_ptr + row * stride_scores, n, K, CAP, SAMPLE, BINS, MARGIN, SAMPLE_GROUP)
     tl.store(stats_ptr + row * SPLITS * STATS + 4, thr)
 
 
@@ -211,7 +225,7 @@ def _filter_thread_kernel(
     K,
     SPLITS: tl.constexpr, CAP: tl.constexpr, LANES: tl.constexpr, LCAP: tl.constexpr,
     TCAP: tl.constexpr, UNROLL: tl.constexpr, SAMPLE: tl.constexpr, BINS: tl.constexpr,
-    MARGIN: tl.constexpr, SHARED_THR: tl.constexpr,
+    MARGIN: tl.constexpr, SAMPLE_GROUP: tl.constexpr, SHARED_THR: tl.constexpr,
 ):
     """``_filter_kernel`` with one lane per thread and float compares (StreamConfig.filter = "thread"): the same
     buffers and counters, written in the same order (each lane's entries in index order), except that the
@@ -235,7 +249,7 @@ def _filter_thread_kernel(
     if SHARED_THR:
         thr = tl.load(stats_ptr + row * SPLITS * STATS + 4)
     else:
-        thr = _sample_threshold(row_scores, n, K, CAP, SAMPLE, BINS, MARGIN)
+        thr = _sample_threshold(row_scores, n, K, CAP, SAMPLE, BINS, MARGIN, SAMPLE_GROUP)
     # the float of key thr (the key map is its own inverse); thr = -inf: nothing is "equal" (-inf entries are
     # not candidates), so compare equality against NaN; thr = NaN (a sample flooded with NaN): every entry
     # passes ~(s <= NaN), the lanes overflow and the final kernel takes the exact passes (flagged below)

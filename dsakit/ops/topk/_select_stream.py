@@ -136,18 +136,20 @@ def _launch_filter(scores: torch.Tensor, counts: torch.Tensor, k: int, buffers: 
         if shared:
             _threshold_kernel[(rows,)](scores, scores.stride(0), counts, buffers.stats, k, SPLITS=cfg.splits,
                                        CAP=cfg.cap, SAMPLE=cfg.sample, BINS=cfg.bins, MARGIN=cfg.sample_margin,
+                                       SAMPLE_GROUP=cfg.sample_group,
                                        num_warps=cfg.final_warps)
         _filter_thread_kernel[(rows, cfg.splits)](
             scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
             buffers.lane_eq, buffers.stats, k, SPLITS=cfg.splits, CAP=cfg.cap, LANES=cfg.lanes,
             LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, UNROLL=cfg.unroll, SAMPLE=cfg.sample, BINS=cfg.bins,
-            MARGIN=cfg.sample_margin, SHARED_THR=shared, num_warps=cfg.num_warps)
+            MARGIN=cfg.sample_margin, SAMPLE_GROUP=cfg.sample_group, SHARED_THR=shared, num_warps=cfg.num_warps)
         return
     _filter_kernel[(rows, cfg.splits)](
         scores, scores.stride(0), counts, buffers.cand, buffers.ties, buffers.lane_gt,
         buffers.lane_eq, buffers.stats, k, SPLITS=cfg.splits, CAP=cfg.cap, LANES=cfg.lanes,
         LCAP=cfg.lane_cap, TCAP=cfg.tie_cap, V=cfg.v, SAMPLE=cfg.sample, BINS=cfg.bins,
         MARGIN=cfg.sample_margin,  # 5 standard deviations for split rows, 4 for whole rows (StreamConfig)
+        SAMPLE_GROUP=cfg.sample_group,
         num_warps=cfg.num_warps)
 
 

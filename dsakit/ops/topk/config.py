@@ -67,8 +67,10 @@ class StreamConfig:
     row's threshold once for its split programs); unroll: tiles per step of the "thread" filter (1 for
     "warp"); register_sort: the one-program sort of the k winners (order_chunks 1) loads them as a tile whose
     low sequence strides are a thread's registers (``_order_blocked_kernel``: fewer shuffles and shared-memory
-    stages in the bitonic network, 126 instead of 168 registers at k 2048 on sm_90). Built by
-    :meth:`SelectConfig.stream_for`, or by hand (tests, sweeps)."""
+    stages in the bitonic network, 126 instead of 168 registers at k 2048 on sm_90); sample_group: consecutive
+    entries per group of the threshold sample (one group per equal slice of the row, at an offset that walks
+    through the slices; see ``_sample_threshold``). Built by :meth:`SelectConfig.stream_for`, or by hand
+    (tests, sweeps)."""
 
     splits: int
     cap: int
@@ -85,6 +87,7 @@ class StreamConfig:
     filter: str = "warp"
     unroll: int = 1
     register_sort: bool = False
+    sample_group: int = 8
 
     def __post_init__(self):
         self.validate()
@@ -139,6 +142,7 @@ class StreamConfig:
         check_choice("filter", self.filter, ("warp", "thread"))
         check_bool("register_sort", self.register_sort)
         check_power_of_two("unroll", self.unroll, 1, 64)
+        check_power_of_two("sample_group", self.sample_group, 1, 32)  # <= 32 <= sample
         if self.filter == "thread" and self.v != 1:
             raise ValueError(f"the thread filter owns one entry per lane and tile: v must be 1, got {self.v}")
         if self.filter == "warp" and self.unroll != 1:
@@ -209,6 +213,16 @@ class SelectConfig:
     # stores per thread in the sm_90 SASS at k 2048; H200 at 312c102, 8192 x 65536 after the thread filter:
     # 3.62 -> 3.19 ms sorted, both rounds
     stream_register_sort: bool = True
+    # consecutive entries per group of the threshold sample (StreamConfig.sample_group). Scores come in runs of
+    # similar values (a centred page's entries share its centre, neighbouring tokens resemble each other), so a
+    # group counts as about one sample entry and the sample's margin holds only with many groups. 8 = one
+    # 32-byte sector, the bytes of the former groups of 32. Rows whose 64-entry pages carry offsets of 1 / 3
+    # standard deviations of the rest (benchmarks/select_sample_groups.py, 1000 rows per case, checked row
+    # for row against the kernels under the interpreter) take the exact whole-row passes: decode 64 x 65536
+    # 0 % / 0.4 % of rows (groups of 32: 2.9 % / 16 %, i.e. most 64-row calls waited for an exact row),
+    # whole rows 8192 x 65536 with the warp filter 6.2 % / 30 % (was 23 % / 55 %), with the thread filter
+    # 0.7 % / 3.5 % (11 % / 30 %). An exact row costs several passes on one SM (~0.5 ms for a 128K row)
+    stream_sample_group: int = 8
 
     def __post_init__(self):
         check_choice("algorithm", self.algorithm, ("auto", "stream", "multipass"))
@@ -219,6 +233,7 @@ class SelectConfig:
         for name in filters:
             check_choice("stream_filter", name, ("warp", "thread"))
         check_bool("stream_register_sort", self.stream_register_sort)
+        check_power_of_two("stream_sample_group", self.stream_sample_group, 1, 32)
         for value in self.stream_thread_unroll:
             check_power_of_two("stream_thread_unroll", value, 1, 64)
         _power_of_two("block", self.block, 16, MAX_SELECT_BLOCK)
@@ -277,7 +292,8 @@ class SelectConfig:
                             num_warps=num_warps, final_warps=self.stream_warps[1],
                             order_warps=self.stream_order_warps[0 if many else 1], bins=self.stream_bins,
                             order_chunks=self.stream_order_chunks[0 if rows >= 1024 else 1],
-                            filter=stream_filter, unroll=unroll, register_sort=self.stream_register_sort)
+                            filter=stream_filter, unroll=unroll, register_sort=self.stream_register_sort,
+                            sample_group=self.stream_sample_group)
 
     def filter_for(self, rows: int) -> str:
         """The streaming filter ("warp" or "thread") of a launch over ``rows`` rows."""
