@@ -17,6 +17,9 @@ rising with the index like a recency bias):
           bitwise (both are exact) and torch.topk's values; writes DIR/select_filters_SHA.json (with --rep 10
           ~1-1.5 min on an H200, ~40 s of it Triton compiles).
 
+  sample groups (``--sample-groups``) the threshold sample in groups of 8 (default) against 32 on random rows
+          and rows whose pages carry offsets (``pages1``, ``pages3``): paths, exactness, time (~1 min)
+
 Usage: PYTHONPATH=. python3 benchmarks/bench_select.py --out DIR --commit SHA [--sweep] [--quick]
        PYTHONPATH=. python3 benchmarks/bench_select.py --out DIR --commit SHA --filters
        (``--device cpu --smoke`` under TRITON_INTERPRET=1 runs toy sizes, no timing claims)
@@ -47,6 +50,10 @@ def make_scores(kind: str, rows: int, n: int, device: str, seed: int) -> torch.T
         return s
     if kind == "randn":
         return x
+    if kind.startswith("pages"):  # "pages1", "pages3": each 64-entry page offset by sigma x N(0, 1)
+        sigma = float(kind[len("pages"):])
+        page = torch.randn(rows, -(-n // 64), device=device, generator=g) * sigma
+        return (page.repeat_interleave(64, dim=1)[:, :n] + x).contiguous()
     if kind == "shift100":
         return x + 100.0
     if kind == "relu_zeros":    # ~99 % exact zeros: the top-k needs zeros, lower index wins
@@ -136,16 +143,59 @@ def compare_filters(args, report: dict, path: Path) -> list[str]:
     return failed
 
 
+def compare_sample_groups(args, report: dict) -> list[str]:
+    """The ``--sample-groups`` section: the default streaming select (threshold sample in groups of 8 at
+    walking offsets) against groups of 32, on random rows and on rows whose 64-entry pages carry offsets of 1
+    and 3 standard deviations (benchmarks/select_sample_groups.py has the CPU emulation): paths taken, both
+    exact, time sorted (decode shapes in CUDA graphs). Returns the failed checks."""
+    dev = args.device
+    shapes = [(4, 20000, 64)] if args.smoke else [(64, 65536, 2048), (64, 131072, 2048), (8192, 65536, 2048)]
+    graph = dev == "cuda"
+    failed = []
+    for rows, n, k in shapes:
+        for number, kind in enumerate(("relu_like", "pages1", "pages3")):
+            scores = make_scores(kind, rows, n, dev, seed=100 + number)
+            counts = torch.full((rows,), n, dtype=torch.int32, device=dev)
+            row = {"rows": rows, "N": n, "K": k, "kind": kind}
+            first = None
+            for group in (8, 32):
+                cfg = dataclasses.replace(SelectConfig().stream_for(rows, n, k), sample_group=group)
+                buffers = SelectBuffers.allocate(rows, n, k, dev, cfg)
+                out = torch.empty((rows, k), dtype=torch.int32, device=dev)
+                launch_stream_select(scores, counts, out, k, True, buffers)
+                first = out.clone() if first is None else first
+                row[f"group{group}_paths"] = buffers.path_counts(rows)
+                check = same_selection(out, scores, k)
+                row[f"group{group}_exact"] = check["values_equal"] and bool(torch.equal(out, first))
+                if not row[f"group{group}_exact"]:
+                    failed.append(f"{rows}x{n} {kind} group {group}")
+                row[f"group{group}_ms"] = median_ms(lambda: launch_stream_select(scores, counts, out, k, True, buffers),
+                                                    dev, args.rep, graph=graph and rows < 512)
+            print(row, flush=True)
+            report["sample_groups"].append(row)
+    return failed
+
+
 def main() -> int:
     ap = bench_parser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer distributions and shapes")
     ap.add_argument("--filters", action="store_true", help="only the warp vs thread filter comparison")
+    ap.add_argument("--sample-groups", action="store_true",
+                    help="only the threshold sample's group size (8 vs 32) on random and page-clustered rows")
     ap.add_argument("--rep", type=int, default=60)
     args = ap.parse_args()
     dev = args.device
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.sample_groups:
+        path = out_dir / f"select_sample_groups_{args.commit}.json"
+        report = {"meta": environment(dev, args.commit), "sample_groups": []}
+        failed = compare_sample_groups(args, report)
+        report["failed_checks"] = failed
+        write_json(path, report)
+        print(f"failed checks: {failed}", flush=True)
+        return 1 if failed else 0
     if args.filters:
         path = out_dir / f"select_filters_{args.commit}.json"
         report = {"meta": environment(dev, args.commit), "filters_check": [], "filters_time": []}

@@ -129,6 +129,7 @@ case "$phase" in
     mkdir -p "$res/store1" "$res/store2"
     step store_centred_run1 150 python3 benchmarks/bench_store.py --out "$res/store1" --commit "$commit" --skip check,bandwidth,memory --centred
     step store_centred_run2 100 python3 benchmarks/bench_store.py --out "$res/store2" --commit "$commit" --skip check,bandwidth,memory --centred
+    step select_sample_groups 120 python3 benchmarks/bench_select.py --sample-groups --rep 20 --out "$res" --commit "$commit"
     step ncu_prefill_8k 60 "${ncu_common[@]}" -k regex:"_index_scores|_filter|_final|_order" -c 8 \
       python3 benchmarks/profile_topk.py --mode prefill --format fp8 --n 8192 --t 8192
     step ncu_fp4_decode 60 "${ncu_common[@]}" -k regex:"_index_scores" -c 2 python3 benchmarks/profile_topk.py \
