@@ -210,8 +210,8 @@ class SelectConfig:
     stream_thread_unroll: tuple[int, int] = (8, 32)
     # the one-program sort of the k winners (>= 1024 rows; fewer rows use order chunks) with its low strides in
     # registers (StreamConfig.register_sort): 1,344 instead of 2,496 shuffles, 72 instead of 256 shared-memory
-    # stores per thread in the sm_90 SASS at k 2048; H200 at 312c102, 8192 x 65536 after the thread filter:
-    # 3.62 -> 3.19 ms sorted, both rounds
+    # stores per thread in the sm_90 SASS at k 2048; H200, 8192 x 65536 sorted, two rounds each: after the
+    # thread filter 3.62 -> 3.19 ms (312c102), after the warp filter 3.46 -> 3.03 (b1556ae)
     stream_register_sort: bool = True
     # consecutive entries per group of the threshold sample (StreamConfig.sample_group). Scores come in runs of
     # similar values (a centred page's entries share its centre, neighbouring tokens resemble each other), so a
