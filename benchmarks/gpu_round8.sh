@@ -132,6 +132,8 @@ case "$phase" in
     step select_sample_groups 120 python3 benchmarks/bench_select.py --sample-groups --rep 20 --out "$res" --commit "$commit"
     step ncu_prefill_8k 60 "${ncu_common[@]}" -k regex:"_index_scores|_filter|_final|_order" -c 8 \
       python3 benchmarks/profile_topk.py --mode prefill --format fp8 --n 8192 --t 8192
+    step ncu_select_prefill 60 "${ncu_common[@]}" -k regex:"_filter|_final|_order" -c 3 python3 benchmarks/profile_topk.py \
+      --mode prefill --format fp8 --n 65536
     step ncu_fp4_decode 60 "${ncu_common[@]}" -k regex:"_index_scores" -c 2 python3 benchmarks/profile_topk.py \
       --mode decode --format fp4 --n 65536
     ;;
