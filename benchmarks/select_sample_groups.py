@@ -124,7 +124,10 @@ def main() -> int:
     rows = emulate(args.rows)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "select_sample_groups.json").write_text(json.dumps(rows, indent=1))
+        meta = {"what": "fraction of rows the kernels' path decision sends to the exact whole-row passes, "
+                        "reproduced in torch on the CPU", "timing": "none: no kernel is timed (CPU emulation)",
+                "rows_per_case": args.rows, "torch": torch.__version__}
+        (args.out / "select_sample_groups.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 
 
