@@ -6,10 +6,15 @@ variant in a fresh process without TRITON_INTERPRET (the interpreter patches tri
 which breaks a real compile) and with an empty cache (a compile, not a cache hit), and returns per variant:
 cubin bytes, shared memory, wgmma count, whether a wait leaves 0 / 1 wgmma in flight, 16 B / 8 B cp.async
 counts, and ptxas -v's verdict (no spills; C7514 = ptxas serialized the wgmma, the asynchrony lost).
-Skips the calling test when Triton has no Gluon or no ptxas."""
+Skips the calling test when Triton has no Gluon or no ptxas.
+
+``RecordedLaunch(kernel)`` stands in for a Gluon kernel object in a launcher module, so that the CPU suite
+checks the launch a launcher makes (grid, arguments bound to the kernel's parameters, warps) without running
+it."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -88,3 +93,33 @@ def needs_sm90() -> None:
         pytest.skip("this Triton has no Gluon")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels run on sm_90 only")
+
+
+class RecordedLaunch:
+    """``kernel[grid](*args, **kwargs)`` records (grid, args, kwargs) in ``calls`` and calls ``on_launch(args)``
+    (a subclass fills outputs that a later stage reads)."""
+
+    def __init__(self, kernel):
+        self.calls = []
+        self.kernel = kernel
+
+    def on_launch(self, args: tuple) -> None:
+        pass
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            self.on_launch(args)
+
+        return launch
+
+    def bound(self, num_warps: int) -> tuple[tuple, dict]:
+        """-> (grid, the kernel's arguments by parameter name) of the one recorded launch, after checking that
+        they bind to every parameter in order and that it asked for ``num_warps`` warps."""
+        (grid, args, kwargs), = self.calls
+        signature = inspect.signature(self.kernel.fn)
+        launch_kwargs = dict(kwargs)
+        assert launch_kwargs.pop("num_warps") == num_warps
+        bound = signature.bind(*args, **launch_kwargs).arguments
+        assert list(bound) == list(signature.parameters)
+        return grid, bound

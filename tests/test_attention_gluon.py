@@ -9,7 +9,8 @@ import math
 import os
 
 import pytest
-from _sm90_compile import assert_async_and_spill_free, compile_variants, needs_sm90  # tests/ on sys.path
+from _sm90_compile import (RecordedLaunch, assert_async_and_spill_free, compile_variants,  # tests/ on sys.path
+                           needs_sm90)
 import torch
 
 from dsakit.formats import AttentionKVFormat
@@ -117,22 +118,17 @@ def test_gluon_config_fields_are_checked():
     assert AttentionConfig(gluon_fp8=True, gluon_fp8_stages=3).gluon_fp8_stages == 3
 
 
-class _RecordedLaunch:
-    """Stands in for the Gluon kernel object: ``kernel[grid](*args, **kwargs)`` records the launch and fills
-    the outputs (the split partials the combine kernel then reads) with zeros."""
+class _RecordedLaunch(RecordedLaunch):
+    """The Gluon attention kernel recorded (``RecordedLaunch``); each launch fills the outputs (the split
+    partials the combine kernel then reads) with zeros."""
 
     def __init__(self, kernel):
-        self.calls = []
-        self.kernel = kernel
+        super().__init__(kernel)
         self.out_at = list(inspect.signature(kernel.fn).parameters).index("out_ptr")  # then lse_ptr
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.calls.append((grid, args, kwargs))
-            args[self.out_at].zero_()  # the partial outputs
-            args[self.out_at + 1].zero_()  # the partial LSEs
-
-        return launch
+    def on_launch(self, args: tuple) -> None:
+        args[self.out_at].zero_()  # the partial outputs
+        args[self.out_at + 1].zero_()  # the partial LSEs
 
     @classmethod
     def install(cls, monkeypatch, name: str) -> "_RecordedLaunch":
@@ -145,17 +141,6 @@ class _RecordedLaunch:
         recorder = cls(getattr(_gluon_kernels, name))
         monkeypatch.setattr(gluon_launch, name, recorder)
         return recorder
-
-    def bound(self) -> tuple[tuple, dict]:
-        """-> (grid, the kernel's arguments by parameter name) of the one recorded launch, after checking that
-        they bind to every parameter in order and that it asked for 8 warps."""
-        (grid, args, kwargs), = self.calls
-        signature = inspect.signature(self.kernel.fn)
-        launch_kwargs = dict(kwargs)
-        assert launch_kwargs.pop("num_warps") == 8
-        bound = signature.bind(*args, **launch_kwargs).arguments
-        assert list(bound) == list(signature.parameters)
-        return grid, bound
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the split merge runs in the interpreter")
@@ -180,7 +165,7 @@ def test_gluon_launch_arguments(monkeypatch, extra):
     assert out.shape == (3, 128, D) and out.dtype == torch.float32 and lse.shape == (3, 128)
     # two zero partials with LSE 0 (log2 units) each: merged out 0, lse ln 2 (the combine kernel ran on them)
     assert bool((out == 0).all()) and torch.allclose(lse, torch.full_like(lse, math.log(2)))
-    grid, bound = recorder.bound()
+    grid, bound = recorder.bound(8)
     assert grid == (3 * 2 * 2,) and all(type(g) is int for g in grid)
     assert bound["pool_ptr"].dtype == torch.bfloat16 and bound["pool_ptr"].data_ptr() == pool.data_ptr()
     assert bound["PAGE_ELEMS"] == BF16.page_bytes // 2 and bound["NUM_SPLITS"] == 2
@@ -216,7 +201,7 @@ def test_gluon_fp8_launch_arguments(monkeypatch, extra):
                                           kv_format=FP8, **kw)
     out, lse = gluon_launch.sparse_attention_gluon(a, AttentionConfig(num_splits=2, gluon_fp8_stages=3))
     assert out.shape == (2, 64, D) and out.dtype == torch.bfloat16 and bool((out == 0).all())
-    grid, bound = recorder.bound()
+    grid, bound = recorder.bound(8)
     assert grid == (2 * 1 * 2,)
     assert bound["pool_ptr"].dtype == torch.uint8 and bound["rope_ptr"].dtype == torch.bfloat16
     assert bound["pool_ptr"].data_ptr() == bound["rope_ptr"].data_ptr() == pool.data_ptr()

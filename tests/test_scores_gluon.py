@@ -5,13 +5,13 @@ bf16 prefill top-k at full size against the reference and the Triton tile kernel
 
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from _sm90_compile import assert_async_and_spill_free, compile_variants, needs_sm90  # tests/ on sys.path
+from _sm90_compile import (RecordedLaunch, assert_async_and_spill_free, compile_variants,  # tests/ on sys.path
+                           needs_sm90)
 import torch
 
 from dsakit import PagedBatch
@@ -136,17 +136,6 @@ def test_interpreter_refuses_gluon_and_keeps_triton(monkeypatch):
     scores_triton.index_scores_triton(decode_q, decode_w, decode_batch, config=GLUON)
 
 
-class _RecordedLaunch:
-    """Stands in for the Gluon kernel object: ``kernel[grid](*args, **kwargs)`` records the launch."""
-
-    def __init__(self, kernel):
-        self.calls = []
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
-
-
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the plan is built by the interpreter path")
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 def test_gluon_launch_arguments(monkeypatch, q_dtype):
@@ -158,7 +147,7 @@ def test_gluon_launch_arguments(monkeypatch, q_dtype):
         pytest.skip("this Triton has no Gluon")
     from dsakit.ops.scores import gluon as gluon_launch
 
-    recorder = _RecordedLaunch(gluon_launch.index_scores_gluon_tile_kernel)
+    recorder = RecordedLaunch(gluon_launch.index_scores_gluon_tile_kernel)
     monkeypatch.setattr(gluon_launch, "index_scores_gluon_tile_kernel", recorder)
     monkeypatch.setattr(scores_triton, "choose_prefill_kernel", lambda *a, **k: "gluon")
     q, w, batch = _cpu_case(t=70, heads=6, q_dtype=q_dtype)
@@ -168,12 +157,7 @@ def test_gluon_launch_arguments(monkeypatch, q_dtype):
     q_scale = torch.rand(70, 6) + 0.5
     config = ScoresConfig(prefill_kernel="gluon", prefill_block_n=64, prefill_gluon_warps=4, prefill_gluon_stages=5)
     scores_triton.index_scores_triton(q, w, batch, q_scale=q_scale, config=config)
-    (grid, args, kwargs), = recorder.calls
-    signature = inspect.signature(recorder.kernel.fn)
-    launch_kwargs = dict(kwargs)
-    assert launch_kwargs.pop("num_warps") == 4
-    bound = signature.bind(*args, **launch_kwargs).arguments
-    assert list(bound) == list(signature.parameters)
+    grid, bound = recorder.bound(4)
     assert grid == (2 * 5,)  # 70 rows = 2 tiles of <= 64, 300 entries = 5 tiles of 64
     assert bound["q_ptr"].dtype == torch.bfloat16
     assert torch.equal(bound["q_ptr"].float(), q.to(torch.bfloat16).float())
