@@ -40,6 +40,22 @@ def gluon_importable() -> bool:
     return all(hasattr(hopper, name) for name in ("warpgroup_mma", "warpgroup_mma_wait", "warpgroup_mma_init"))
 
 
+def gluon_platform_reason(location: str, capability: tuple[int, int] | None, kernel: str,
+                          importable: bool | None = None) -> str | None:
+    """Why no Gluon sm_90 kernel can run here (None: one can), whatever its inputs: ``location`` says where
+    the data is ("q is on cpu"), ``capability`` is its GPU's (major, minor) (None off CUDA), ``kernel`` names
+    the kernel in the reason; ``importable``: None = :func:`gluon_importable`, asked only on an sm_90 GPU."""
+    if capability is None:
+        return f"{location}, not a CUDA GPU"
+    if tuple(capability) != GLUON_CAPABILITY:
+        return f"the GPU is sm_{capability[0]}{capability[1]}, {kernel} is written for sm_90 (wgmma)"
+    if not (gluon_importable() if importable is None else importable):
+        return "this Triton has no Gluon Hopper API (triton.experimental.gluon, Triton >= 3.5)"
+    if triton_interpreted():
+        return "TRITON_INTERPRET=1: Gluon kernels do not run in the interpreter"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(index))

@@ -15,7 +15,7 @@ import torch
 from ..._memory import check_instance
 from ...pool import num_slots
 from ...formats import AttentionKVFormat
-from .._backend import GLUON_CAPABILITY, gluon_importable, triton_interpreted
+from .._backend import GLUON_CAPABILITY, gluon_importable, gluon_platform_reason, triton_interpreted
 from .._backend import device_capability as _device_capability
 from ._kernels import _sparse_attention_kernel
 from ._launch import LOG2E, choose_num_splits, merge_splits, plan_launch
@@ -37,14 +37,9 @@ def gluon_unsupported_reason(a: SparseAttentionInputs, capability: tuple[int, in
                              importable: bool | None = None) -> str | None:
     """Why the Gluon kernel cannot run these inputs (None: it can). ``capability``: the GPU's (major, minor),
     None off CUDA; ``importable``: None = :func:`gluon_importable`, asked only on an sm_90 GPU."""
-    if capability is None:
-        return f"q is on {a.q.device}, not a CUDA GPU"
-    if tuple(capability) != GLUON_CAPABILITY:
-        return f"the GPU is sm_{capability[0]}{capability[1]}, the Gluon kernel is written for sm_90 (wgmma)"
-    if not (gluon_importable() if importable is None else importable):
-        return "this Triton has no Gluon Hopper API (triton.experimental.gluon, Triton >= 3.5)"
-    if triton_interpreted():
-        return "TRITON_INTERPRET=1: Gluon kernels do not run in the interpreter"
+    reason = gluon_platform_reason(f"q is on {a.q.device}", capability, "the Gluon kernel", importable)
+    if reason is not None:
+        return reason
     kinds = {a.kv_format.kind} | ({a.extra_kv_format.kind} if a.extra_kv_format is not None else set())
     if not kinds <= {"bf16", "fp8-rope-bf16"}:
         return f"kv_format {a.kv_format.name!r}: the Gluon kernels read bf16 and fp8-rope-bf16 pools"

@@ -68,7 +68,7 @@ import triton
 from ..._memory import INDEX_DTYPES, check_choice, check_instance, check_int, check_power_of_two, check_tensor
 from ...batch import PagedBatch, check_batch, check_batch_queries, check_same_device, upload
 from ...formats import INDEX_HEAD_DIM, KeyFormat, key_codec
-from .._backend import GLUON_CAPABILITY, device_capability, gluon_importable, triton_interpreted
+from .._backend import device_capability, gluon_platform_reason, triton_interpreted
 from ...formats.codes import KeyCode
 from ._kernels import (_index_scores_group_kernel, _index_scores_group_tma_kernel, _index_scores_tile_kernel,
                        _page_term_group_kernel, _page_term_tile_kernel)
@@ -326,15 +326,7 @@ def gluon_prefill_unsupported_reason(fmt, device: torch.device, capability: "tup
     this Triton (:func:`dsakit.ops._backend.gluon_importable`), only on an sm_90 GPU."""
     if fmt.name != "bf16":
         return f"the keys are {fmt.name!r}: the Gluon prefill kernel reads bf16 keys only"
-    if capability is None:
-        return f"the batch is on {device}, not a CUDA GPU"
-    if tuple(capability) != GLUON_CAPABILITY:
-        return f"the GPU is sm_{capability[0]}{capability[1]}, the Gluon prefill kernel is written for sm_90 (wgmma)"
-    if not (gluon_importable() if importable is None else importable):
-        return "this Triton has no Gluon Hopper API (triton.experimental.gluon, Triton >= 3.5)"
-    if triton_interpreted():
-        return "TRITON_INTERPRET=1: Gluon kernels do not run in the interpreter"
-    return None
+    return gluon_platform_reason(f"the batch is on {device}", capability, "the Gluon prefill kernel", importable)
 
 
 def choose_prefill_kernel(config: ScoresConfig, fmt, device: torch.device, tile_size: int = GLUON_MAX_BLOCK_T, *,
