@@ -227,6 +227,8 @@ def main() -> int:
                     got = ours().clone()
                     check = same_selection(got, plan.workspace[:, :n], k)
                     row[f"dsakit_{label}_check"] = check
+                    if plan.stream is not None:  # which path the select took per row (exact rows cost ~0.25 ms)
+                        row[f"dsakit_{label}_select_paths"] = plan.stream.path_counts(b)
                     if name in PLAIN:
                         row[f"dsakit_{label}_rule_error"] = centred_rule_error(
                             name, pools[name], table, q, w, qs, plan.workspace, [0, b - 1], n)
