@@ -108,10 +108,12 @@ def _sample_threshold(row_scores, n, K, CAP: tl.constexpr, SAMPLE: tl.constexpr,
     if n > CAP:
         lane = tl.arange(0, SAMPLE)
         groups: tl.constexpr = SAMPLE // SAMPLE_GROUP
-        group = (lane // SAMPLE_GROUP).to(tl.int64)
+        group = lane // SAMPLE_GROUP
         # offsets stay inside the group's slice: [g n / groups, (g + 1) n / groups) holds >= n // groups entries
+        # (the offset in int32: group * 7 * SAMPLE_GROUP < 7 * 8192; the slice start in int64: g * n can exceed it)
         room = tl.maximum(n // groups - SAMPLE_GROUP, 0) + 1
-        pos = group * n // groups + (group * (7 * SAMPLE_GROUP)) % room + lane % SAMPLE_GROUP
+        offset = (group * (7 * SAMPLE_GROUP)) % room
+        pos = group.to(tl.int64) * n // groups + offset + lane % SAMPLE_GROUP
         inside = pos < n
         key, valid = _order_key(tl.load(row_scores + pos, mask=inside, other=float("-inf")), inside)
         m = (SAMPLE * 1.0 / n.to(tl.float32)) * K
