@@ -24,7 +24,8 @@ captured in one graph like dsakit's plan. Sections:
            top-k); dsakit bf16 keys vs StreamIndex (bf16, chunk_s 2048, chunk_t 8192); peak extra memory
   decode   B 64 x N 65536 / 131072, next_n 1 / 2 / 4 (rows B * next_n), graph on both sides: dsakit fp8 and
            fp4 keys (fp8 q + q_scale) vs DeepGEMM paged fp8 logits + torch.topk; at next_n 1 also dsakit bf16
-           vs StreamIndex; times per call and per query row
+           vs StreamIndex; times per call and per query row; the fp8 step's select alone on the scores that
+           step wrote (``dsakit_fp8_select_of_step_ms``, graph: the step's split between scores and select)
 
 Ratios are dsakit / peer from the same run (< 1: dsakit faster). Results: DIR/peers_<commit>.json (written
 after every case) with GPU, versions, commit and each peer's version and source commit.
@@ -51,7 +52,8 @@ from bench_select import make_scores
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
 from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
-from dsakit.ops.topk.triton import SelectBuffers, index_topk_triton, release_workspaces, select_topk_stream
+from dsakit.ops.topk.triton import (SelectBuffers, index_topk_triton, launch_select, release_workspaces,
+                                   select_topk_stream)
 
 HEADS = 64
 K = 2048
@@ -336,6 +338,12 @@ def main() -> int:
                     if name == "fp8":
                         mine = got
                         row["dsakit_fp8_check"] = same_selection(got, plan.workspace[:, :n], k)
+                        # the step's select alone, on the scores the step just wrote (its own buffers, graph):
+                        # where the step's time goes between scores and select
+                        select_only = lambda plan=plan: launch_select(  # noqa: E731
+                            plan.workspace[:, :n], plan.visible, plan.indices, k, plan.sort, config=plan.select,
+                            cand_vals=plan.cand_vals, cand_idx=plan.cand_idx, stream_buffers=plan.stream)
+                        row["dsakit_fp8_select_of_step_ms"] = bench(select_only, graph=True)
                     row[f"dsakit_{name}_ms"] = bench(ours, graph=True)
                     row[f"dsakit_{name}_us_per_row"] = 1e3 * row[f"dsakit_{name}_ms"] / rows
                     del plan, batch
