@@ -136,6 +136,8 @@ case "$phase" in
       --mode prefill --format fp8 --n 65536
     step ncu_fp4_decode 60 "${ncu_common[@]}" -k regex:"_index_scores" -c 2 python3 benchmarks/profile_topk.py \
       --mode decode --format fp4 --n 65536
+    step peers_decode 120 python3 benchmarks/bench_peers.py --sections decode --next-n 1 --rep 40 --out "$res" \
+      --commit "$commit"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
