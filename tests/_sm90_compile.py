@@ -60,6 +60,17 @@ print(json.dumps(result))
 """
 
 
+def compiled_variants_fixture(compiler: str, variants: dict):
+    """A module-scoped fixture ``compiled_variants``: :func:`compile_variants` of ``compiler`` over
+    ``variants`` once per test module, in a fresh Triton cache. Assign it to ``compiled_variants`` there."""
+
+    @pytest.fixture(scope="module")
+    def compiled_variants(tmp_path_factory):
+        return compile_variants(compiler, variants, tmp_path_factory.mktemp("triton_cache"))
+
+    return compiled_variants
+
+
 def compile_variants(compiler: str, variants: dict, cache_dir: Path) -> dict:
     from dsakit.ops._backend import gluon_importable
 

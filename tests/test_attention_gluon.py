@@ -9,8 +9,8 @@ import math
 import os
 
 import pytest
-from _sm90_compile import (RecordedLaunch, assert_async_and_spill_free, compile_variants,  # tests/ on sys.path
-                           needs_sm90)
+from _sm90_compile import (RecordedLaunch, assert_async_and_spill_free,  # tests/ on sys.path
+                           compiled_variants_fixture, needs_sm90)
 import torch
 
 from dsakit.formats import AttentionKVFormat
@@ -226,10 +226,7 @@ COMPILE_VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def compiled_variants(tmp_path_factory):
-    return compile_variants("dsakit.ops.attention.gluon:compile_gluon_kernel", COMPILE_VARIANTS,
-                            tmp_path_factory.mktemp("triton_cache"))
+compiled_variants = compiled_variants_fixture("dsakit.ops.attention.gluon:compile_gluon_kernel", COMPILE_VARIANTS)
 
 
 @pytest.mark.parametrize("name", sorted(COMPILE_VARIANTS))

@@ -10,8 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from _sm90_compile import (RecordedLaunch, assert_async_and_spill_free, compile_variants,  # tests/ on sys.path
-                           needs_sm90)
+from _sm90_compile import (RecordedLaunch, assert_async_and_spill_free,  # tests/ on sys.path
+                           compiled_variants_fixture, needs_sm90)
 import torch
 
 from dsakit import PagedBatch
@@ -181,10 +181,7 @@ COMPILE_VARIANTS = {
 for _kw in COMPILE_VARIANTS.values():
     _kw.setdefault("warps", 8)
 
-@pytest.fixture(scope="module")
-def compiled_variants(tmp_path_factory):
-    return compile_variants("dsakit.ops.scores.gluon:compile_gluon_scores_kernel", COMPILE_VARIANTS,
-                            tmp_path_factory.mktemp("triton_cache"))
+compiled_variants = compiled_variants_fixture("dsakit.ops.scores.gluon:compile_gluon_scores_kernel", COMPILE_VARIANTS)
 
 
 @pytest.mark.parametrize("name", sorted(COMPILE_VARIANTS))
