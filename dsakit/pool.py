@@ -258,3 +258,88 @@ def sequence_slots(block_table_row: torch.Tensor, length: int) -> torch.Tensor:
 __all__ = ["check_centre_order", "check_pool", "check_pool_alignment", "check_slots", "dequantize_entries", "num_slots",
            "read_centres", "read_checked_entries", "read_entries", "sequence_slots", "store_checked_entries",
            "store_entries", "write_checked_entries", "write_entries"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Page summaries: the side table hierarchical selection reads
+# --------------------------------------------------------------------------------------------------
+
+
+class PageSummaries:
+    """Per-page side table of an index-key pool of P pages: what hierarchical top-k reads instead of the keys.
+
+    Three bf16 tensors [P, 128], row p for page p, over the page's stored entries 0..n-1 *as decoded* (the
+    values the scores kernels multiply: dequantized codes, plus the page centre for centred formats):
+
+    * ``centre``: the mean, ``bf16_rne(s / n)`` with ``s`` the fp32 sum of the decoded rows added one row
+      at a time in entry order (0, 1, ..., n-1) and ``/`` an IEEE fp32 division: a pure function of the
+      stored bytes, so a page appended in one call, in chunks or one entry at a time gets the same bytes.
+    * ``lower`` / ``upper``: per-dimension min / max of the decoded rows, rounded outward to bf16 (lower
+      toward -inf, upper toward +inf), so ``lower <= k_j <= upper`` holds exactly for every stored entry j:
+      the box the exact mode bounds scores with.
+
+    A page that holds no entry reads zeros (it is never visible to a query). For centred formats the
+    page's own stored centre (entry 0's key) is the representative hierarchical selection uses; ``centre``
+    is still kept (the mean) and the box serves the exact mode. Memory: 768 B per page (12 B per entry).
+    """
+
+    __slots__ = ("centre", "lower", "upper")
+
+    def __init__(self, centre: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor):
+        for what, t in (("centre", centre), ("lower", lower), ("upper", upper)):
+            check_tensor(what, t, dims=2, dtypes=(torch.bfloat16,),
+                         message=f"PageSummaries.{what} must be a bf16 [P, 128] tensor")
+            if t.shape != centre.shape or t.shape[1] != 128 or t.device != centre.device:
+                raise ValueError(f"PageSummaries.{what} must be bf16 [P, 128] on centre's device "
+                                 f"({list(centre.shape)}, {centre.device}), got {list(t.shape)} on {t.device}")
+        self.centre, self.lower, self.upper = centre, lower, upper
+
+    @classmethod
+    def zeros(cls, num_pages: int, device: "str | torch.device" = "cpu") -> "PageSummaries":
+        check_int("num_pages", num_pages, 1, message="num_pages must be a positive int")
+        make = lambda: torch.zeros(num_pages, 128, dtype=torch.bfloat16, device=device)  # noqa: E731
+        return cls(make(), make(), make())
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.centre.shape[0])
+
+    def check_for(self, pool: torch.Tensor) -> None:
+        """ValueError unless this table has one row per page of ``pool`` on its device."""
+        if self.num_pages != pool.shape[0] or self.centre.device != pool.device:
+            raise ValueError(f"page summaries of {self.num_pages} pages on {self.centre.device} do not belong to "
+                             f"a pool of {pool.shape[0]} pages on {pool.device}")
+
+
+def _round_outward(x: torch.Tensor, down: bool) -> torch.Tensor:
+    """fp32 -> bf16 rounded toward -inf (down) or +inf: the nearest bf16 on the safe side of x."""
+    r = x.to(torch.bfloat16)
+    back = r.float()
+    step = torch.full_like(r, float("-inf") if down else float("inf"))
+    wrong = (back > x) if down else (back < x)
+    return torch.where(wrong, torch.nextafter(r, step), r)
+
+
+def summarize_page(decoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The spec of one page's summary row: decoded fp32 [n, 128] (entries 0..n-1, n >= 1) ->
+    (centre, lower, upper) bf16 [128] (rules of :class:`PageSummaries`)."""
+    total = torch.zeros(decoded.shape[1], dtype=torch.float32)
+    for row in decoded.float():  # one row at a time, in entry order: the order the store kernels add in
+        total = total + row
+    centre = (total / decoded.shape[0]).to(torch.bfloat16)
+    lower = _round_outward(decoded.float().amin(dim=0), down=True)
+    upper = _round_outward(decoded.float().amax(dim=0), down=False)
+    return centre, lower, upper
+
+
+def summarize_pages(pool: torch.Tensor, fmt: EntryFormat, pages: torch.Tensor, counts: torch.Tensor,
+                    summaries: PageSummaries) -> None:
+    """Reference: recompute the summary rows of ``pages`` [M] (page ids) holding ``counts`` [M] entries
+    (1..64; entries 0..count-1 are the stored ones) from the pool's bytes into ``summaries``."""
+    for page, count in zip(pages.tolist(), counts.tolist()):
+        slots = torch.arange(count, dtype=torch.int64) + page * ENTRIES_PER_PAGE
+        centre, lower, upper = summarize_page(dequantize_entries(pool, fmt, slots))
+        device = summaries.centre.device
+        summaries.centre[page] = centre.to(device)
+        summaries.lower[page] = lower.to(device)
+        summaries.upper[page] = upper.to(device)
