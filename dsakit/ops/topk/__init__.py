@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from ...batch import PagedBatch, check_batch
+from ...batch import PagedBatch, check_batch, check_batch_queries, check_k
+from ...formats import is_centred
+from ...pool import PageSummaries
 from ..._memory import check_bool, check_instance
 from .._backend import resolve_backend
-from .config import SelectConfig, TopkConfig
+from .config import MAX_K, HierarchyConfig, SelectConfig, TopkConfig
+from .reference import hierarchical_topk as hierarchical_topk_reference
 from .reference import index_topk as index_topk_reference
 from .reference import select_topk as select_topk_reference
 from .reference import topk_to_slots
@@ -60,6 +63,50 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int
     return indices, topk_to_slots(indices, batch.block_table.cpu(), batch.query_seq.cpu())
 
 
+def hierarchical_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int, *,
+                      summaries: PageSummaries | None = None, config: HierarchyConfig | None = None,
+                      backend: str = "auto", return_slots: bool = False, return_pages: bool = False):
+    """Top-k entries per query chosen in two stages: page representatives, then exact scores inside the
+    pages kept (docs/hierarchy.md) -> int32 [T, k] entry indices (-1 padded), as :func:`index_topk`.
+
+    Stage 1 keeps each query's best ``config.pages_for(k)`` pages by the score of their representative
+    (a centred pool's stored centre, else ``summaries.centre``), plus its first and last pages; stage 2
+    returns the exact top-k among the entries of those pages, in :func:`index_topk`'s order and tie rule.
+    ``HierarchyConfig(exact=True)`` also scores every page whose bound (``summaries.lower`` / ``upper``)
+    reaches the k-th score, so the result is the flat top-k. ``summaries`` (:class:`dsakit.pool.PageSummaries`
+    kept by the store, ``PagedCache(..., summaries=True)``) is needed for plain formats and for the exact mode.
+    ``return_slots`` adds the global slots; ``return_pages`` adds int64 [T]: the pages stage 2 scored per query.
+
+    >>> idx = hierarchical_topk(q, w, cache.batch(), 512, summaries=cache.summaries)
+    """
+    check_bool("return_slots", return_slots)
+    check_bool("return_pages", return_pages)
+    check_batch(batch)
+    check_batch_queries(q, weights, batch)
+    check_k(k, MAX_K)
+    config = check_instance("config", config or HierarchyConfig(), HierarchyConfig, label="HierarchyConfig or None")
+    if summaries is not None:
+        check_instance("summaries", summaries, PageSummaries, label="dsakit.pool.PageSummaries or None")
+        summaries.check_for(batch.pool)
+    elif config.exact or not is_centred(batch.fmt):
+        need = "the exact mode" if config.exact else f"a {batch.fmt.name} pool (no stored centres)"
+        raise ValueError(f"hierarchical_topk needs summaries (PageSummaries kept by the store) for {need}")
+    chosen = resolve_backend(backend, q, batch.pool)
+    if chosen == "triton":
+        from .hierarchy import hierarchical_topk_device
+        from .triton import index_topk_triton
+        from ..scores.triton import index_scores_triton
+
+        indices, slots, pages = hierarchical_topk_device(q, weights, batch, k, config, summaries,
+                                                         topk=index_topk_triton, scores=index_scores_triton,
+                                                         return_slots=return_slots)
+    else:
+        indices, pages = hierarchical_topk_reference(q, weights, batch, k, config, summaries)
+        slots = topk_to_slots(indices, batch.block_table.cpu(), batch.query_seq.cpu()) if return_slots else None
+    out = (indices,) + ((slots,) if return_slots else ()) + ((pages,) if return_pages else ())
+    return out[0] if len(out) == 1 else out
+
+
 def __getattr__(name: str):
     # the decode plan path needs triton, an optional dependency: import it only when asked for
     if name in ("DecodeTopkPlan", "plan_decode_topk", "index_topk_decode"):
@@ -69,5 +116,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["index_topk", "index_topk_reference", "select_topk", "select_topk_reference", "topk_to_slots",
+__all__ = ["index_topk", "hierarchical_topk", "hierarchical_topk_reference", "HierarchyConfig", "index_topk_reference", "select_topk", "select_topk_reference", "topk_to_slots",
            "DecodeTopkPlan", "plan_decode_topk", "index_topk_decode", "TopkConfig", "SelectConfig"]

@@ -354,3 +354,46 @@ TOPK_DEFAULTS: dict[str, TopkConfig] = {"H200": TopkConfig(), "default": TopkCon
 
 __all__ = ["TopkConfig", "SelectConfig", "StreamConfig", "TOPK_DEFAULTS", "DEFAULT_WORKSPACE_BYTES",
            "MAX_SELECT_BLOCK", "MAX_K", "STREAM_MAX_K"]
+
+
+#: Pages stage 1 keeps per top-k entry wanted, by default: m = HIERARCHY_PAGES_PER_K * ceil(k / 64) pages,
+#: i.e. stage 2 scores 4 * k entries (recall lab, docs/hierarchy.md: mean IoU >= 0.99 against the flat top-k).
+HIERARCHY_PAGES_PER_K = 4
+#: Fewest pages stage 1 keeps by default (small k still gets a few pages of choice).
+HIERARCHY_MIN_PAGES = 16
+
+
+@dataclass(frozen=True)
+class HierarchyConfig:
+    """Which pages hierarchical top-k scores exactly (docs/hierarchy.md).
+
+    Stage 1 scores one representative per fully visible page and keeps its best ``pages`` (None = the
+    default ``max(HIERARCHY_MIN_PAGES, HIERARCHY_PAGES_PER_K * ceil(k / 64))``); the first ``first_pages``
+    pages and the last ``recent_pages`` visible pages (the partial page included) are kept whatever their
+    score. ``exact=True`` adds every page whose score bound reaches the k-th score found so far, so the result
+    equals the flat top-k (costs the bound computation and one sync).
+    """
+
+    pages: int | None = None
+    first_pages: int = 1
+    recent_pages: int = 2
+    exact: bool = False
+
+    def __post_init__(self):
+        if self.pages is not None:
+            check_int("HierarchyConfig.pages", self.pages, 1, MAX_K)
+        check_int("HierarchyConfig.first_pages", self.first_pages, 0, 1024)
+        check_int("HierarchyConfig.recent_pages", self.recent_pages, 1, 1024,
+                  message="HierarchyConfig.recent_pages must be an int in 1..1024 (the query's own last page is "
+                          "always kept: it is the only partially visible one)")
+        check_bool("HierarchyConfig.exact", self.exact)
+
+    def pages_for(self, k: int) -> int:
+        """m: the pages stage 1 keeps for a top-k of k."""
+        if self.pages is not None:
+            return self.pages
+        return min(MAX_K, max(HIERARCHY_MIN_PAGES, HIERARCHY_PAGES_PER_K * -(-k // 64)))
+
+    def width(self, k: int) -> int:
+        """Most pages stage 2 scores per query (approximate mode)."""
+        return self.pages_for(k) + self.first_pages + self.recent_pages

@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 
 from ..._memory import INDEX_DTYPES, check_tensor
-from ...batch import PagedBatch, check_k
-from .config import MAX_K
+from ...batch import PagedBatch, check_k, visible_counts
+from ...formats import ENTRIES_PER_PAGE, is_centred
+from ...pool import PageSummaries, read_centres
+from .config import MAX_K, HierarchyConfig
 from ..scores.reference import index_scores
 
 
@@ -82,3 +84,114 @@ def topk_to_slots(indices: torch.Tensor, block_table: torch.Tensor, query_seq: t
                          f"sequence's block table")
     slots = page * 64 + safe % 64
     return torch.where(idx >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Hierarchical top-k (docs/hierarchy.md)
+# --------------------------------------------------------------------------------------------------
+
+#: Relative slack of the exact mode's per-head bound: covers the kernels' rounding of q to bf16 (2^-9 of
+#: sum_d |q_d k_d|), Hopper's fp8 accumulation and fp32 reordering, each far below 2^-7 of that sum.
+BOUND_SLACK = 2.0 ** -7
+
+
+def page_score_bounds(q: torch.Tensor, weights: torch.Tensor, lower: torch.Tensor,
+                      upper: torch.Tensor) -> torch.Tensor:
+    """Upper bound of S[t, j] = sum_h w[t, h] relu(q[t, h] . k_j) over every key k_j of a page whose
+    per-dimension box is [lower_p, upper_p]: q [T, H, D], weights [T, H], lower / upper [P, D] (pages shared by
+    every query) or [T, P, D] (each query's own pages) -> fp32 [T, P], on q's device.
+
+    Per head, q . k ranges over [lo_h, hi_h] with hi_h = q+ . upper + q- . lower and lo_h = q+ . lower +
+    q- . upper (q+ / q- the positive / negative parts); relu is monotone, so w relu(q . k) <= w relu(hi_h)
+    where w > 0 and <= w relu(lo_h) where w <= 0. Both ends are widened by BOUND_SLACK * m_h with
+    m_h = |q| . max(|lower|, |upper|) >= sum_d |q_d k_d|, which covers the rounding of every kernel's score.
+    NaN anywhere makes the bound NaN, which never compares below a threshold: such pages are kept.
+    """
+    qf, wf = q.float(), weights.float()
+    lo, hi = lower.float(), upper.float()
+    pos, neg = qf.clamp(min=0), qf.clamp(max=0)
+    spec = "thd,pd->thp" if lo.dim() == 2 else "thd,tpd->thp"
+    hi_h = torch.einsum(spec, pos, hi) + torch.einsum(spec, neg, lo)
+    lo_h = torch.einsum(spec, pos, lo) + torch.einsum(spec, neg, hi)
+    m_h = torch.einsum(spec, qf.abs(), torch.maximum(lo.abs(), hi.abs()))
+    w = wf.unsqueeze(-1)
+    term = torch.where(w > 0, w * (hi_h + BOUND_SLACK * m_h).relu(), w * (lo_h - BOUND_SLACK * m_h).relu())
+    return term.sum(dim=1)
+
+
+def forced_pages(visible: torch.Tensor, num_pages: int, config: HierarchyConfig) -> torch.Tensor:
+    """bool [T, num_pages]: the pages every query keeps whatever their score: its first ``first_pages``
+    and its last ``recent_pages`` pages that hold a visible entry (visible int64 [T] entries)."""
+    page = torch.arange(num_pages, device=visible.device).unsqueeze(0)
+    used = (visible.unsqueeze(1) + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE  # pages holding a visible entry
+    return (page < used) & ((page < config.first_pages) | (page >= used - config.recent_pages))
+
+
+def _kth_scores(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """fp32 [T]: the k-th best candidate score of each row of scores [T, W] (-inf where fewer than k)."""
+    chosen = select_topk(scores, k)[:, k - 1].long()
+    kth = scores.gather(1, chosen.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(chosen >= 0, kth, torch.full_like(kth, float("-inf")))
+
+
+def hierarchical_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int,
+                      config: HierarchyConfig, summaries: PageSummaries | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec of hierarchical top-k -> (int32 [T, k] entry indices, -1 padded; int64 [T] pages scored).
+
+    1. Representatives: the stored centre of each page for centred formats, ``summaries.centre`` otherwise.
+    2. Stage 1: coarse[t, p] = sum_h w[t, h] relu(q[t, h] . rep_p) over the query's fully visible pages;
+       its best m = ``config.pages_for(k)`` (select_topk's rules) are kept, plus :func:`forced_pages`.
+    3. Exact mode: theta = the k-th best exact score among the kept pages' entries; every page whose
+       :func:`page_score_bounds` is not below theta is kept too (no entry of a skipped page can reach the
+       flat top-k, nor tie with its k-th score).
+    4. Stage 2: the exact scores (:func:`index_scores`) of the kept pages' visible entries, selected by
+       :func:`select_topk`'s rules: the same order and tie rule as the flat top-k over those entries.
+
+    Materializes [T, N] (the reference may); arguments as :func:`index_topk`, already checked.
+    """
+    check_k(k, MAX_K)
+    scores = index_scores(q, weights, batch)  # [T, N] fp32, -inf where invisible
+    t, n = scores.shape
+    num_pages = -(-n // ENTRIES_PER_PAGE)
+    seq_of = batch.query_seq.cpu().long()
+    counts = batch.entry_counts.cpu().long()
+    positions = None if batch.query_positions is None else batch.query_positions.cpu()
+    visible = visible_counts(counts[seq_of], positions, batch.ratio).clamp(max=n)
+    keep = forced_pages(visible, num_pages, config)
+    qf, wf = q.detach().cpu().float(), weights.detach().cpu().float()
+    table = batch.block_table.cpu().long()
+    bounds = None
+    if config.exact:
+        bounds = torch.full((t, num_pages), float("nan"))
+    m = config.pages_for(k)
+    for b in range(batch.num_seqs):
+        rows = torch.nonzero(seq_of == b).flatten()
+        pages_b = min(-(-int(counts[b]) // ENTRIES_PER_PAGE), num_pages)
+        if rows.numel() == 0 or pages_b == 0:
+            continue
+        page_ids = table[b, :pages_b]
+        if is_centred(batch.fmt):
+            reps = read_centres(batch.pool, batch.fmt, page_ids * ENTRIES_PER_PAGE)
+        else:
+            reps = summaries.centre[page_ids.to(summaries.centre.device)].cpu().float()
+        coarse = (torch.einsum("thd,pd->thp", qf[rows], reps).relu() * wf[rows].unsqueeze(-1)).sum(dim=1)
+        full = (visible[rows] // ENTRIES_PER_PAGE).unsqueeze(1)
+        coarse = coarse.masked_fill(torch.arange(pages_b).unsqueeze(0) >= full, float("-inf"))
+        best = select_topk(coarse, min(m, pages_b)).long()
+        hit = torch.zeros(rows.numel(), num_pages, dtype=torch.bool)
+        hit.scatter_(1, best.clamp(min=0), best >= 0)
+        keep[rows] |= hit
+        if bounds is not None:
+            device = summaries.lower.device
+            lower = summaries.lower[page_ids.to(device)].cpu()
+            upper = summaries.upper[page_ids.to(device)].cpu()
+            bounds[rows, :pages_b] = page_score_bounds(qf[rows], wf[rows], lower, upper)
+    entry_page = torch.arange(n) // ENTRIES_PER_PAGE
+    if bounds is not None:
+        theta = _kth_scores(scores.masked_fill(~keep[:, entry_page], float("-inf")), k)
+        reachable = ~(bounds < theta.unsqueeze(1))  # NaN bounds or theta: kept
+        used = (visible.unsqueeze(1) + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
+        keep |= reachable & (torch.arange(num_pages).unsqueeze(0) < used)
+    chosen = select_topk(scores.masked_fill(~keep[:, entry_page], float("-inf")), k)
+    return chosen, keep.sum(dim=1)

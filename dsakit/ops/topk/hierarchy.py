@@ -1,0 +1,172 @@
+"""Hierarchical top-k on the device: page representatives first, exact scores inside the pages kept.
+
+The spec is :func:`dsakit.ops.topk.reference.hierarchical_topk`; this module computes the same selection with
+the flat kernels of ``index_topk`` run on two small *derived batches*, so every key format, both query
+layouts (prefill and decode) and every tuning of the flat path carry over unchanged:
+
+* stage 1: the representatives (bf16 [P, 128]: a centred pool's stored centres, a plain pool's
+  :class:`dsakit.pool.PageSummaries` centres) of each sequence's pages are gathered into a bf16 key pool of
+  ceil(pages / 64) pages per sequence, and ``index_topk`` over it with ratio * 64 (a query sees the pages
+  whose 64 entries it all sees) keeps the best m pages of each query: [T, Pmax] scores, never [T, N];
+* the kept pages, the first and the last pages (:func:`dsakit.ops.topk.reference.forced_pages`) are merged
+  in ascending page order and deduplicated: [T, M] page columns, M = m + first + recent;
+* stage 2: each query becomes a sequence of its own whose block table lists its kept pages (ascending, so
+  entry order and the tie rule are the flat top-k's); its visible count is all of its kept pages but the
+  last, which is its own partial page; ``index_topk`` over that batch returns the exact top-k, mapped back
+  to entry indices (and slots) through the page columns.
+
+No [T, N] tensor and no device->host sync in the approximate mode (the derived batches are built with
+``validate=False`` from widths known on the host). The exact mode adds the page bounds
+(:func:`~dsakit.ops.topk.reference.page_score_bounds`, fp32 torch, chunked), one sync for the widest page
+set, and a second stage 2 over the pages whose bound reaches the k-th score.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...batch import PagedBatch, visible_counts
+from ...formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
+from ...pool import PageSummaries
+from .config import HierarchyConfig
+from .reference import page_score_bounds
+
+_SENTINEL = 2**30  # a page column past every real one: sorts last, marks "no page"
+# Elements of the [rows, Pmax, 128] bound gathers per chunk (bf16): 2^26 = 128 MiB each.
+_BOUND_CHUNK_ELEMENTS = 1 << 26
+
+
+def representatives(batch: PagedBatch, summaries: PageSummaries | None) -> torch.Tensor:
+    """bf16 [P, 128] (a view, rows may be strided): the representative of every page of the pool."""
+    if is_centred(batch.fmt):
+        offset = batch.fmt.centre_offset_in_page
+        return batch.pool[:, offset:offset + 256].view(torch.bfloat16)
+    return summaries.centre
+
+
+def _stage1_batch(batch: PagedBatch, reps: torch.Tensor) -> tuple[PagedBatch, int]:
+    """The representatives of each sequence's pages as a bf16 key batch (entry i of sequence b = the
+    representative of its page i) and the widest page count."""
+    num_seqs, width = batch.block_table.shape
+    pages_max = min(width, -(-batch.max_entries // ENTRIES_PER_PAGE))
+    rep_pages = max(1, -(-pages_max // ENTRIES_PER_PAGE))  # bf16 pages of 64 representatives per sequence
+    columns = rep_pages * ENTRIES_PER_PAGE
+    table = batch.block_table[:, :pages_max].long().clamp(0, reps.shape[0] - 1)
+    gathered = torch.zeros(num_seqs, columns, 128, dtype=torch.bfloat16, device=batch.device)
+    gathered[:, :pages_max] = reps[table.reshape(-1)].reshape(num_seqs, pages_max, 128)
+    pool = gathered.view(num_seqs * rep_pages, KeyFormat.BF16.page_bytes // 2).view(torch.uint8)
+    rep_table = torch.arange(num_seqs * rep_pages, device=batch.device, dtype=torch.int32).view(num_seqs, rep_pages)
+    page_counts = (batch.entry_counts.long() + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
+    derived = PagedBatch.build(pool, KeyFormat.BF16, rep_table, page_counts.clamp(max=pages_max), batch.query_seq,
+                               batch.query_positions, batch.ratio * ENTRIES_PER_PAGE, validate=False,
+                               max_entries=pages_max)
+    return derived, pages_max
+
+
+def _merge_columns(parts: list[torch.Tensor]) -> torch.Tensor:
+    """int64 [T, M]: the distinct page columns >= 0 of the parts (each int [T, x], < 0 = none), ascending,
+    then _SENTINEL."""
+    cols = torch.cat([torch.where(p >= 0, p.long(), torch.full_like(p.long(), _SENTINEL)) for p in parts], dim=1)
+    cols = cols.sort(dim=1).values
+    repeated = torch.zeros_like(cols, dtype=torch.bool)
+    repeated[:, 1:] = cols[:, 1:] == cols[:, :-1]
+    return cols.masked_fill(repeated, _SENTINEL).sort(dim=1).values
+
+
+def _forced_columns(visible: torch.Tensor, config: HierarchyConfig) -> torch.Tensor:
+    """int64 [T, first + recent]: the first pages and the last visible pages of each query (-1 = none)."""
+    used = (visible + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
+    first = torch.arange(config.first_pages, device=visible.device).unsqueeze(0).expand(visible.shape[0], -1)
+    first = torch.where(first < used.unsqueeze(1), first, torch.full_like(first, -1))
+    recent = used.unsqueeze(1) - 1 - torch.arange(config.recent_pages, device=visible.device).unsqueeze(0)
+    return torch.cat([first, recent.clamp(min=-1)], dim=1)
+
+
+def _stage2(q, weights, batch: PagedBatch, k: int, cols: torch.Tensor, visible: torch.Tensor, *, topk,
+            return_slots: bool):
+    """Exact top-k of each query over the pages at its columns cols [T, M] (ascending, _SENTINEL = none)."""
+    t, width = cols.shape
+    valid = cols < _SENTINEL
+    kept = valid.sum(dim=1)
+    rows = batch.block_table.long()[batch.query_seq.long()]  # [T, W]
+    safe = cols.clamp(max=rows.shape[1] - 1)
+    pages = torch.where(valid, rows.gather(1, safe), torch.zeros_like(safe))
+    used = (visible + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
+    last = visible - (used - 1) * ENTRIES_PER_PAGE  # visible entries of the query's last page
+    counts = torch.where(kept > 0, (kept - 1) * ENTRIES_PER_PAGE + last, torch.zeros_like(kept))
+    derived = PagedBatch.build(batch.pool, batch.fmt, pages.to(torch.int32), counts,
+                               torch.arange(t, device=batch.device, dtype=torch.int32), None, 1,
+                               validate=False, max_entries=width * ENTRIES_PER_PAGE)
+    chosen = topk(q, weights, derived, k).long()
+    column = (chosen.clamp(min=0) // ENTRIES_PER_PAGE)
+    within = chosen.clamp(min=0) % ENTRIES_PER_PAGE
+    none = torch.full_like(chosen, -1)
+    indices = torch.where(chosen >= 0, cols.gather(1, column) * ENTRIES_PER_PAGE + within, none).to(torch.int32)
+    slots = None
+    if return_slots:
+        slots = torch.where(chosen >= 0, pages.gather(1, column) * ENTRIES_PER_PAGE + within, none).to(torch.int32)
+    return indices, slots, derived, chosen
+
+
+def _kth_scores(q, weights, derived: PagedBatch, chosen: torch.Tensor, k: int, *, scores) -> torch.Tensor:
+    """fp32 [T]: the exact score of each query's k-th selected entry of stage 2 (-inf where fewer than k),
+    scored by the flat kernel on a one-page batch (the page holding that entry)."""
+    kth = chosen[:, k - 1]
+    column = kth.clamp(min=0) // ENTRIES_PER_PAGE
+    page = derived.block_table.long().gather(1, column.unsqueeze(1))
+    one = PagedBatch.build(derived.pool, derived.fmt, page.to(torch.int32),
+                           torch.full_like(kth, ENTRIES_PER_PAGE), derived.query_seq, None, 1, validate=False,
+                           max_entries=ENTRIES_PER_PAGE)
+    page_scores = scores(q, weights, one)
+    value = page_scores.gather(1, (kth.clamp(min=0) % ENTRIES_PER_PAGE).unsqueeze(1)).squeeze(1)
+    return torch.where(kth >= 0, value, torch.full_like(value, float("-inf")))
+
+
+def _reachable_pages(q, weights, batch: PagedBatch, summaries: PageSummaries, theta: torch.Tensor,
+                     visible: torch.Tensor, pages_max: int) -> torch.Tensor:
+    """bool [T, pages_max]: the visible pages whose score bound is not below theta [T]."""
+    t, h, _ = q.shape
+    rows_table = batch.block_table[:, :pages_max].long()[batch.query_seq.long()]  # [T, Pmax]
+    rows_table = rows_table.clamp(0, summaries.num_pages - 1)
+    out = torch.empty(t, pages_max, dtype=torch.bool, device=q.device)
+    step = max(1, _BOUND_CHUNK_ELEMENTS // max(1, pages_max * 128 * max(1, h // 8)))
+    for start in range(0, t, step):
+        sl = slice(start, min(t, start + step))
+        lower = summaries.lower[rows_table[sl]]  # [rows, Pmax, 128]
+        upper = summaries.upper[rows_table[sl]]
+        bound = page_score_bounds(q[sl], weights[sl], lower, upper)
+        out[sl] = ~(bound < theta[sl].unsqueeze(1))
+    used = (visible + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
+    return out & (torch.arange(pages_max, device=q.device).unsqueeze(0) < used.unsqueeze(1))
+
+
+def hierarchical_topk_device(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int,
+                             config: HierarchyConfig, summaries: PageSummaries | None, *, topk, scores,
+                             return_slots: bool = False):
+    """Hierarchical top-k with the flat ops ``topk(q, weights, batch, k)`` / ``scores(q, weights, batch)``
+    (checked inputs) -> (indices int32 [T, k], slots int32 [T, k] or None, pages scored int64 [T])."""
+    t = q.shape[0]
+    device = batch.device
+    if t == 0 or batch.max_entries == 0:
+        empty = torch.full((t, k), -1, dtype=torch.int32, device=device)
+        return empty, (empty.clone() if return_slots else None), torch.zeros(t, dtype=torch.int64, device=device)
+    stage1, pages_max = _stage1_batch(batch, representatives(batch, summaries))
+    m = min(config.pages_for(k), pages_max)
+    best = topk(q, weights, stage1, m)  # [T, m] page columns, -1 padded
+    visible = visible_counts(batch.entry_counts[batch.query_seq.long()], batch.query_positions, batch.ratio)
+    visible = visible.clamp(max=batch.max_entries)
+    cols = _merge_columns([best, _forced_columns(visible, config)])
+    indices, slots, derived, chosen = _stage2(q, weights, batch, k, cols, visible, topk=topk,
+                                              return_slots=return_slots)
+    if config.exact:
+        theta = _kth_scores(q, weights, derived, chosen, k, scores=scores)
+        reach = _reachable_pages(q, weights, batch, summaries, theta, visible, pages_max)
+        kept = torch.zeros(t, pages_max + 1, dtype=torch.bool, device=device)
+        kept.scatter_(1, cols.clamp(max=pages_max), True)
+        kept = kept[:, :pages_max] | reach
+        widest = int(kept.sum(dim=1).max())  # the one sync of the exact mode
+        order = torch.where(kept, torch.arange(pages_max, device=device).unsqueeze(0),
+                            torch.full_like(kept, _SENTINEL, dtype=torch.long))
+        cols = order.sort(dim=1).values[:, :max(1, widest)]
+        indices, slots, _, _ = _stage2(q, weights, batch, k, cols, visible, topk=topk, return_slots=return_slots)
+    return indices, slots, (cols < _SENTINEL).sum(dim=1)
