@@ -21,7 +21,7 @@ ALL_PAGES = HierarchyConfig(pages=10_000)
 
 
 def _case(fmt_name: str, counts: list[int], queries: list[int], *, heads: int = 4, ratio: int = 4, seed: int = 0,
-          keys: torch.Tensor | None = None, positions: bool = True):
+          keys: torch.Tensor | None = None, positions: bool = True, device: str = "cpu"):
     """A pool with shuffled pages, its page summaries, and a ragged batch of queries at causal positions."""
     gen = torch.Generator().manual_seed(seed)
     fmt = KeyFormat.parse(fmt_name)
@@ -47,9 +47,18 @@ def _case(fmt_name: str, counts: list[int], queries: list[int], *, heads: int = 
     t = int(seq.numel())
     q = torch.randn(t, heads, 128, generator=gen)
     w = torch.randn(t, heads, generator=gen)  # negative weights too: the bound must handle both signs
-    batch = PagedBatch.build(pool, fmt, table, torch.tensor(counts, dtype=torch.int32), seq,
-                             pos if positions else None, ratio)
-    return q, w, batch, summaries
+    batch = PagedBatch.build(pool.to(device), fmt, table.to(device), torch.tensor(counts, dtype=torch.int32, device=device),
+                             seq.to(device), pos.to(device) if positions else None, ratio)
+    moved = PageSummaries(summaries.centre.to(device), summaries.lower.to(device), summaries.upper.to(device))
+    return q.to(device), w.to(device), batch, moved
+
+
+def _on_cpu(q, w, batch, summaries):
+    """The same case on the CPU (for the reference)."""
+    cpu = PagedBatch.build(batch.pool.cpu(), batch.fmt, batch.block_table.cpu(), batch.entry_counts.cpu(),
+                           batch.query_seq.cpu(), None if batch.query_positions is None else batch.query_positions.cpu(),
+                           batch.ratio)
+    return q.cpu(), w.cpu(), cpu, PageSummaries(summaries.centre.cpu(), summaries.lower.cpu(), summaries.upper.cpu())
 
 
 def _flat(q, w, batch, k, backend="reference"):
@@ -125,25 +134,26 @@ def test_refuses_missing_summaries_and_bad_config():
 
 
 @pytest.mark.parametrize("fmt_name", ["bf16", "fp8", "fp8-centred"])
-def test_device_path_matches_the_reference(triton_backend, fmt_name):
-    q, w, batch, summaries = _case(fmt_name, [500, 0, 130], [3, 1, 2], seed=5)
+def test_device_path_matches_the_reference(triton_backend, device, fmt_name):
+    q, w, batch, summaries = _case(fmt_name, [500, 0, 130], [3, 1, 2], seed=5, device=device)
     q = q.bfloat16().float()  # the kernels round q to bf16: give both sides the same products
     config = HierarchyConfig(pages=2, first_pages=1, recent_pages=1)
-    ref, ref_pages = hierarchical_topk(q, w, batch, 24, summaries=summaries, config=config, backend="reference",
-                                       return_pages=True)
+    ref, ref_pages = hierarchical_topk(*_on_cpu(q, w, batch, summaries)[:3], 24, summaries=_on_cpu(q, w, batch, summaries)[3],
+                                       config=config, backend="reference", return_pages=True)
     got, slots, pages = hierarchical_topk(q, w, batch, 24, summaries=summaries, config=config, backend="triton",
                                           return_slots=True, return_pages=True)
+    got, slots = got.cpu(), slots.cpu()
     assert torch.equal(pages.cpu(), ref_pages)
     assert torch.equal((got >= 0).sum(1), (ref >= 0).sum(1))
     for row in range(got.shape[0]):  # the same set up to rounding-order swaps at the k-th score (none here)
         assert set(got[row].tolist()) == set(ref[row].tolist()), row
     from dsakit.ops.topk.reference import topk_to_slots
-    assert torch.equal(slots, topk_to_slots(got, batch.block_table, batch.query_seq))
+    assert torch.equal(slots, topk_to_slots(got, batch.block_table.cpu(), batch.query_seq.cpu()))
 
 
 @pytest.mark.parametrize("fmt_name", ["fp8", "fp4"])
-def test_device_exact_mode_equals_the_flat_device_top_k(triton_backend, fmt_name):
-    q, w, batch, summaries = _case(fmt_name, [700, 90], [3, 2], seed=6)
+def test_device_exact_mode_equals_the_flat_device_top_k(triton_backend, device, fmt_name):
+    q, w, batch, summaries = _case(fmt_name, [700, 90], [3, 2], seed=6, device=device)
     config = HierarchyConfig(pages=1, first_pages=0, recent_pages=1, exact=True)
     got = hierarchical_topk(q, w, batch, 32, summaries=summaries, config=config, backend="triton")
     assert torch.equal(got, _flat(q, w, batch, 32, backend="triton"))

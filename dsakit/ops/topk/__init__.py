@@ -93,12 +93,9 @@ def hierarchical_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
         raise ValueError(f"hierarchical_topk needs summaries (PageSummaries kept by the store) for {need}")
     chosen = resolve_backend(backend, q, batch.pool)
     if chosen == "triton":
-        from .hierarchy import hierarchical_topk_device
-        from .triton import index_topk_triton
-        from ..scores.triton import index_scores_triton
+        from .hierarchy import hierarchical_topk_triton
 
-        indices, slots, pages = hierarchical_topk_device(q, weights, batch, k, config, summaries,
-                                                         topk=index_topk_triton, scores=index_scores_triton,
+        indices, slots, pages = hierarchical_topk_triton(q, weights, batch, k, config, summaries,
                                                          return_slots=return_slots)
     else:
         indices, pages = hierarchical_topk_reference(q, weights, batch, k, config, summaries)

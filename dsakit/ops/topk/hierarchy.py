@@ -23,6 +23,8 @@ set, and a second stage 2 over the pages whose bound reaches the k-th score.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...batch import PagedBatch, visible_counts
@@ -60,6 +62,8 @@ def _stage1_batch(batch: PagedBatch, reps: torch.Tensor) -> tuple[PagedBatch, in
     derived = PagedBatch.build(pool, KeyFormat.BF16, rep_table, page_counts.clamp(max=pages_max), batch.query_seq,
                                batch.query_positions, batch.ratio * ENTRIES_PER_PAGE, validate=False,
                                max_entries=pages_max)
+    # the original batch's query layout (host metadata): the tile plans need no sync
+    derived = dataclasses.replace(derived, query_lens=batch.query_lens, rows_sorted=batch.rows_sorted)
     return derived, pages_max
 
 
@@ -97,6 +101,7 @@ def _stage2(q, weights, batch: PagedBatch, k: int, cols: torch.Tensor, visible: 
     derived = PagedBatch.build(batch.pool, batch.fmt, pages.to(torch.int32), counts,
                                torch.arange(t, device=batch.device, dtype=torch.int32), None, 1,
                                validate=False, max_entries=width * ENTRIES_PER_PAGE)
+    derived = dataclasses.replace(derived, query_lens=(1,) * t, rows_sorted=True)  # one query per sequence
     chosen = topk(q, weights, derived, k).long()
     column = (chosen.clamp(min=0) // ENTRIES_PER_PAGE)
     within = chosen.clamp(min=0) % ENTRIES_PER_PAGE
@@ -117,6 +122,7 @@ def _kth_scores(q, weights, derived: PagedBatch, chosen: torch.Tensor, k: int, *
     one = PagedBatch.build(derived.pool, derived.fmt, page.to(torch.int32),
                            torch.full_like(kth, ENTRIES_PER_PAGE), derived.query_seq, None, 1, validate=False,
                            max_entries=ENTRIES_PER_PAGE)
+    one = dataclasses.replace(one, query_lens=derived.query_lens, rows_sorted=True)
     page_scores = scores(q, weights, one)
     value = page_scores.gather(1, (kth.clamp(min=0) % ENTRIES_PER_PAGE).unsqueeze(1)).squeeze(1)
     return torch.where(kth >= 0, value, torch.full_like(value, float("-inf")))
@@ -140,11 +146,22 @@ def _reachable_pages(q, weights, batch: PagedBatch, summaries: PageSummaries, th
     return out & (torch.arange(pages_max, device=q.device).unsqueeze(0) < used.unsqueeze(1))
 
 
-def hierarchical_topk_device(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int,
-                             config: HierarchyConfig, summaries: PageSummaries | None, *, topk, scores,
-                             return_slots: bool = False):
-    """Hierarchical top-k with the flat ops ``topk(q, weights, batch, k)`` / ``scores(q, weights, batch)``
-    (checked inputs) -> (indices int32 [T, k], slots int32 [T, k] or None, pages scored int64 [T])."""
+def hierarchical_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int,
+                             config: HierarchyConfig, summaries: PageSummaries | None, *,
+                             q_scale: torch.Tensor | None = None, return_slots: bool = False,
+                             topk_config=None):
+    """Hierarchical top-k on the flat Triton kernels (inputs checked by the caller; ``q_scale`` fp32 [T, H]
+    as in ``index_topk_triton``, ``topk_config`` its TopkConfig) -> (indices int32 [T, k], slots int32 [T, k]
+    or None, pages scored int64 [T])."""
+    from ..scores.triton import index_scores_triton
+    from .triton import index_topk_triton
+
+    def topk(q_, w_, b_, k_):
+        return index_topk_triton(q_, w_, b_, k_, q_scale=q_scale, config=topk_config)
+
+    def scores(q_, w_, b_):
+        return index_scores_triton(q_, w_, b_, q_scale=q_scale)
+
     t = q.shape[0]
     device = batch.device
     if t == 0 or batch.max_entries == 0:
@@ -160,7 +177,8 @@ def hierarchical_topk_device(q: torch.Tensor, weights: torch.Tensor, batch: Page
                                               return_slots=return_slots)
     if config.exact:
         theta = _kth_scores(q, weights, derived, chosen, k, scores=scores)
-        reach = _reachable_pages(q, weights, batch, summaries, theta, visible, pages_max)
+        q_value = q.float() if q_scale is None else q.float() * q_scale.unsqueeze(-1)
+        reach = _reachable_pages(q_value, weights, batch, summaries, theta, visible, pages_max)
         kept = torch.zeros(t, pages_max + 1, dtype=torch.bool, device=device)
         kept.scatter_(1, cols.clamp(max=pages_max), True)
         kept = kept[:, :pages_max] | reach
