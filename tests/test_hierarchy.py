@@ -151,9 +151,10 @@ def test_device_path_matches_the_reference(triton_backend, device, fmt_name):
     assert torch.equal(slots, topk_to_slots(got, batch.block_table.cpu(), batch.query_seq.cpu()))
 
 
-@pytest.mark.parametrize("fmt_name", ["fp8", "fp4"])
-def test_device_exact_mode_equals_the_flat_device_top_k(triton_backend, device, fmt_name):
-    q, w, batch, summaries = _case(fmt_name, [700, 90], [3, 2], seed=6, device=device)
+@pytest.mark.parametrize("fmt_name,queries", [("fp8", [3, 2]), ("fp4", [3, 2]), ("fp8", [7, 1]), ("bf16", [9, 0])])
+def test_device_exact_mode_equals_the_flat_device_top_k(triton_backend, device, fmt_name, queries):
+    # <= 4 queries per sequence run the flat path's decode kernel, more its prefill tile kernel
+    q, w, batch, summaries = _case(fmt_name, [700, 90], queries, seed=6, device=device)
     config = HierarchyConfig(pages=1, first_pages=0, recent_pages=1, exact=True)
     got = hierarchical_topk(q, w, batch, 32, summaries=summaries, config=config, backend="triton")
     assert torch.equal(got, _flat(q, w, batch, 32, backend="triton"))

@@ -113,9 +113,11 @@ def _stage2(q, weights, batch: PagedBatch, k: int, cols: torch.Tensor, visible: 
     return indices, slots, derived, chosen
 
 
-def _kth_scores(q, weights, derived: PagedBatch, chosen: torch.Tensor, k: int, *, scores) -> torch.Tensor:
-    """fp32 [T]: the exact score of each query's k-th selected entry of stage 2 (-inf where fewer than k),
-    scored by the flat kernel on a one-page batch (the page holding that entry)."""
+def _kth_scores(q, weights, derived: PagedBatch, chosen: torch.Tensor, cols: torch.Tensor, k: int, *,
+                scores) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 [T], int64 [T]): the score of each query's k-th selected entry of stage 2 (-inf where fewer than
+    k), scored by the flat kernel on a one-page batch (the page holding that entry), and that page's column in
+    the query's sequence (0 where none)."""
     kth = chosen[:, k - 1]
     column = kth.clamp(min=0) // ENTRIES_PER_PAGE
     page = derived.block_table.long().gather(1, column.unsqueeze(1))
@@ -125,12 +127,16 @@ def _kth_scores(q, weights, derived: PagedBatch, chosen: torch.Tensor, k: int, *
     one = dataclasses.replace(one, query_lens=derived.query_lens, rows_sorted=True)
     page_scores = scores(q, weights, one)
     value = page_scores.gather(1, (kth.clamp(min=0) % ENTRIES_PER_PAGE).unsqueeze(1)).squeeze(1)
-    return torch.where(kth >= 0, value, torch.full_like(value, float("-inf")))
+    value = torch.where(kth >= 0, value, torch.full_like(value, float("-inf")))
+    return value, cols.gather(1, column.unsqueeze(1)).squeeze(1).clamp(max=_SENTINEL - 1) * (kth >= 0)
 
 
 def _reachable_pages(q, weights, batch: PagedBatch, summaries: PageSummaries, theta: torch.Tensor,
-                     visible: torch.Tensor, pages_max: int) -> torch.Tensor:
-    """bool [T, pages_max]: the visible pages whose score bound is not below theta [T]."""
+                     theta_page: torch.Tensor, visible: torch.Tensor, pages_max: int) -> torch.Tensor:
+    """bool [T, pages_max]: the visible pages whose score bound is not below theta [T], lowered by the slack
+    of theta's own page (column theta_page [T]): what no kernel rounding can separate from the flat k-th."""
+    from .reference import BOUND_SLACK
+
     t, h, _ = q.shape
     rows_table = batch.block_table[:, :pages_max].long()[batch.query_seq.long()]  # [T, Pmax]
     rows_table = rows_table.clamp(0, summaries.num_pages - 1)
@@ -140,10 +146,60 @@ def _reachable_pages(q, weights, batch: PagedBatch, summaries: PageSummaries, th
         sl = slice(start, min(t, start + step))
         lower = summaries.lower[rows_table[sl]]  # [rows, Pmax, 128]
         upper = summaries.upper[rows_table[sl]]
-        bound = page_score_bounds(q[sl], weights[sl], lower, upper)
-        out[sl] = ~(bound < theta[sl].unsqueeze(1))
+        bound, scale = page_score_bounds(q[sl], weights[sl], lower, upper, with_scale=True)
+        low = theta[sl] - BOUND_SLACK * scale.gather(1, theta_page[sl].clamp(max=pages_max - 1).unsqueeze(1)).squeeze(1)
+        out[sl] = ~(bound < low.unsqueeze(1))
     used = (visible + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
     return out & (torch.arange(pages_max, device=q.device).unsqueeze(0) < used.unsqueeze(1))
+
+
+def _stage2_per_sequence(q, weights, batch: PagedBatch, k: int, kept: torch.Tensor, visible: torch.Tensor, *,
+                         topk, return_slots: bool):
+    """Exact mode's stage 2: each sequence keeps the union of its queries' kept pages (kept bool [T, Pmax]), in
+    ascending order, and every query its original row: the flat kernels run with the original query layout
+    (the same tile plan and arithmetic as the flat top-k), each query seeing the union's pages up to its own
+    last page (a position per query, ratio 1). One sync (the widest union)."""
+    t, pages_max = kept.shape
+    device = batch.device
+    seq = batch.query_seq.long()
+    num_seqs = batch.block_table.shape[0]
+    union = torch.zeros(num_seqs, pages_max, dtype=torch.int32, device=device)
+    union.index_add_(0, seq, kept.to(torch.int32))
+    union = union > 0
+    widest = max(1, int(union.sum(dim=1).max()))  # the sync
+    order = torch.where(union, torch.arange(pages_max, device=device).unsqueeze(0),
+                        torch.full_like(union, _SENTINEL, dtype=torch.long))
+    ucols = order.sort(dim=1).values[:, :widest]  # [S, U] ascending page columns, _SENTINEL = none
+    valid = ucols < _SENTINEL
+    rows = batch.block_table.long()
+    table = torch.where(valid, rows.gather(1, ucols.clamp(max=rows.shape[1] - 1)), torch.zeros_like(ucols))
+    counts_all = batch.entry_counts.long()
+    last_fill = counts_all - ((counts_all + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE - 1) * ENTRIES_PER_PAGE
+    last_col = (counts_all + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE - 1
+    size = valid.sum(dim=1)
+    has_last = (ucols == last_col.unsqueeze(1)).any(dim=1)
+    counts = size * ENTRIES_PER_PAGE - torch.where(has_last, ENTRIES_PER_PAGE - last_fill, torch.zeros_like(size))
+    # query t sees the union's pages before its last page, then its last page's visible entries
+    used = (visible + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
+    before = torch.cumsum(union.to(torch.int64), dim=1)  # [S, Pmax]: union pages at or before each column
+    own_last = (used - 1).clamp(min=0)
+    pages_before = before[seq, own_last.clamp(max=pages_max - 1)] - 1
+    derived_visible = torch.where(visible > 0, pages_before * ENTRIES_PER_PAGE + visible - own_last * ENTRIES_PER_PAGE,
+                                  torch.zeros_like(visible))
+    derived = PagedBatch.build(batch.pool, batch.fmt, table.to(torch.int32), counts, batch.query_seq,
+                               (derived_visible - 1).clamp(min=0), 1, validate=False,
+                               max_entries=widest * ENTRIES_PER_PAGE)
+    derived = dataclasses.replace(derived, query_lens=batch.query_lens, rows_sorted=batch.rows_sorted)
+    chosen = topk(q, weights, derived, k).long()
+    chosen = torch.where((visible > 0).unsqueeze(1), chosen, torch.full_like(chosen, -1))
+    column = chosen.clamp(min=0) // ENTRIES_PER_PAGE
+    within = chosen.clamp(min=0) % ENTRIES_PER_PAGE
+    none = torch.full_like(chosen, -1)
+    indices = torch.where(chosen >= 0, ucols[seq].gather(1, column) * ENTRIES_PER_PAGE + within, none)
+    slots = None
+    if return_slots:
+        slots = torch.where(chosen >= 0, table[seq].gather(1, column) * ENTRIES_PER_PAGE + within, none).to(torch.int32)
+    return indices.to(torch.int32), slots, union[seq].sum(dim=1)
 
 
 def hierarchical_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int,
@@ -176,15 +232,13 @@ def hierarchical_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: Page
     indices, slots, derived, chosen = _stage2(q, weights, batch, k, cols, visible, topk=topk,
                                               return_slots=return_slots)
     if config.exact:
-        theta = _kth_scores(q, weights, derived, chosen, k, scores=scores)
+        theta, theta_page = _kth_scores(q, weights, derived, chosen, cols, k, scores=scores)
         q_value = q.float() if q_scale is None else q.float() * q_scale.unsqueeze(-1)
-        reach = _reachable_pages(q_value, weights, batch, summaries, theta, visible, pages_max)
+        reach = _reachable_pages(q_value, weights, batch, summaries, theta, theta_page, visible, pages_max)
         kept = torch.zeros(t, pages_max + 1, dtype=torch.bool, device=device)
         kept.scatter_(1, cols.clamp(max=pages_max), True)
         kept = kept[:, :pages_max] | reach
-        widest = int(kept.sum(dim=1).max())  # the one sync of the exact mode
-        order = torch.where(kept, torch.arange(pages_max, device=device).unsqueeze(0),
-                            torch.full_like(kept, _SENTINEL, dtype=torch.long))
-        cols = order.sort(dim=1).values[:, :max(1, widest)]
-        indices, slots, _, _ = _stage2(q, weights, batch, k, cols, visible, topk=topk, return_slots=return_slots)
+        indices, slots, _ = _stage2_per_sequence(q, weights, batch, k, kept, visible, topk=topk,
+                                                 return_slots=return_slots)
+        return indices, slots, kept.sum(dim=1)
     return indices, slots, (cols < _SENTINEL).sum(dim=1)

@@ -95,8 +95,8 @@ def topk_to_slots(indices: torch.Tensor, block_table: torch.Tensor, query_seq: t
 BOUND_SLACK = 2.0 ** -7
 
 
-def page_score_bounds(q: torch.Tensor, weights: torch.Tensor, lower: torch.Tensor,
-                      upper: torch.Tensor) -> torch.Tensor:
+def page_score_bounds(q: torch.Tensor, weights: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor, *,
+                      with_scale: bool = False):
     """Upper bound of S[t, j] = sum_h w[t, h] relu(q[t, h] . k_j) over every key k_j of a page whose
     per-dimension box is [lower_p, upper_p]: q [T, H, D], weights [T, H], lower / upper [P, D] (pages shared by
     every query) or [T, P, D] (each query's own pages) -> fp32 [T, P], on q's device.
@@ -106,6 +106,8 @@ def page_score_bounds(q: torch.Tensor, weights: torch.Tensor, lower: torch.Tenso
     where w > 0 and <= w relu(lo_h) where w <= 0. Both ends are widened by BOUND_SLACK * m_h with
     m_h = |q| . max(|lower|, |upper|) >= sum_d |q_d k_d|, which covers the rounding of every kernel's score.
     NaN anywhere makes the bound NaN, which never compares below a threshold: such pages are kept.
+    ``with_scale=True`` also returns scale [T, P] = sum_h |w_h| m_h, the size of the scores the page can
+    produce: a kernel's rounding of any of its scores is far below BOUND_SLACK * scale.
     """
     qf, wf = q.float(), weights.float()
     lo, hi = lower.float(), upper.float()
@@ -116,6 +118,8 @@ def page_score_bounds(q: torch.Tensor, weights: torch.Tensor, lower: torch.Tenso
     m_h = torch.einsum(spec, qf.abs(), torch.maximum(lo.abs(), hi.abs()))
     w = wf.unsqueeze(-1)
     term = torch.where(w > 0, w * (hi_h + BOUND_SLACK * m_h).relu(), w * (lo_h - BOUND_SLACK * m_h).relu())
+    if with_scale:
+        return term.sum(dim=1), (w.abs() * m_h).sum(dim=1)
     return term.sum(dim=1)
 
 
@@ -127,11 +131,12 @@ def forced_pages(visible: torch.Tensor, num_pages: int, config: HierarchyConfig)
     return (page < used) & ((page < config.first_pages) | (page >= used - config.recent_pages))
 
 
-def _kth_scores(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """fp32 [T]: the k-th best candidate score of each row of scores [T, W] (-inf where fewer than k)."""
+def _kth_scores(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 [T], int64 [T]): the k-th best candidate score of each row of scores [T, W] (-inf where fewer
+    than k) and the page it is in (0 where none)."""
     chosen = select_topk(scores, k)[:, k - 1].long()
     kth = scores.gather(1, chosen.clamp(min=0).unsqueeze(1)).squeeze(1)
-    return torch.where(chosen >= 0, kth, torch.full_like(kth, float("-inf")))
+    return torch.where(chosen >= 0, kth, torch.full_like(kth, float("-inf"))), chosen.clamp(min=0) // ENTRIES_PER_PAGE
 
 
 def hierarchical_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int,
@@ -142,9 +147,10 @@ def hierarchical_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
     1. Representatives: the stored centre of each page for centred formats, ``summaries.centre`` otherwise.
     2. Stage 1: coarse[t, p] = sum_h w[t, h] relu(q[t, h] . rep_p) over the query's fully visible pages;
        its best m = ``config.pages_for(k)`` (select_topk's rules) are kept, plus :func:`forced_pages`.
-    3. Exact mode: theta = the k-th best exact score among the kept pages' entries; every page whose
-       :func:`page_score_bounds` is not below theta is kept too (no entry of a skipped page can reach the
-       flat top-k, nor tie with its k-th score).
+    3. Exact mode: theta = the k-th best exact score among the kept pages' entries, lowered by
+       BOUND_SLACK times the scale of its page (so that a kernel's rounding of it cannot lift it above the
+       flat k-th score); every page whose :func:`page_score_bounds` is not below theta is kept too (no entry
+       of a skipped page can reach the flat top-k, nor tie with its k-th score).
     4. Stage 2: the exact scores (:func:`index_scores`) of the kept pages' visible entries, selected by
        :func:`select_topk`'s rules: the same order and tie rule as the flat top-k over those entries.
 
@@ -164,6 +170,7 @@ def hierarchical_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
     bounds = None
     if config.exact:
         bounds = torch.full((t, num_pages), float("nan"))
+        scale = torch.zeros(t, num_pages)
     m = config.pages_for(k)
     for b in range(batch.num_seqs):
         rows = torch.nonzero(seq_of == b).flatten()
@@ -186,10 +193,12 @@ def hierarchical_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
             device = summaries.lower.device
             lower = summaries.lower[page_ids.to(device)].cpu()
             upper = summaries.upper[page_ids.to(device)].cpu()
-            bounds[rows, :pages_b] = page_score_bounds(qf[rows], wf[rows], lower, upper)
+            bounds[rows, :pages_b], scale[rows, :pages_b] = page_score_bounds(qf[rows], wf[rows], lower, upper,
+                                                                               with_scale=True)
     entry_page = torch.arange(n) // ENTRIES_PER_PAGE
     if bounds is not None:
-        theta = _kth_scores(scores.masked_fill(~keep[:, entry_page], float("-inf")), k)
+        theta, kth_page = _kth_scores(scores.masked_fill(~keep[:, entry_page], float("-inf")), k)
+        theta = theta - BOUND_SLACK * scale.gather(1, kth_page.unsqueeze(1)).squeeze(1)
         reachable = ~(bounds < theta.unsqueeze(1))  # NaN bounds or theta: kept
         used = (visible.unsqueeze(1) + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
         keep |= reachable & (torch.arange(num_pages).unsqueeze(0) < used)
