@@ -364,14 +364,28 @@ def summarize_page(decoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def summarize_pages(pool: torch.Tensor, fmt: EntryFormat, pages: torch.Tensor, counts: torch.Tensor,
                     summaries: PageSummaries) -> None:
     """Reference: recompute the summary rows of ``pages`` [M] (page ids) holding ``counts`` [M] entries
-    (1..64; entries 0..count-1 are the stored ones) from the pool's bytes into ``summaries``."""
-    for page, count in zip(pages.tolist(), counts.tolist()):
-        slots = torch.arange(count, dtype=torch.int64) + page * ENTRIES_PER_PAGE
-        centre, lower, upper = summarize_page(dequantize_entries(pool, fmt, slots))
-        device = summaries.centre.device
-        summaries.centre[page] = centre.to(device)
-        summaries.lower[page] = lower.to(device)
-        summaries.upper[page] = upper.to(device)
+    (1..64; entries 0..count-1 are the stored ones) from the pool's bytes into ``summaries``.
+
+    All pages at once, with :func:`summarize_page`'s arithmetic element for element (the rows added one entry
+    at a time in entry order, one division, the same min / max and roundings), so the bytes are the same."""
+    pages, counts = pages.detach().cpu().long(), counts.detach().cpu().long()
+    if pages.numel() == 0:
+        return
+    entry = torch.arange(int(counts.max()))
+    present = entry[None, :] < counts[:, None]  # [M, width]
+    decoded = torch.zeros(*present.shape, fmt.head_dim)
+    decoded[present] = dequantize_entries(pool, fmt, (pages[:, None] * ENTRIES_PER_PAGE + entry[None, :])[present])
+    total = torch.zeros(pages.numel(), fmt.head_dim)
+    for j in range(entry.numel()):  # entry order, as summarize_page
+        total = torch.where(present[:, j, None], total + decoded[:, j], total)
+    centre = (total / counts[:, None].float()).to(torch.bfloat16)
+    boxed = torch.where(decoded == 0, torch.zeros_like(decoded), decoded)  # -0 -> +0
+    lower = _round_outward(torch.where(present[..., None], boxed, float("inf")).amin(dim=1), down=True)
+    upper = _round_outward(torch.where(present[..., None], boxed, -float("inf")).amax(dim=1), down=False)
+    device = summaries.centre.device
+    index = pages.to(device)
+    for field, rows in (("centre", centre), ("lower", lower), ("upper", upper)):
+        getattr(summaries, field)[index] = _canonical_nan(rows).to(device)
 
 
 def check_summaries(summaries: "PageSummaries | None", pool: torch.Tensor, fmt: EntryFormat,

@@ -99,6 +99,25 @@ def test_summarize_page_rule():
         assert int(row.view(torch.int16)[7]) == CANONICAL_BF16_NAN
 
 
+def test_summarize_pages_is_summarize_page_on_every_page():
+    """The reference's all-pages-at-once recompute gives summarize_page's bytes page by page (partial pages,
+    a NaN, signed zeros, an Inf)."""
+    fmt = KeyFormat.parse("bf16")
+    pool = torch.zeros(3, fmt.page_bytes, dtype=torch.uint8)
+    x = torch.randn(64 + 5 + 1, 128, generator=torch.Generator().manual_seed(10))
+    x[3, 1], x[4, 2], x[66, 3], x[67, 4] = float("nan"), -0.0, float("inf"), -0.0
+    x[:, 2] = x[:, 2].abs()
+    slots = torch.cat([torch.arange(64) + 128, torch.arange(5), torch.tensor([64])])
+    from dsakit.pool import store_entries
+    store_entries(pool, fmt, slots, x)
+    table = PageSummaries.zeros(3)
+    summarize_pages(pool, fmt, torch.tensor([2, 0, 1]), torch.tensor([64, 5, 1]), table)
+    for page, count in ((2, 64), (0, 5), (1, 1)):
+        rows = summarize_page(dequantize_entries(pool, fmt, torch.arange(count) + page * 64))
+        for field, row in zip(FIELDS, rows):
+            assert torch.equal(getattr(table, field)[page].view(torch.int16), row.view(torch.int16)), (field, page)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_reference_store_matches_spec(fmt):
     """The reference store's table equals the spec applied to each page's decoded entries, partly filled pages
