@@ -311,6 +311,29 @@ def test_decode_store_summarizes_in_its_own_launch(fmt, launches):
         assert torch.equal(bits, spec[field]), field
 
 
+@needs_triton
+@pytest.mark.parametrize("fmt", ["fp4", "fp8-centred"])
+def test_generic_kernel_keeps_summaries(fmt):
+    """The generic store kernel (any rope geometry) keeps the table too: a bulk store (summary launch), then a
+    one-row append summarized in the store launch, byte for byte as the spec of the pool."""
+    from dsakit.ops.store import StoreConfig
+    from dsakit.ops.store.triton import launch_store_index_keys
+
+    fmt = KeyFormat.parse(fmt)
+    slots = _append_slots([6, 3], [1, 2])
+    keys, positions, weight = _keys(slots.numel() + 1, 11)
+    pool, summaries = _fresh(fmt, "triton")
+    dev = _device("triton")
+    config = StoreConfig(index_kernel="generic")
+    for part, rows, one in ((slice(0, 9), slots, False), (slice(9, 10), torch.tensor([64 + 6]), True)):
+        launch_store_index_keys(keys[part].to(dev), positions[part].to(dev), rows.to(dev), pool, TABLE.to(dev),
+                                weight.to(dev), None, fmt, "rmsnorm", "interleaved", "trailing", True, 1e-6,
+                                config=config, summaries=summaries, one_row_per_page=one)
+    spec, bits = _spec(pool, fmt, torch.cat([slots, torch.tensor([64 + 6])])), _bits(summaries)
+    for field in FIELDS:
+        assert torch.equal(bits[field], spec[field]), field
+
+
 # --------------------------------------------------------------------------------------------------
 # refusals
 # --------------------------------------------------------------------------------------------------
