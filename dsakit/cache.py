@@ -21,7 +21,7 @@ from .batch import PagedBatch, check_table_size
 from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat, is_centred
 # the raw pool access lives one floor down (dsakit.pool); these names stay importable from here
 from .pool import (PageSummaries, check_pool, check_slots, check_summaries, dequantize_entries,  # noqa: F401
-                   num_slots, read_entries, sequence_slots, store_entries, write_entries)
+                   num_slots, read_entries, sequence_slots, store_entries, summarize_pages, write_entries)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -42,7 +42,8 @@ class PagedCache:
     ``summaries=cache.summaries``, and carried by :meth:`batch`. A page given back (:meth:`truncate`,
     :meth:`free_sequence`) keeps its stale row until its next owner stores into it: every store recomputes
     the row of each page it writes from entry 0 (the table's rule), and no batch reads a page past its
-    sequence's length. Otherwise ``cache.summaries`` is None.
+    sequence's length. A :meth:`truncate` that keeps part of a page recomputes that page's row over the entries
+    kept. Otherwise ``cache.summaries`` is None.
     """
 
     def __init__(self, fmt: "EntryFormat | str", num_pages: int, device: "str | torch.device" = "cpu",
@@ -140,6 +141,9 @@ class PagedCache:
         self._release(table[keep:])
         del table[keep:]
         self._lengths[seq_id] = length
+        tail = length % ENTRIES_PER_PAGE
+        if self.summaries is not None and tail and length < current:  # the kept part of the last page
+            summarize_pages(self.pool, self.fmt, torch.tensor([table[-1]]), torch.tensor([tail]), self.summaries)
 
     def free_sequence(self, seq_id: int) -> None:
         self._check_seq(seq_id)

@@ -406,6 +406,11 @@ def test_paged_cache_keeps_summaries_and_batch_carries_them():
         assert torch.equal(bits, expected[field]), field
     batch = cache.batch([a, b])
     assert batch.summaries is cache.summaries
+    # truncate inside a page: that page's row covers the entries kept
+    cache.truncate(a, 66)
+    expected = _spec(cache.pool, cache.fmt, cache.slots(a))
+    assert torch.equal(_bits(cache.summaries)["centre"][int(slots_a[64]) // 64],
+                       expected["centre"][int(slots_a[64]) // 64])
     # a page given back keeps its stale row until its next owner's first store recomputes it from entry 0
     cache.free_sequence(b)
     c = cache.add_sequence()

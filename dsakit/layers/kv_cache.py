@@ -231,8 +231,7 @@ class V4LayerCache:
         """Replace pool ``name`` by one with at least ``short`` more free pages: every sequence's pages copied
         on the device, its slot map rewritten in a new tensor (the old pool and maps are only read, so a
         checkpoint taken before still holds them as they were)."""
-        new = PagedCache(old.fmt, max(2 * old.num_pages, old.num_pages + short), device=self.device,
-                         summaries=old.summaries is not None)
+        new = PagedCache(old.fmt, max(2 * old.num_pages, old.num_pages + short), device=self.device)
         ids, maps = {}, dict(self._maps)
         for seq, seq_ids in self._ids.items():
             length = old.length(seq_ids[name])
@@ -243,10 +242,6 @@ class V4LayerCache:
                 src = old.slots(seq_ids[name])[::ENTRIES_PER_PAGE] // ENTRIES_PER_PAGE
                 dst = new.slots(nid)[::ENTRIES_PER_PAGE] // ENTRIES_PER_PAGE
                 new.pool[upload(dst, self.device)] = old.pool[upload(src, self.device)]
-                if old.summaries is not None:  # the pages' summary rows move with them
-                    for field in ("centre", "lower", "upper"):
-                        getattr(new.summaries, field)[upload(dst, self.device)] = \
-                            getattr(old.summaries, field)[upload(src, self.device)]
                 if (name, seq) in maps:  # every slot moved: rewrite the map's valid prefix
                     pad = self.map_pad(name)
                     maps[(name, seq)] = fresh = maps[(name, seq)].clone()
