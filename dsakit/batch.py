@@ -41,7 +41,7 @@ import torch
 from ._memory import (INDEX_DTYPES, check_bool, check_fits, check_instance, check_int, check_int_list,  # noqa: F401
                       check_k, check_positive_int, check_ratio, check_same_device, check_tensor, describe)
 from .formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
-from .pool import check_pool, check_pool_alignment  # noqa: F401  (importable from here as before)
+from .pool import PageSummaries, check_pool, check_pool_alignment, check_summaries  # noqa: F401  (as before)
 
 #: dtypes every backend reads for q (fp8 = e4m3fn, DeepGEMM's fp8 q) and for the head weights; an integer or
 #: bool weight would be truncated silently, a float64 q is something no kernel reads.
@@ -152,6 +152,7 @@ class PagedBatch:
     max_entries: int
     query_lens: tuple[int, ...] | None = None
     rows_sorted: bool = False
+    summaries: PageSummaries | None = None  # the pool's page summaries, for hierarchical selection (optional)
 
     @property
     def device(self) -> torch.device:
@@ -173,7 +174,8 @@ class PagedBatch:
     @classmethod
     def build(cls, pool: torch.Tensor, fmt: "KeyFormat | str", block_table: torch.Tensor,
               entry_counts: torch.Tensor, query_seq: torch.Tensor, query_positions: torch.Tensor | None = None,
-              ratio: int = 1, *, validate: bool = True, max_entries: int | None = None) -> "PagedBatch":
+              ratio: int = 1, *, validate: bool = True, max_entries: int | None = None,
+              summaries: PageSummaries | None = None) -> "PagedBatch":
         """Validate explicit batch tensors once -> PagedBatch.
 
         pool uint8 [P, page_bytes], block_table int [B, W], entry_counts int [B], query_seq int [T],
@@ -185,9 +187,13 @@ class PagedBatch:
         queries per sequence. ``validate=False`` needs ``max_entries`` (the workspace width of the ops) and
         makes no sync: values are trusted; ``query_seq`` is clamped into 0..B-1 here and the kernels clamp
         every page id and column, so bad values give wrong results but never an out-of-bounds access.
+
+        ``summaries``: the pool's :class:`dsakit.pool.PageSummaries` (checked to belong to it), carried for the
+        ops that read them.
         """
         fmt = KeyFormat.parse(fmt)
         check_pool(pool, fmt)
+        check_summaries(summaries, pool, fmt, None)
         device = pool.device
         table = _as_int_tensor("block_table", block_table, 2)
         b, width = table.shape
@@ -211,13 +217,14 @@ class PagedBatch:
             # gathers block_table[query_seq] and the score kernels index rows by it, so an out-of-range value
             # must become a wrong sequence, never a read next to the block table.
             seq = _int32(seq.clamp(0, b - 1)) if t else _int32(seq)
-            return cls(pool, fmt, _int32(table), _int32(counts), seq, positions, ratio, t, max_entries, None, False)
+            return cls(pool, fmt, _int32(table), _int32(counts), seq, positions, ratio, t, max_entries, None, False,
+                       summaries)
         if max_entries is not None:
             raise ValueError("max_entries is measured when validate=True; pass it only with validate=False")
-        return cls._validated(pool, fmt, table, counts, seq, positions, ratio)
+        return cls._validated(pool, fmt, table, counts, seq, positions, ratio, summaries)
 
     @classmethod
-    def _validated(cls, pool, fmt, table, counts, seq, positions, ratio) -> "PagedBatch":
+    def _validated(cls, pool, fmt, table, counts, seq, positions, ratio, summaries=None) -> "PagedBatch":
         """Value checks of the int32 / int64 tensors as given (checked as int64, narrowed to int32 after),
         gathered into one device->host sync."""
         b, width = table.shape
@@ -256,20 +263,23 @@ class PagedBatch:
         if n_repeats:
             raise ValueError(_repeated_page_message(table, needed))
         return cls(pool, fmt, _int32(table), _int32(counts), _int32(seq), positions, ratio, t,
-                   int(count_max) if b else 0, tuple(int(n) for n in lens), n_unsorted == 0)
+                   int(count_max) if b else 0, tuple(int(n) for n in lens), n_unsorted == 0, summaries)
 
     @classmethod
     def from_host(cls, pool: torch.Tensor, fmt: KeyFormat, pages: "Sequence[Sequence[int] | torch.Tensor]",
                   lengths: Sequence[int],
                   query_lens: Sequence[int] | None = None, query_positions: torch.Tensor | None = None,
-                  ratio: int = 1, width: int | None = None) -> "PagedBatch":
+                  ratio: int = 1, width: int | None = None,
+                  summaries: PageSummaries | None = None) -> "PagedBatch":
         """Batch from host metadata known to be valid (page lists inside the pool, lengths that fit them).
+        ``summaries``: as :meth:`build`.
 
         pages[b]: page ids of sequence b (a list or a CPU int tensor); lengths[b]: its entries; query_lens[b]: its queries (default 1);
         rows are grouped by sequence in order. Only host -> device copies, no device->host sync.
         """
         fmt = KeyFormat.parse(fmt)
         check_pool(pool, fmt)
+        check_summaries(summaries, pool, fmt, None)
         check_ratio(ratio)
         b = len(pages)
         check_int_list("lengths", lengths, 0, length=b, message=f"lengths must be {b} ints >= 0 (one per sequence)")
@@ -306,7 +316,7 @@ class PagedBatch:
             positions = _as_positions(query_positions, t)
             positions = upload(positions.contiguous(), device) if positions.device != device else positions.contiguous()
         return cls(pool, fmt, table, counts, seq, positions, ratio, t,
-                   max(lengths, default=0), tuple(query_lens), True)
+                   max(lengths, default=0), tuple(query_lens), True, summaries)
 
     def __repr__(self) -> str:
         return (f"PagedBatch(fmt={self.fmt.name}, B={self.num_seqs}, T={self.num_queries}, "

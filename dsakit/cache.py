@@ -16,12 +16,12 @@ from collections.abc import Sequence
 
 import torch
 
-from ._memory import check_fits, check_int, parse_device
+from ._memory import check_bool, check_fits, check_int, parse_device
 from .batch import PagedBatch, check_table_size
 from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat, is_centred
 # the raw pool access lives one floor down (dsakit.pool); these names stay importable from here
-from .pool import (check_pool, check_slots, dequantize_entries, num_slots, read_entries, sequence_slots,  # noqa: F401
-                   store_entries, write_entries)
+from .pool import (PageSummaries, check_pool, check_slots, check_summaries, dequantize_entries,  # noqa: F401
+                   num_slots, read_entries, sequence_slots, store_entries, summarize_pages, write_entries)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -36,15 +36,28 @@ class PagedCache:
     >>> seq = cache.add_sequence(); slots = cache.append(seq, 100)   # reserves 2 pages
     >>> cache.write(slots, torch.randn(100, 128)); cache.gather(seq).shape
     torch.Size([100, 128])
+
+    ``summaries=True`` (index-key formats): ``cache.summaries`` is the pool's
+    :class:`dsakit.pool.PageSummaries` (768 B per page), kept by :meth:`write` and by the store ops given
+    ``summaries=cache.summaries``, and carried by :meth:`batch`. A page given back (:meth:`truncate`,
+    :meth:`free_sequence`) keeps its stale row until its next owner stores into it: every store recomputes
+    the row of each page it writes from entry 0 (the table's rule), and no batch reads a page past its
+    sequence's length. A :meth:`truncate` that keeps part of a page recomputes that page's row over the entries
+    kept. Otherwise ``cache.summaries`` is None.
     """
 
-    def __init__(self, fmt: "EntryFormat | str", num_pages: int, device: "str | torch.device" = "cpu"):
+    def __init__(self, fmt: "EntryFormat | str", num_pages: int, device: "str | torch.device" = "cpu",
+                 summaries: bool = False):
         fmt = _entry_format(fmt)
         check_int("num_pages", num_pages, 1, message="num_pages must be a positive int")
+        check_bool("summaries", summaries)
         device = parse_device(device)
-        check_fits(num_pages * fmt.page_bytes, device, f"a {fmt.name} cache of {num_pages:,} pages")
+        check_fits(num_pages * (fmt.page_bytes + (768 if summaries else 0)), device,
+                   f"a {fmt.name} cache of {num_pages:,} pages")
         self.fmt = fmt
         self.pool = torch.zeros(num_pages, fmt.page_bytes, dtype=torch.uint8, device=device)
+        self.summaries = PageSummaries.zeros(num_pages, device) if summaries else None
+        check_summaries(self.summaries, self.pool, fmt, None)  # index-key formats only
         self._free = list(range(num_pages - 1, -1, -1))  # stack: pops the lowest page first
         self._tables: dict[int, list[int]] = {}
         # int32 CPU copies of the tables for PagedCache.batch, rebuilt when a table changes (a decode step
@@ -128,6 +141,9 @@ class PagedCache:
         self._release(table[keep:])
         del table[keep:]
         self._lengths[seq_id] = length
+        tail = length % ENTRIES_PER_PAGE
+        if self.summaries is not None and tail and length < current:  # the kept part of the last page
+            summarize_pages(self.pool, self.fmt, torch.tensor([table[-1]]), torch.tensor([tail]), self.summaries)
 
     def free_sequence(self, seq_id: int) -> None:
         self._check_seq(seq_id)
@@ -199,7 +215,8 @@ class PagedCache:
         if not isinstance(self.fmt, KeyFormat):
             raise ValueError(f"a PagedBatch reads index keys; this cache holds {self.fmt.name} attention entries")
         return PagedBatch.from_host(self.pool, self.fmt, [self._table_row(s) for s in seq_ids],
-                                    [self._lengths[s] for s in seq_ids], query_lens, query_positions, ratio)
+                                    [self._lengths[s] for s in seq_ids], query_lens, query_positions, ratio,
+                                    summaries=self.summaries)
 
     def _table_row(self, seq_id: int) -> torch.Tensor:
         """int32 CPU [pages] of a sequence's table (cached; appends only add pages, truncate / free drop it)."""
@@ -216,8 +233,9 @@ class PagedCache:
     # -- data (reference path) -----------------------------------------------------------------------
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize fp32 entries x [N, head_dim] with the reference codec and store them at slots [N]
-        (centred formats under their page-centre rule: :func:`dsakit.pool.store_entries`)."""
-        store_entries(self.pool, self.fmt, slots, x)
+        (centred formats under their page-centre rule: :func:`dsakit.pool.store_entries`), keeping
+        ``summaries`` when the cache has them (pages appended in order: :func:`dsakit.pool.check_summary_order`)."""
+        store_entries(self.pool, self.fmt, slots, x, self.summaries)
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 [N, head_dim] dequantized entries at slots [N]."""

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._memory import INDEX_DTYPES, check_int, check_tensor
-from .formats import ENTRIES_PER_PAGE, EntryFormat, centre_of, decode_centres, is_centred
+from ._memory import INDEX_DTYPES, check_instance, check_int, check_tensor
+from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat, centre_of, decode_centres, is_centred
 
 
 # --------------------------------------------------------------------------------------------------
@@ -230,14 +230,21 @@ def check_centre_order(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor
                          f"(in this call or an earlier one); nothing was written")
 
 
-def store_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor, x: torch.Tensor) -> None:
+def store_entries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor, x: torch.Tensor,
+                  summaries: "PageSummaries | None" = None) -> None:
     """Reference store of fp32 entries x [N, head_dim] at slots [N] (< 0 = padding): check everything, then
-    :func:`store_checked_entries` (quantize, the page-centre rule for centred formats, write)."""
+    :func:`store_checked_entries` (quantize, the page-centre rule for centred formats, write).
+
+    ``summaries``: the pool's :class:`PageSummaries` (index-key pools), brought up to date
+    (:func:`update_summaries`; the call must follow :func:`check_summary_order`)."""
     check_pool(pool, fmt)
     x = fmt.check_entries(x)
     slots = check_slots(slots, num_slots(pool), length=x.shape[0])
     check_centre_order(pool, fmt, slots)
+    check_summaries(summaries, pool, fmt, slots)
     store_checked_entries(pool, fmt, slots, x)
+    if summaries is not None:
+        update_summaries(pool, fmt, slots, summaries)
 
 
 def sequence_slots(block_table_row: torch.Tensor, length: int) -> torch.Tensor:
@@ -257,7 +264,8 @@ def sequence_slots(block_table_row: torch.Tensor, length: int) -> torch.Tensor:
 
 __all__ = ["check_centre_order", "check_pool", "check_pool_alignment", "check_slots", "dequantize_entries", "num_slots",
            "read_centres", "read_checked_entries", "read_entries", "sequence_slots", "store_checked_entries",
-           "store_entries", "write_checked_entries", "write_entries"]
+           "store_entries", "write_checked_entries", "write_entries", "PageSummaries", "summarize_page",
+           "summarize_pages", "check_summaries", "check_summary_order", "touched_pages", "update_summaries"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -276,7 +284,17 @@ class PageSummaries:
       stored bytes, so a page appended in one call, in chunks or one entry at a time gets the same bytes.
     * ``lower`` / ``upper``: per-dimension min / max of the decoded rows, rounded outward to bf16 (lower
       toward -inf, upper toward +inf), so ``lower <= k_j <= upper`` holds exactly for every stored entry j:
-      the box the exact mode bounds scores with.
+      the box the exact mode bounds scores with. A decoded -0 counts as +0 (equal values; which zero a min
+      or max returns is unspecified in torch and on the GPU, so the rule fixes it and the bytes are defined).
+    * A NaN (a bf16 pool can hold NaN keys) makes that element of all three rows NaN, stored as the
+      canonical bf16 NaN 0x7FC0 (torch's own bf16 casts give 0x7FC0 or 0xFFFF depending on the code path).
+
+    Kept up to date by the store ops (``dsakit.ops.store.store_index_keys(..., summaries=...)``) and by
+    :func:`store_entries` with ``summaries``: after a store, every page that got a row is recomputed over its
+    entries 0..e, e the highest entry of that page in the call. That is the page's whole content when pages are
+    appended in order (entries 0, 1, 2, ... each stored once, in this call or an earlier one), the precondition
+    of the table (:func:`check_summary_order` checks the part a call can see: a page's rows in one call run in
+    consecutive rows at consecutive entries).
 
     A page that holds no entry reads zeros (it is never visible to a query). For centred formats the
     page's own stored centre (entry 0's key) is the representative hierarchical selection uses; ``centre``
@@ -320,26 +338,110 @@ def _round_outward(x: torch.Tensor, down: bool) -> torch.Tensor:
     return torch.where(wrong, torch.nextafter(r, step), r)
 
 
+CANONICAL_BF16_NAN = 0x7FC0  # the one NaN a summary row stores
+
+
+def _canonical_nan(x: torch.Tensor) -> torch.Tensor:
+    """bf16 x with every NaN as the bits 0x7FC0."""
+    bits = torch.where(torch.isnan(x), torch.tensor(CANONICAL_BF16_NAN, dtype=torch.int16), x.view(torch.int16))
+    return bits.view(torch.bfloat16)
+
+
 def summarize_page(decoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The spec of one page's summary row: decoded fp32 [n, 128] (entries 0..n-1, n >= 1) ->
     (centre, lower, upper) bf16 [128] (rules of :class:`PageSummaries`)."""
+    decoded = decoded.float()
     total = torch.zeros(decoded.shape[1], dtype=torch.float32)
-    for row in decoded.float():  # one row at a time, in entry order: the order the store kernels add in
+    for row in decoded:  # one row at a time, in entry order: the order the store kernels add in
         total = total + row
     centre = (total / decoded.shape[0]).to(torch.bfloat16)
-    lower = _round_outward(decoded.float().amin(dim=0), down=True)
-    upper = _round_outward(decoded.float().amax(dim=0), down=False)
-    return centre, lower, upper
+    boxed = torch.where(decoded == 0, torch.zeros_like(decoded), decoded)  # -0 -> +0 (rule above)
+    lower = _round_outward(boxed.amin(dim=0), down=True)
+    upper = _round_outward(boxed.amax(dim=0), down=False)
+    return _canonical_nan(centre), _canonical_nan(lower), _canonical_nan(upper)
 
 
 def summarize_pages(pool: torch.Tensor, fmt: EntryFormat, pages: torch.Tensor, counts: torch.Tensor,
                     summaries: PageSummaries) -> None:
     """Reference: recompute the summary rows of ``pages`` [M] (page ids) holding ``counts`` [M] entries
-    (1..64; entries 0..count-1 are the stored ones) from the pool's bytes into ``summaries``."""
-    for page, count in zip(pages.tolist(), counts.tolist()):
-        slots = torch.arange(count, dtype=torch.int64) + page * ENTRIES_PER_PAGE
-        centre, lower, upper = summarize_page(dequantize_entries(pool, fmt, slots))
-        device = summaries.centre.device
-        summaries.centre[page] = centre.to(device)
-        summaries.lower[page] = lower.to(device)
-        summaries.upper[page] = upper.to(device)
+    (1..64; entries 0..count-1 are the stored ones) from the pool's bytes into ``summaries``.
+
+    All pages at once, with :func:`summarize_page`'s arithmetic element for element (the rows added one entry
+    at a time in entry order, one division, the same min / max and roundings), so the bytes are the same."""
+    pages, counts = pages.detach().cpu().long(), counts.detach().cpu().long()
+    if pages.numel() == 0:
+        return
+    entry = torch.arange(int(counts.max()))
+    present = entry[None, :] < counts[:, None]  # [M, width]
+    decoded = torch.zeros(*present.shape, fmt.head_dim)
+    decoded[present] = dequantize_entries(pool, fmt, (pages[:, None] * ENTRIES_PER_PAGE + entry[None, :])[present])
+    total = torch.zeros(pages.numel(), fmt.head_dim)
+    for j in range(entry.numel()):  # entry order, as summarize_page
+        total = torch.where(present[:, j, None], total + decoded[:, j], total)
+    centre = (total / counts[:, None].float()).to(torch.bfloat16)
+    boxed = torch.where(decoded == 0, torch.zeros_like(decoded), decoded)  # -0 -> +0
+    lower = _round_outward(torch.where(present[..., None], boxed, float("inf")).amin(dim=1), down=True)
+    upper = _round_outward(torch.where(present[..., None], boxed, -float("inf")).amax(dim=1), down=False)
+    device = summaries.centre.device
+    index = pages.to(device)
+    for field, rows in (("centre", centre), ("lower", lower), ("upper", upper)):
+        getattr(summaries, field)[index] = _canonical_nan(rows).to(device)
+
+
+def check_summaries(summaries: "PageSummaries | None", pool: torch.Tensor, fmt: EntryFormat,
+                    slots: torch.Tensor | None) -> bool:
+    """ValueError unless ``summaries`` is None or the :class:`PageSummaries` of this index-key pool and, when the
+    checked slots are given, the call keeps their precondition (:func:`check_summary_order`). Returns whether
+    some page gets more than one row (False without summaries or slots)."""
+    if summaries is None:
+        return False
+    check_instance("summaries", summaries, PageSummaries, "PageSummaries.zeros(num_pages, device)")
+    if not isinstance(fmt, KeyFormat):
+        raise ValueError(f"page summaries are kept for index-key pools; format {fmt.name} holds attention entries")
+    summaries.check_for(pool)
+    return False if slots is None else check_summary_order(slots)
+
+
+def check_summary_order(slots: torch.Tensor) -> bool:
+    """The part of the summaries' in-order precondition one call shows: the live rows of each page run in
+    consecutive rows at consecutive entries (row i + 1 holds the entry after row i's), as a sequence's append
+    gives them; ValueError otherwise (nothing written).
+
+    slots: checked CPU int64 [N] (< 0 = padding). Returns whether some page has more than one row in the call
+    (the Triton store then summarizes in a second launch, after every row is stored)."""
+    if slots.numel() == 0:
+        return False
+    s = slots.numpy()
+    live = s >= 0
+    previous = np.concatenate([[-1], s[:-1]])
+    # a row continues the run of the row before it when it holds the next entry of the same page
+    continues = live & (s % ENTRIES_PER_PAGE > 0) & (previous == s - 1)
+    starts = live & ~continues
+    pages = s[starts] // ENTRIES_PER_PAGE
+    unique, counts = np.unique(pages, return_counts=True)
+    if unique.size != pages.size:
+        p = int(unique[counts > 1][0])
+        rows = np.flatnonzero(starts & (s // ENTRIES_PER_PAGE == p))
+        raise ValueError(f"page {p} gets rows {int(rows[0])} and {int(rows[1])} that are not one run of consecutive "
+                         f"rows at consecutive entries: page summaries are kept for pages appended in order (a "
+                         f"page's rows in one call must follow each other, entry after entry); nothing was written")
+    return bool(continues.any())
+
+
+def touched_pages(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked CPU int64 slots [N] (< 0 = padding) -> (page ids [M], entry counts [M]): each page that gets a
+    row and 1 + the highest entry it gets, the entries 0..count-1 a store recomputes its summary over."""
+    live = slots[slots >= 0]
+    pages = live // ENTRIES_PER_PAGE
+    unique = torch.unique(pages)
+    counts = torch.zeros(unique.numel(), dtype=torch.int64).scatter_reduce(
+        0, torch.searchsorted(unique, pages), live % ENTRIES_PER_PAGE + 1, reduce="amax")
+    return unique, counts
+
+
+def update_summaries(pool: torch.Tensor, fmt: EntryFormat, slots: torch.Tensor, summaries: PageSummaries) -> None:
+    """Reference upkeep after a store at checked slots [N] (CPU int64, < 0 = padding): recompute the summary
+    of every page that got a row over its entries 0..e (e its highest entry in the call), from the pool."""
+    pages, counts = touched_pages(slots)
+    if pages.numel():
+        summarize_pages(pool, fmt, pages, counts, summaries)

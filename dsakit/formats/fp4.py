@@ -95,6 +95,22 @@ if triton is not None:
         return code | (((v < 0) & (code != 0)).to(tl.int32) << 3)
 
     @triton.jit
+    def e2m1_float(code):
+        """4-bit e2m1 code (int32, sign in bit 3) -> fp32, exactly :func:`decode_e2m1` (code 8 -> -0.0)."""
+        mag_code = code & 7
+        exponent = mag_code >> 1
+        mantissa = mag_code & 1
+        normal = (((exponent + 126) << 23) | (mantissa << 22)).to(tl.float32, bitcast=True)
+        magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal)
+        return (magnitude.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def ue8m0_float(byte):
+        """ue8m0 byte (int32, 0..255) -> fp32 2^(byte - 127), exactly :func:`ue8m0_to_float` for every byte
+        (0 -> the subnormal 2^-127, 255 -> +Inf)."""
+        return tl.where(byte == 0, 0x400000, byte << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def load_fp4_tile(values_ptr, scales_ptr, pages, slot, valid, D: tl.constexpr, PAGE_EXTRA: tl.constexpr = 0):
         """Key tile bf16 [BLOCK_N, D] of entries (pages[n], slot[n]): e2m1 magnitude x 2^(s - 127), exact in
         bf16 (<= 2 significant bits). Page = 64 x D / 2 packed bytes then 64 x D / 32 ue8m0 bytes (then

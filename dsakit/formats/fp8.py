@@ -80,6 +80,19 @@ if triton is not None:
         return code | sign
 
     @triton.jit
+    def e4m3_float(code):
+        """e4m3fn byte (any int dtype, 0..255) -> fp32, exactly as torch decodes it (0x80 -> -0.0; 0x7F / 0xFF
+        -> NaN), with integer bit arithmetic only (portable between the GPU and the interpreter)."""
+        c = code.to(tl.int32)
+        exponent = (c >> 3) & 0xF
+        mantissa = c & 7
+        normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        subnormal = mantissa.to(tl.float32) * 0.001953125  # m * 2^-9, exact
+        magnitude = tl.where(exponent == 0, subnormal, normal)
+        magnitude = tl.where((c & 0x7F) == 0x7F, float("nan"), magnitude)
+        return (magnitude.to(tl.int32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def e4m3_u8(v, NATIVE: tl.constexpr):
         """fp32 v, finite, |v| <= 448 -> e4m3fn byte, RNE. NATIVE: the GPU's cvt.rn.satfinite.e4m3x2."""
         if NATIVE:

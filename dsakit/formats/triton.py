@@ -20,6 +20,9 @@ side value from its entry 0's key), :func:`load_key_page_value` / :func:`key_pag
 page got from an earlier call, and whether it has one) and :func:`store_key_page_rows` /
 :func:`store_key_page_halves` (an entry against its page's side value; entry 0 also writes it).
 
+Page summaries (:class:`dsakit.pool.PageSummaries`) read stored entries back with :func:`load_key_decoded`: the
+decoded fp32 value of an entry, bit for bit what :func:`dsakit.pool.dequantize_entries` gives.
+
 Every function takes the page base of each entry, so a format with a per-page side value (a page centre
 stored after the scales) can read or write it here without the kernels changing.
 """
@@ -33,9 +36,9 @@ from .bf16 import load_bf16_tile, store_bf16_halves, store_bf16_rows
 from .centred import (CENTRE_EXTRA, centre_float, centre_started, centre_u16, load_centre_bits, load_centre_entries,
                       store_centre_bits)
 from .codes import KeyCode
-from .fp4 import (fp4_block_scale, fp4_bytes_e4m3, load_fp4_block_e4m3, load_fp4_block_scales, load_fp4_tile,
-                  store_fp4_halves, store_fp4_rows)
-from .fp8 import load_fp8_scales, load_fp8_tile, store_fp8_halves, store_fp8_rows
+from .fp4 import (e2m1_float, fp4_block_scale, fp4_bytes_e4m3, load_fp4_block_e4m3, load_fp4_block_scales,
+                  load_fp4_tile, store_fp4_halves, store_fp4_rows, ue8m0_float)
+from .fp8 import e4m3_float, load_fp8_scales, load_fp8_tile, store_fp8_halves, store_fp8_rows
 
 BF16 = tl.constexpr(int(KeyCode.BF16))
 FP8 = tl.constexpr(int(KeyCode.FP8))
@@ -248,3 +251,30 @@ def store_key_page_halves(x, page_value, first, pool_ptr, page_base, value_base,
     store_key_page_value(page_value, pool_ptr, page_base, cols, live & first, CODE)
     store_key_halves(x - centre_float(page_value), pool_ptr, page_base, value_base, scale_base, cols, half, live,
                      CODE, UE8M0, FP4_RNE, NATIVE, BLOCK_N)
+
+
+@triton.jit
+def load_key_decoded(pool_ptr, page_base, entry, cols, mask, CODE: tl.constexpr, D: tl.constexpr):
+    """Decoded fp32 values of stored entries, bit for bit :func:`dsakit.pool.dequantize_entries`: entry
+    ``entry`` of the page at byte offset ``page_base``, dims ``cols``; page_base, entry, cols and mask broadcast
+    together (any layout: rows [BLOCK_N, 1] x [1, D], halves [1, BLOCK_N, 1, 1] x [2, 1, 8, 8]); masked
+    elements read 0. bf16: the value; fp8: e4m3 x fp32 scale (one rounded product); fp4: e2m1 x 2^(s - 127)
+    (exact); page-centred: centre + residual (one rounded add)."""
+    if CODE == BF16:
+        bits = tl.load(pool_ptr.to(tl.pointer_type(tl.uint16)) + (page_base + entry * (2 * D)) // 2 + cols,
+                       mask=mask, other=0)
+        x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    elif (CODE == FP8) or (CODE == FP8_CENTRED):
+        code = tl.load(pool_ptr + page_base + entry * D + cols, mask=mask, other=0)
+        scale = tl.load(pool_ptr.to(tl.pointer_type(tl.float32)) + (page_base + 64 * D + entry * 4) // 4 + cols * 0,
+                        mask=mask, other=0.0)
+        x = e4m3_float(code) * scale
+    else:
+        byte = tl.load(pool_ptr + page_base + entry * (D // 2) + cols // 2, mask=mask, other=0).to(tl.int32)
+        nibble = tl.where((cols & 1) == 1, byte >> 4, byte & 0xF)
+        exponent = tl.load(pool_ptr + page_base + 64 * (D // 2) + entry * 4 + cols // 32, mask=mask,
+                           other=127).to(tl.int32)
+        x = e2m1_float(nibble) * ue8m0_float(exponent)
+    if (CODE == FP8_CENTRED) or (CODE == FP4_CENTRED):
+        x = centre_float(load_key_page_value(pool_ptr, page_base, cols, mask, CODE)) + x
+    return x

@@ -102,11 +102,11 @@ def _store_attention_kv(rows: torch.Tensor, positions: torch.Tensor, slots: torc
 
 def _store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
                       fmt: KeyFormat, table: torch.Tensor, norm_weight: torch.Tensor, transform,
-                      backend: str) -> None:
+                      backend: str, summaries=None) -> None:
     """``dsakit.ops.store.store_index_keys`` (RMSNorm, no bias) on its trusted path: see
-    :func:`_store_attention_kv`."""
+    :func:`_store_attention_kv`. ``summaries``: the index cache's page summaries, if it keeps them."""
     store_checked(IndexKeyStore.check(keys, positions, slots, pool, fmt, table, norm_weight, None, transform,
-                                      backend=backend, check_values=False))
+                                      backend=backend, check_values=False, summaries=summaries))
 
 
 def _topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedCache, seq: int, k: int, positions: torch.Tensor,
@@ -264,7 +264,7 @@ class V4Attention(nn.Module):
         if n:
             slots = cache.reserve("index", seq, n)
             pos = torch.arange(first * 4, (first + n) * 4, 4, device=cache.device)
-            self.write_index_keys(keys, pos, slots, cache.index.pool, table)
+            self.write_index_keys(keys, pos, slots, cache.index.pool, table, cache.index.summaries)
 
     def write_attention_kv(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                            pool: torch.Tensor, table: torch.Tensor, norm: RMSNorm) -> None:
@@ -274,10 +274,12 @@ class V4Attention(nn.Module):
                             self.backend)
 
     def write_index_keys(self, keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                         pool: torch.Tensor, table: torch.Tensor) -> None:
-        """Index keys [N, 128] at slots [N] reserved in this layer's cache (see :meth:`write_attention_kv`)."""
+                         pool: torch.Tensor, table: torch.Tensor, summaries=None) -> None:
+        """Index keys [N, 128] at slots [N] reserved in this layer's cache (see :meth:`write_attention_kv`);
+        ``summaries``: the pool's page summaries when the cache keeps them."""
         _store_index_keys(keys, positions, slots, pool, self.index_key_format, table,
-                          self.compressor.indexer.kv_norm.weight.float(), self.index_transform(), self.backend)
+                          self.compressor.indexer.kv_norm.weight.float(), self.index_transform(), self.backend,
+                          summaries)
 
     def index_queries(self, hidden: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
                       table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

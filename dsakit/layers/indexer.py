@@ -250,7 +250,8 @@ class V4Indexer(V4Compressor):
             try:
                 store_index_keys(new.to(cache.pool.device), positions.to(cache.pool.device),
                                  slots.to(cache.pool.device), cache.pool, cache.fmt, table,
-                                 self.norm_weight.to(cache.pool.device), None, self.transform(), backend=backend)
+                                 self.norm_weight.to(cache.pool.device), None, self.transform(), backend=backend,
+                                 summaries=cache.summaries)
             except Exception:
                 # a failed store (bad backend, kernel error) must not leave reserved but unwritten entries
                 cache.truncate(seq_id, have)

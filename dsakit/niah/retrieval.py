@@ -242,7 +242,7 @@ class RetrievalModel:
             slots = cache.append(seq, n)
             transform = self._preset.key_transform
             store_index_keys(keys, torch.arange(n, dtype=torch.int64) * r, slots, cache.pool, fmt,
-                             self._rope(n * r), torch.ones(HEAD_DIM), None, transform)
+                             self._rope(n * r), torch.ones(HEAD_DIM), None, transform, summaries=cache.summaries)
             q, terms = self.query_vector(question_tokens, s - 1)
             batch = cache.batch([seq], query_positions=torch.tensor([s - 1], dtype=torch.int64), ratio=r)
             selected = _index_topk()(q, torch.ones(1, 1), batch, k, backend="reference")

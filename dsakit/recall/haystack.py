@@ -113,7 +113,7 @@ class StoredHaystack:
         store_ops.store_index_keys(keys=keys.to(self.device), positions=positions.to(self.device),
                                    slots=slots.to(self.device), pool=cache.pool, fmt=cache.fmt,
                                    rope_cos_sin=self.table_dev, norm_weight=self.haystack.norm_weight.to(self.device),
-                                   transform=self.key_transform, backend=self.backend)
+                                   transform=self.key_transform, backend=self.backend, summaries=cache.summaries)
 
     def op_kwargs(self, fmt_name: str, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor) -> dict:
         """Keyword arguments of ``index_scores`` / ``index_topk`` for queries q [T, H, D], weights [T, H] and

@@ -82,7 +82,8 @@ class HorizonHaystack:
                                    slots=slots.to(self.device), pool=cache.pool, fmt=fmt,
                                    rope_cos_sin=self.table.to(self.device),
                                    norm_weight=self.haystack.norm_weight.to(self.device),
-                                   transform=self.haystack.config.geometry.key_transform, backend=self.backend)
+                                   transform=self.haystack.config.geometry.key_transform, backend=self.backend,
+                                   summaries=cache.summaries)
         return cache.gather(seq)
 
     def _patch_pages(self, fmt: KeyFormat, scores: torch.Tensor, q: torch.Tensor, w: torch.Tensor,

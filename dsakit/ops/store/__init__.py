@@ -28,7 +28,7 @@ import torch
 from dataclasses import dataclass
 
 from ..._memory import FLOAT_DTYPES, INDEX_DTYPES, check_bool, check_choice, check_instance, check_tensor
-from ...pool import check_centre_order, check_pool, check_slots, num_slots
+from ...pool import PageSummaries, check_centre_order, check_pool, check_slots, check_summaries, num_slots
 from ...formats import ATTENTION_HEAD_DIM, INDEX_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ...presets import KeyTransform
 from ...transforms import NORMS, ROPE_V4, RopeLayout
@@ -80,7 +80,9 @@ class IndexKeyStore:
     """Checked inputs of :func:`store_index_keys` (argument meanings there); build with :meth:`check`.
 
     ``backend`` is resolved ('reference' | 'triton'); ``checked_slots`` is the slots as CPU int64 when their
-    values were checked (always on the reference backend), else None (the kernel's bounds guard holds)."""
+    values were checked (always on the reference backend), else None (the kernel's bounds guard holds).
+    ``summaries``: the pool's page summaries the store keeps, or None; ``one_row_per_page``: no page gets two
+    rows (known from the checked slots, or a single row), so the Triton store summarizes in its own launch."""
 
     keys: torch.Tensor
     positions: torch.Tensor
@@ -94,14 +96,19 @@ class IndexKeyStore:
     layout: RopeLayout
     backend: str
     checked_slots: torch.Tensor | None
+    summaries: PageSummaries | None = None
+    one_row_per_page: bool = False
 
     @classmethod
     def check(cls, keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
               fmt: "KeyFormat | str", rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor,
               norm_bias: torch.Tensor | None = None, transform: KeyTransform = KeyTransform(), *,
-              backend: str = "auto", check_values: bool = True) -> "IndexKeyStore":
+              backend: str = "auto", check_values: bool = True,
+              summaries: PageSummaries | None = None) -> "IndexKeyStore":
         """Check every input once -> the record :func:`store_checked` runs. ``check_values=False``: no host
-        copy of slots / positions on the Triton path (the trusted path; module docstring)."""
+        copy of slots / positions on the Triton path (the trusted path; module docstring). ``summaries``:
+        checked against the pool (:meth:`PageSummaries.check_for`) and, with the slots' values, the call
+        against their in-order precondition (:func:`dsakit.pool.check_summary_order`)."""
         fmt = KeyFormat.parse(fmt)
         check_pool(pool, fmt)
         check_instance("transform", transform, KeyTransform)
@@ -116,13 +123,15 @@ class IndexKeyStore:
                                 "keys", chosen, check_values)
         if checked is not None:  # page-centred pages: entry 0 first (the kernel drops rows that break it)
             check_centre_order(pool, fmt, checked, in_row_order=True)
+        several = check_summaries(summaries, pool, fmt, checked)
+        one_row_per_page = summaries is not None and (keys.shape[0] <= 1 or (checked is not None and not several))
         check_tensor("norm_weight", norm_weight, shape=(INDEX_HEAD_DIM,), dtypes=FLOAT_DTYPES, device=pool.device,
                      owner="the pool")
         if norm_bias is not None:
             check_tensor("norm_bias", norm_bias, shape=(INDEX_HEAD_DIM,), dtypes=FLOAT_DTYPES, device=pool.device,
                          owner="the pool")
         return cls(keys, positions, slots, pool, fmt, rope_cos_sin, norm_weight, norm_bias, transform, layout,
-                   chosen, checked)
+                   chosen, checked, summaries, one_row_per_page)
 
 
 @dataclass(frozen=True, eq=False)
@@ -174,18 +183,21 @@ def store_checked(record: "IndexKeyStore | AttentionKVStore") -> None:
         t = r.transform
         if r.backend == "reference":
             reference.store_checked_index_keys(r.keys, r.positions, r.checked_slots, r.pool, r.fmt, r.rope_cos_sin,
-                                               r.norm_weight, r.norm_bias, t)
+                                               r.norm_weight, r.norm_bias, t, r.summaries)
         elif torch.compiler.is_compiling():
+            s = r.summaries
             torch.ops.dsakit.store_index_keys(r.keys, r.positions, r.slots, r.pool, r.rope_cos_sin,
                                               r.norm_weight.contiguous(),
                                               None if r.norm_bias is None else r.norm_bias.contiguous(), r.fmt.name,
-                                              t.norm, r.layout.name, bool(t.hadamard), float(t.eps))
+                                              t.norm, r.layout.name, bool(t.hadamard), float(t.eps),
+                                              None if s is None else s.centre, None if s is None else s.lower,
+                                              None if s is None else s.upper, r.one_row_per_page)
         else:
             pairing, placement = r.layout.name.rsplit("-", 1)
             _triton_kernels.launch_store_index_keys(
                 r.keys, r.positions, r.slots, r.pool, r.rope_cos_sin, r.norm_weight.contiguous(),
                 None if r.norm_bias is None else r.norm_bias.contiguous(), r.fmt, t.norm, pairing, placement,
-                bool(t.hadamard), float(t.eps))
+                bool(t.hadamard), float(t.eps), summaries=r.summaries, one_row_per_page=r.one_row_per_page)
         return
     check_instance("record", r, AttentionKVStore, "IndexKeyStore.check or AttentionKVStore.check")
     if r.backend == "reference":
@@ -203,7 +215,7 @@ def store_checked(record: "IndexKeyStore | AttentionKVStore") -> None:
 def store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
                      fmt: "KeyFormat | str", rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor,
                      norm_bias: torch.Tensor | None = None, transform: KeyTransform = KeyTransform(), *,
-                     backend: str = "auto") -> None:
+                     backend: str = "auto", summaries: PageSummaries | None = None) -> None:
     """Normalize, rope, rotate, quantize and store index keys in a paged pool (in place).
 
     keys [N, 128] fp32/bf16/fp16 (pre-norm), positions int [N] (rope position of each row), slots int [N]
@@ -211,9 +223,14 @@ def store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.T
     rope_cos_sin fp32 [max_position, rope_dim] (cos then sin), norm_weight [128], norm_bias [128]
     (layernorm only). ``transform`` picks the norm, rope layout / dims, Hadamard and eps.
     Byte layout of the entries: :mod:`dsakit.formats`.
+
+    ``summaries``: the pool's :class:`dsakit.pool.PageSummaries` (bf16 [P, 128] centre / lower / upper), kept
+    up to date: every page that gets a row is summarized over its entries 0..e, e its highest entry in the
+    call (pages appended in order; docs/store.md, "Page summaries"). A decode append (one row per page)
+    does it in the store's own launch.
     """
     store_checked(IndexKeyStore.check(keys, positions, slots, pool, fmt, rope_cos_sin, norm_weight, norm_bias,
-                                      transform, backend=backend))
+                                      transform, backend=backend, summaries=summaries))
 
 
 def store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,

@@ -14,8 +14,9 @@ import triton.language as tl
 from ...formats.bf16 import bf16_bits, bf16_u16
 from ...formats.common import finite_abs_tl, pow2_tl, sanitize_tl, ue8m0_ceil_tl
 from ...formats.fp8 import e4m3_bits, e4m3_u8
-from ...formats.triton import (key_page_started, key_page_value, load_key_page_value, store_key_halves,
-                               store_key_page_halves, store_key_page_rows, store_key_page_value, store_key_rows)
+from ...formats.triton import (key_page_started, key_page_value, load_key_decoded, load_key_page_value,
+                               store_key_halves, store_key_page_halves, store_key_page_rows, store_key_page_value,
+                               store_key_rows)
 
 # 128^-0.5 as the fp32 constant hadamard_matrix() scales by (dsakit.transforms), applied as 2^-4 before the
 # butterfly (exact) and sqrt(2) after it: fl(sqrt(2)) / 16 = fl(128^-0.5), so the bits are the same, and the
@@ -30,6 +31,13 @@ PAGE_NONE = tl.constexpr(0)  # no side value (plain formats)
 PAGE_ONE_LAUNCH = tl.constexpr(1)  # entries and side values in one launch (_page_sources)
 PAGE_SIDES = tl.constexpr(2)  # first of two launches: the side values of the pages whose entry 0 is a row
 PAGE_ENTRIES = tl.constexpr(3)  # second of two: every entry against the side value in the pool
+
+
+# SUMMARY of the index-key store kernels: whether the launch also keeps the page summaries
+# (dsakit.pool.PageSummaries); the launcher picks it (triton.py, "Page summaries")
+SUMMARY_NONE = tl.constexpr(0)  # no summaries, or a second launch (_summarize_pages_kernel) keeps them
+SUMMARY_IN_STORE = tl.constexpr(1)  # each live row's page is summarized by its own program after its store
+CANONICAL_BF16_NAN = tl.constexpr(0x7FC0)  # dsakit.pool.CANONICAL_BF16_NAN
 
 
 # --------------------------------------------------------------------------------------------------
@@ -151,6 +159,88 @@ def _hadamard128(x, BLOCK_N: tl.constexpr):
 
 
 # --------------------------------------------------------------------------------------------------
+# Page summaries (the spec: dsakit.pool.summarize_page), any layout
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bf16_summary_bits(x):
+    """fp32 -> bf16 bits (uint16), round to nearest even, every NaN as the canonical 0x7FC0."""
+    return tl.where(x != x, CANONICAL_BF16_NAN, bf16_bits(x)).to(tl.uint16)
+
+
+@triton.jit
+def _bf16_outward_bits(x, DOWN: tl.constexpr):
+    """fp32 -> bf16 bits (uint16) rounded toward -inf (DOWN) or +inf: the RNE value, moved one bf16 step
+    outward when it lies on the wrong side of x (torch.nextafter on the bits; NaN -> 0x7FC0)."""
+    r = bf16_bits(x)  # uint32 holding 16 bits
+    back = (r << 16).to(tl.float32, bitcast=True)
+    negative = (r & 0x8000) != 0
+    zero = (r & 0x7FFF) == 0
+    if DOWN:  # next toward -inf: a positive value shrinks, +0 becomes -2^-133, a negative one grows
+        wrong = back > x
+        step = tl.where(negative, r + 1, tl.where(zero, 0x8001, r - 1))
+    else:  # next toward +inf: a negative value shrinks toward 0, -0 becomes +2^-133, a positive one grows
+        wrong = back < x
+        step = tl.where(negative, tl.where(zero, 0x0001, r - 1), r + 1)
+    out = tl.where(wrong, step, r)
+    return tl.where(x != x, CANONICAL_BF16_NAN, out).to(tl.uint16)
+
+
+@triton.jit
+def _store_page_summaries(pool_ptr, page, page_base, last, active, cols, centre_ptr, lower_ptr, upper_ptr,
+                          CODE: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
+    """Summarize entries 0..last of each active row's page from the pool and write its three summary rows.
+
+    page / page_base / last / active: per row, broadcasting against cols (the dims) in any layout ([BLOCK_N, 1]
+    x [1, D] or [1, BLOCK_N, 1, 1] x [2, 1, 8, 8]). The spec's arithmetic (dsakit.pool.summarize_page): the
+    decoded rows added one at a time in entry order from fp32 zeros, one IEEE division by the count
+    (div_rn), bf16 RNE; the per-dimension min / max of the decoded rows (-0 read as +0, NaN propagated)
+    rounded outward. One entry per iteration, up to the block's largest ``last`` (none if no row is active).
+    """
+    zero = (cols * 0 + last * 0).to(tl.float32)  # the full broadcast shape
+    total = zero
+    lower = zero + float("inf")
+    upper = zero - float("inf")
+    rounds = tl.max(tl.ravel(tl.where(active, last, -1)), axis=0) + 1
+    # a constant trip count with a uniform branch (the interpreter cannot loop to a tensor-valued bound)
+    for j in range(0, PAGE):
+        if j < rounds:
+            take = active & (j <= last)
+            x = load_key_decoded(pool_ptr, page_base, j, cols, take, CODE, D)
+            total = tl.where(take, total + x, total)
+            boxed = tl.where(x == 0.0, 0.0, x)
+            lower = tl.where(take & ((boxed < lower) | (boxed != boxed)), boxed, lower)
+            upper = tl.where(take & ((boxed > upper) | (boxed != boxed)), boxed, upper)
+    centre = tl.div_rn(total, (last + 1).to(tl.float32) + zero)
+    row = page * D + cols
+    mask = active & (cols >= 0)
+    tl.store(centre_ptr.to(tl.pointer_type(tl.uint16)) + row, _bf16_summary_bits(centre), mask=mask)
+    tl.store(lower_ptr.to(tl.pointer_type(tl.uint16)) + row, _bf16_outward_bits(lower, True), mask=mask)
+    tl.store(upper_ptr.to(tl.pointer_type(tl.uint16)) + row, _bf16_outward_bits(upper, False), mask=mask)
+
+
+@triton.jit
+def _summarize_pages_kernel(slots_ptr, positions_ptr, pool_ptr, centre_ptr, lower_ptr, upper_ptr,
+                            n_rows, num_slots, max_position,
+                            CODE: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGE_BYTES: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """The second launch of a store whose pages may get several rows: after every row is stored, the row that
+    ends each page's run (the next row does not hold the next entry of the same page) summarizes the page's
+    entries 0..its entry from the pool. Rows are the store's (same liveness: dead rows are never read)."""
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, D)
+    slot, _, live = _live_rows(rows, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
+    next_slot, _, next_live = _live_rows(rows + 1, slots_ptr, positions_ptr, n_rows, num_slots, max_position)
+    entry = slot % PAGE
+    ends_run = live & ~(next_live & (entry < PAGE - 1) & (next_slot == slot + 1))
+    page = slot // PAGE
+    _store_page_summaries(pool_ptr, page[:, None], (page * PAGE_BYTES)[:, None], entry[:, None],
+                          ends_run[:, None], cols[None, :], centre_ptr, lower_ptr, upper_ptr, CODE, D, PAGE)
+
+
+# --------------------------------------------------------------------------------------------------
 # Index keys: [N, 128] -> bf16 / fp8 / fp4 entries
 # --------------------------------------------------------------------------------------------------
 
@@ -193,12 +283,15 @@ def _page_sources(rows, slot, entry, live, slots_ptr, positions_ptr, n_rows, num
 @triton.jit
 def _store_index_keys_generic_kernel(
         keys_ptr, positions_ptr, slots_ptr, pool_ptr, table_ptr, w_ptr, b_ptr,
-        n_rows, keys_row_stride, num_slots, max_position, eps,
+        n_rows, keys_row_stride, num_slots, max_position, eps, centre_ptr, lower_ptr, upper_ptr,
         NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ROPE_DIM: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
         HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
         VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr, PAGE_STEP: tl.constexpr,
-        D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Index keys [N, D] for any rope width / placement (D = 128, PAGE = 64 entries per page: the format's)."""
+        D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SUMMARY: tl.constexpr):
+    """Index keys [N, D] for any rope width / placement (D = 128, PAGE = 64 entries per page: the format's).
+    SUMMARY (SUMMARY_IN_STORE): each live row's program then summarizes its page (centre_ptr / lower_ptr /
+    upper_ptr: the PageSummaries rows) over entries 0..its entry, the launcher's rows holding at most one row
+    per page (the entries before it were stored by earlier launches)."""
     tl.static_assert(D == 128, "the index kernels rotate 128-dim keys (Hadamard 128)")
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -241,6 +334,10 @@ def _store_index_keys_generic_kernel(
         value = tl.where(first[:, None], key_page_value(x, CODE, False), value)
         store_key_page_rows(x, value, first, pool_ptr, page_base, value_base, scale_base, cols, live, CODE, UE8M0,
                             FP4_RNE, BLOCK_N)
+    if (SUMMARY == SUMMARY_IN_STORE) and (PAGE_STEP != PAGE_SIDES):
+        tl.debug_barrier()  # this program's stores are visible to all its threads before they read the page
+        _store_page_summaries(pool_ptr, page[:, None], page_base[:, None], entry[:, None], live[:, None],
+                              cols[None, :], centre_ptr, lower_ptr, upper_ptr, CODE, D, PAGE)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -396,12 +493,12 @@ def _transform_halves(keys_ptr, rows, pos, live, half, cols, w_ptr, b_ptr, table
 @triton.jit
 def _store_index_keys_kernel(
         keys_ptr, positions_ptr, slots_ptr, pool_ptr, table_ptr, w_ptr, b_ptr,
-        n_rows, keys_row_stride, num_slots, max_position, eps,
+        n_rows, keys_row_stride, num_slots, max_position, eps, centre_ptr, lower_ptr, upper_ptr,
         NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRING: tl.constexpr, PLACEMENT: tl.constexpr,
         HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
         VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr, PAGE_STEP: tl.constexpr,
         D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
-        EARLY_LOADS: tl.constexpr = False):
+        SUMMARY: tl.constexpr, EARLY_LOADS: tl.constexpr = False):
     """Index keys with rope_dim 64: x [2, BLOCK_N, 8, 8] (half, row, piece, e), two lanes per row.
 
     Per-row values (slot, position, validity) are kept as [1, BLOCK_N, 1, 1] tensors from the start:
@@ -410,7 +507,8 @@ def _store_index_keys_kernel(
     rows at entry 0 of a page make and write their page's side value and the others code against it (see
     ``_page_sources``), or the same in two launches (side values, then entries). EARLY_LOADS
     (``StoreConfig.page_term_early_loads``): a page-term row's pool reads do not wait for where its entry 0 is.
-    D / PAGE: the format's dims and entries per page (the tile is built for 128 dims).
+    D / PAGE: the format's dims and entries per page (the tile is built for 128 dims). SUMMARY: as in the
+    generic kernel (the page summaries of a store with at most one row per page, in this launch).
     """
     tl.static_assert(D == 128, "the tile [2, BLOCK_N, 8, 8] holds 128-dim keys")
     pid = tl.program_id(0)
@@ -463,6 +561,10 @@ def _store_index_keys_kernel(
                 value = tl.where(need, key_page_value(x0, CODE, NATIVE), value)
         store_key_page_halves(x, value, first, pool_ptr, page_base, value_base, scale_base, cols, half, live, CODE,
                               UE8M0, FP4_RNE, NATIVE, BLOCK_N)
+    if SUMMARY == SUMMARY_IN_STORE:  # (PAGE_SIDES returned above)
+        tl.debug_barrier()  # this program's stores are visible to all its threads before they read the page
+        _store_page_summaries(pool_ptr, page, page_base, entry, live, cols, centre_ptr, lower_ptr, upper_ptr,
+                              CODE, D, PAGE)
 
 
 @triton.jit

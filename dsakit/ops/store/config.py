@@ -29,6 +29,9 @@ class StoreConfig:
     and the centre from the pool for every row at entry > 0 at once, instead of after finding whether entry 0
     is in the call (two dependent DRAM round trips fewer in a decode append, 256 bytes more per row of a bulk
     store; not measured yet, hence off).
+    summary_*: rows per program and warps of the page-summary launch that follows a store whose pages may get
+    several rows (each program walks the entries of the pages its rows end; few rows per program, since a
+    program iterates over the longest of its pages for all its rows; not measured yet).
     """
 
     index_block_n: int = 32
@@ -44,6 +47,8 @@ class StoreConfig:
     attention_kernel: str = "auto"
     page_term_two_launches_from: int = 0
     page_term_early_loads: bool = False
+    summary_block_n: int = 4
+    summary_warps: int = 1
 
     def __post_init__(self):
         for name, value in self.__dict__.items():

@@ -16,7 +16,8 @@ import torch
 
 from ..._memory import FLOAT_DTYPES, INDEX_DTYPES, check_float, check_instance, check_tensor
 from ...formats import AttentionKVFormat, KeyFormat
-from ...pool import check_pool, check_slots, num_slots, store_checked_entries
+from ...pool import (PageSummaries, check_pool, check_slots, check_summaries, num_slots, store_checked_entries,
+                     update_summaries)
 from ...presets import KeyTransform
 from ...transforms import ROPE_V4, RopeLayout, apply_norm, apply_rope, hadamard_transform
 
@@ -98,17 +99,22 @@ def _prepare_index_keys(keys, positions, rope_cos_sin, norm_weight, norm_bias, t
 
 def store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
                      fmt: "KeyFormat | str", rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor,
-                     norm_bias: torch.Tensor | None = None, transform: KeyTransform = KeyTransform()) -> None:
+                     norm_bias: torch.Tensor | None = None, transform: KeyTransform = KeyTransform(),
+                     summaries: PageSummaries | None = None) -> None:
     """Normalize, rope, rotate, quantize and store index keys in a paged pool (in place).
 
     keys [N, 128] fp32/bf16 (pre-norm), positions int [N] (rope position of each row), slots int [N]
     (global slot, < 0 = padding, skipped), pool uint8 [P, fmt.page_bytes], rope_cos_sin fp32
-    [max_position, rope_dim] (cos then sin), norm_weight [128], norm_bias [128] (layernorm only).
+    [max_position, rope_dim] (cos then sin), norm_weight [128], norm_bias [128] (layernorm only),
+    summaries: the pool's page summaries to keep up to date (:func:`dsakit.pool.update_summaries`) or None.
     """
     fmt = KeyFormat.parse(fmt)
     slots = _check_store_target(keys, 128, "keys", slots, pool, fmt)
+    check_summaries(summaries, pool, fmt, slots)
     x = prepare_index_keys(keys, positions, rope_cos_sin, norm_weight, norm_bias, transform)
     store_checked_entries(pool, fmt, slots, x)
+    if summaries is not None:
+        update_summaries(pool, fmt, slots, summaries)
 
 
 def prepare_attention_kv(kv: torch.Tensor, positions: torch.Tensor, rope_cos_sin: torch.Tensor,
@@ -140,11 +146,14 @@ def store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.T
 
 def store_checked_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
                              fmt: KeyFormat, rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor,
-                             norm_bias: torch.Tensor | None, transform: KeyTransform) -> None:
+                             norm_bias: torch.Tensor | None, transform: KeyTransform,
+                             summaries: PageSummaries | None = None) -> None:
     """:func:`store_index_keys` on inputs already checked (``dsakit.ops.store.IndexKeyStore``): ``slots`` are
     the CPU int64 slots :func:`dsakit.pool.check_slots` returned. Nothing is checked again."""
     x = _prepare_index_keys(keys, positions, rope_cos_sin, norm_weight, norm_bias, transform)
     store_checked_entries(pool, fmt, slots, x)
+    if summaries is not None:
+        update_summaries(pool, fmt, slots, summaries)
 
 
 def store_checked_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,

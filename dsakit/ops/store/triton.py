@@ -41,6 +41,21 @@ Safety without validation (CUDA-graph capture, torch.compile): rows whose slot i
 >= num_slots, or whose position is outside the rope table, are neither read nor written; no address
 outside the pool, the inputs or the table is ever formed.
 
+Page summaries (:class:`dsakit.pool.PageSummaries`, spec :func:`dsakit.pool.summarize_page`): with a table,
+every page that gets a row is summarized over its entries 0..e (e its highest entry in the call), read back
+from the pool and decoded bit for bit like the reference (``load_key_decoded``), so the bytes are the
+reference's whatever order or chunking the entries came in. Two ways, picked by the launcher:
+
+* in the store launch (``one_row_per_page``: a decode append, one row per sequence, or slots the record
+  checked on the host): after storing its row, a program waits for its own stores (a CTA barrier) and sums
+  entries 0..e of the row's page, entries 0..e-1 having been stored by earlier launches. No extra launch.
+* otherwise one more launch after the store (``_summarize_pages_kernel``): the row that ends each page's run
+  of rows summarizes the page, every row of the call being stored by then. Without host-checked slots the
+  launcher cannot know that a call of N > 1 rows has one row per page, so such calls take this launch.
+
+Both rely on the table's precondition (pages appended in order; a page's rows in one call consecutive, which
+the record checks on the host when it checks values: :func:`dsakit.pool.check_summary_order`).
+
 The launchers are registered as ``torch.library`` custom ops (``dsakit::store_index_keys``,
 ``dsakit::store_attention_kv``) that mutate ``pool`` and have fake (meta) implementations, so the public
 functions work under ``torch.compile`` and CUDA graph capture.
@@ -55,8 +70,10 @@ import triton
 
 from ...batch import check_pool_alignment
 from ...formats import ATTENTION_FP8_BLOCK, ENTRIES_PER_PAGE, AttentionKVFormat, KeyFormat, key_codec
-from ._kernels import (PAGE_ENTRIES, PAGE_NONE, PAGE_ONE_LAUNCH, PAGE_SIDES, _store_attention_kv_generic_kernel,
-                       _store_attention_kv_kernel, _store_index_keys_generic_kernel, _store_index_keys_kernel)
+from ...pool import PageSummaries
+from ._kernels import (PAGE_ENTRIES, PAGE_NONE, PAGE_ONE_LAUNCH, PAGE_SIDES, SUMMARY_IN_STORE, SUMMARY_NONE,
+                       _store_attention_kv_generic_kernel, _store_attention_kv_kernel, _store_index_keys_generic_kernel,
+                       _store_index_keys_kernel, _summarize_pages_kernel)
 from .config import StoreConfig
 
 # compile-time codes of the options
@@ -91,10 +108,14 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
 def launch_store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
                             rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor, norm_bias: Optional[torch.Tensor],
                             fmt: KeyFormat, norm: str, pairing: str, placement: str, hadamard: bool,
-                            eps: float, *, config: StoreConfig | None = None) -> None:
+                            eps: float, *, config: StoreConfig | None = None, summaries: PageSummaries | None = None,
+                            one_row_per_page: bool = False) -> None:
     """Launch the index-key kernel on validated inputs (see ``dsakit.ops.store.store_index_keys``).
 
     ``config``: every launch setting (default: the measured table of the GPU), :class:`StoreConfig`.
+    ``summaries``: the pool's page summaries, kept up to date; ``one_row_per_page``: the caller knows that no
+    page gets two rows (a decode append, or slots it checked), so the store launch itself summarizes each
+    row's page; otherwise one more launch does it after the store (module docstring, "Page summaries").
     """
     config = config or StoreConfig.for_device(pool.device)
     n = keys.shape[0]
@@ -109,8 +130,11 @@ def launch_store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: 
                   UE8M0=fmt.scale_fmt == "ue8m0", FP4_RNE=fmt.rounding == "rne", VALUE_BYTES=fmt.value_bytes,
                   SCALE_BYTES=fmt.scale_bytes, PAGE_BYTES=fmt.page_bytes, D=fmt.head_dim, PAGE=fmt.entries_per_page,
                   **_launch_options(pool.device))
+    summary_rows = (pool, pool, pool) if summaries is None else (summaries.centre, summaries.lower, summaries.upper)
+    in_store = summaries is not None and one_row_per_page
     args = (keys, positions, slots, pool, table, norm_weight, norm_weight if norm_bias is None else norm_bias,
-            n, keys.stride(0), pool.shape[0] * ENTRIES_PER_PAGE, table.shape[0], float(eps))
+            n, keys.stride(0), pool.shape[0] * ENTRIES_PER_PAGE, table.shape[0], float(eps), *summary_rows)
+    common["SUMMARY"] = SUMMARY_IN_STORE if in_store else SUMMARY_NONE
     # A format with a per-page side value (page-centred: the centre) stores in one launch: rows at entry 0 of
     # a page write its side value, the others take it from entry 0's row of the same call or from the pool
     # (_kernels._page_sources), so no ordering between the programs of a launch is needed; or, from
@@ -130,6 +154,11 @@ def launch_store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: 
         else:
             _store_index_keys_generic_kernel[(triton.cdiv(n, block_n),)](
                 *args, ROPE_DIM=table.shape[1], BLOCK_N=block_n, num_warps=warps, PAGE_STEP=step, **common)
+    if summaries is not None and not in_store:
+        _summarize_pages_kernel[(triton.cdiv(n, config.summary_block_n),)](
+            slots, positions, pool, *summary_rows, n, pool.shape[0] * ENTRIES_PER_PAGE, table.shape[0],
+            CODE=int(codec.code), D=fmt.head_dim, PAGE=fmt.entries_per_page, PAGE_BYTES=fmt.page_bytes,
+            BLOCK_N=config.summary_block_n, num_warps=config.summary_warps)
 
 
 def launch_store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
@@ -162,20 +191,27 @@ def launch_store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: 
             BLOCK_N=config.generic_attention_block_n, num_warps=config.generic_warps, **common)
 
 
-@torch.library.custom_op("dsakit::store_index_keys", mutates_args=("pool",))
+@torch.library.custom_op("dsakit::store_index_keys",
+                         mutates_args=("pool", "summary_centre", "summary_lower", "summary_upper"))
 def store_index_keys_op(keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
                         rope_cos_sin: torch.Tensor, norm_weight: torch.Tensor, norm_bias: Optional[torch.Tensor],
-                        fmt: str, norm: str, rope_layout: str, hadamard: bool, eps: float) -> None:
-    """Custom op around :func:`launch_store_index_keys`; ``fmt`` / ``rope_layout`` by name."""
+                        fmt: str, norm: str, rope_layout: str, hadamard: bool, eps: float,
+                        summary_centre: Optional[torch.Tensor] = None, summary_lower: Optional[torch.Tensor] = None,
+                        summary_upper: Optional[torch.Tensor] = None, one_row_per_page: bool = False) -> None:
+    """Custom op around :func:`launch_store_index_keys`; ``fmt`` / ``rope_layout`` by name; the page summaries
+    (optional) as their three tensors (all or none, checked by the caller's record)."""
     check_pool_alignment(pool)  # runs on the real pool also under torch.compile (check_pool cannot there)
     pairing, placement = rope_layout.rsplit("-", 1)
+    summaries = None if summary_centre is None else PageSummaries(summary_centre, summary_lower, summary_upper)
     launch_store_index_keys(keys, positions, slots, pool, rope_cos_sin, norm_weight, norm_bias,
-                            KeyFormat.parse(fmt), norm, pairing, placement, hadamard, eps)
+                            KeyFormat.parse(fmt), norm, pairing, placement, hadamard, eps, summaries=summaries,
+                            one_row_per_page=one_row_per_page)
 
 
 @store_index_keys_op.register_fake
 def _store_index_keys_fake(keys, positions, slots, pool, rope_cos_sin, norm_weight, norm_bias, fmt, norm,
-                           rope_layout, hadamard, eps) -> None:
+                           rope_layout, hadamard, eps, summary_centre=None, summary_lower=None, summary_upper=None,
+                           one_row_per_page=False) -> None:
     return None
 
 
