@@ -74,10 +74,12 @@ def hierarchical_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
     returns the exact top-k among the entries of those pages, in :func:`index_topk`'s order and tie rule.
     ``HierarchyConfig(exact=True)`` also scores every page whose bound (``summaries.lower`` / ``upper``)
     reaches the k-th score, so the result is the flat top-k. ``summaries`` (:class:`dsakit.pool.PageSummaries`
-    kept by the store, ``PagedCache(..., summaries=True)``) is needed for plain formats and for the exact mode.
+    kept by the store, ``PagedCache(..., summaries=True)``; default: ``batch.summaries``) is needed for plain
+    formats and for the exact mode.
     ``return_slots`` adds the global slots; ``return_pages`` adds int64 [T]: the pages stage 2 scored per query.
 
-    >>> idx = hierarchical_topk(q, w, cache.batch(), 512, summaries=cache.summaries)
+    >>> cache = PagedCache(KeyFormat.FP8, num_pages=64, summaries=True)   # the store keeps page summaries
+    >>> idx = hierarchical_topk(q, w, cache.batch(), 512)                   # default HierarchyConfig()
     """
     check_bool("return_slots", return_slots)
     check_bool("return_pages", return_pages)
@@ -85,6 +87,8 @@ def hierarchical_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
     check_batch_queries(q, weights, batch)
     check_k(k, MAX_K)
     config = check_instance("config", config or HierarchyConfig(), HierarchyConfig, label="HierarchyConfig or None")
+    if summaries is None:
+        summaries = batch.summaries  # PagedCache(..., summaries=True).batch() carries its table
     if summaries is not None:
         check_instance("summaries", summaries, PageSummaries, label="dsakit.pool.PageSummaries or None")
         summaries.check_for(batch.pool)
