@@ -29,6 +29,8 @@ stored after the scales) can read or write it here without the kernels changing.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -253,6 +255,20 @@ def store_key_page_halves(x, page_value, first, pool_ptr, page_base, value_base,
                      CODE, UE8M0, FP4_RNE, NATIVE, BLOCK_N)
 
 
+# The interpreter runs jit functions as numpy (no inline assembly); read once, when this module is imported.
+_INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def mul_unfused(a, b):
+    """fp32 a * b rounded once and never contracted with a following add into an FMA (``mul.rn`` is exempt
+    from contraction): the page summaries' sums must round each decoded value first, as the spec does."""
+    if _INTERPRETING:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
 @triton.jit
 def load_key_decoded(pool_ptr, page_base, entry, cols, mask, CODE: tl.constexpr, D: tl.constexpr):
     """Decoded fp32 values of stored entries, bit for bit :func:`dsakit.pool.dequantize_entries`: entry
@@ -268,7 +284,7 @@ def load_key_decoded(pool_ptr, page_base, entry, cols, mask, CODE: tl.constexpr,
         code = tl.load(pool_ptr + page_base + entry * D + cols, mask=mask, other=0)
         scale = tl.load(pool_ptr.to(tl.pointer_type(tl.float32)) + (page_base + 64 * D + entry * 4) // 4 + cols * 0,
                         mask=mask, other=0.0)
-        x = e4m3_float(code) * scale
+        x = mul_unfused(e4m3_float(code), scale)
     else:
         byte = tl.load(pool_ptr + page_base + entry * (D // 2) + cols // 2, mask=mask, other=0).to(tl.int32)
         nibble = tl.where((cols & 1) == 1, byte >> 4, byte & 0xF)

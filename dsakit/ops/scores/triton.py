@@ -464,7 +464,8 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
 
 def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, *,
                         out: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
-                        tiles: QueryTiles | None = None, config: ScoresConfig | None = None) -> torch.Tensor:
+                        tiles: QueryTiles | None = None, config: ScoresConfig | None = None,
+                        check_q_scale: bool = True) -> torch.Tensor:
     """Scores of a ragged batch against paged keys, in Triton -> fp32 [T, W], -inf where invisible.
 
     Semantics of :func:`dsakit.ops.scores.reference.index_scores`: q [T, H, 128] (fp32 / fp16 / bf16 / fp8
@@ -483,7 +484,8 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
     config: launch tuning (:class:`ScoresConfig`; default: the measured table of the GPU).
     """
     check_q_inputs(q, weights, batch, q_scale)
-    check_q_scale_values(q_scale)
+    if check_q_scale:  # a caller that checked it once (hierarchical top-k) skips the sync
+        check_q_scale_values(q_scale)
     t, num_heads, _ = q.shape
     config = config or ScoresConfig.for_device(batch.device)
     check_instance("config", config, ScoresConfig)

@@ -212,11 +212,16 @@ def hierarchical_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: Page
     from ..scores.triton import index_scores_triton
     from .triton import index_topk_triton
 
+    from ..scores.triton import check_q_scale_values
+
+    if not torch.cuda.is_current_stream_capturing():  # its value check syncs: once here, never inside a graph
+        check_q_scale_values(q_scale)
+
     def topk(q_, w_, b_, k_):
-        return index_topk_triton(q_, w_, b_, k_, q_scale=q_scale, config=topk_config)
+        return index_topk_triton(q_, w_, b_, k_, q_scale=q_scale, config=topk_config, check_q_scale=False)
 
     def scores(q_, w_, b_):
-        return index_scores_triton(q_, w_, b_, q_scale=q_scale)
+        return index_scores_triton(q_, w_, b_, q_scale=q_scale, check_q_scale=False)
 
     t = q.shape[0]
     device = batch.device

@@ -288,7 +288,7 @@ def _overlapped_chunks(q, weights, batch: PagedBatch, k: int, plans: list[QueryT
 
 def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int, *,
                       return_slots: bool = False, q_scale: torch.Tensor | None = None,
-                      config: TopkConfig | None = None):
+                      config: TopkConfig | None = None, check_q_scale: bool = True):
     """Top-k entries per query of a ragged paged batch, scores fused with an exact radix select.
 
     q [T, H, 128] (fp32 / fp16 / bf16, or fp8 e4m3 with ``q_scale`` fp32 [T, H] > 0, whose check costs one
@@ -304,7 +304,8 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
     check_k(k, MAX_K)
     check_bool("return_slots", return_slots)
     config = check_instance("config", config or TopkConfig.for_device(batch.device), TopkConfig)
-    check_q_scale_values(q_scale)
+    if check_q_scale:  # a caller that checked it once (hierarchical top-k) skips the sync
+        check_q_scale_values(q_scale)
     device = batch.device
     t, num_heads, _ = q.shape
     width = batch.max_entries
