@@ -214,7 +214,7 @@ def hierarchical_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: Page
 
     from ..scores.triton import check_q_scale_values
 
-    if not torch.cuda.is_current_stream_capturing():  # its value check syncs: once here, never inside a graph
+    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # its check syncs: once, never in a graph
         check_q_scale_values(q_scale)
 
     def topk(q_, w_, b_, k_):
