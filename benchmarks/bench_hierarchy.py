@@ -229,6 +229,8 @@ def main() -> int:
         for n in ([300] if smoke else [int(x) for x in args.decode_n.split(",")]):
             for name in formats:
                 fmt = KeyFormat.parse(name)
+                if is_centred(fmt) and n * b > (1 << 24):
+                    continue  # its pool is quantized on the host (timing_pool): 64M keys take too long there
                 pool, table, counts = timing_pool(fmt, [n] * b, dev, seed=11)
                 seq = torch.arange(b, device=dev, dtype=torch.int32)
                 q, w, qs = queries(fmt, b, seed=12)
