@@ -18,7 +18,14 @@ exact on the scores it selected from (selected values == torch.topk values for e
 kernel scores against fp32 torch scores of the dequantized keys (relative L2) and the top-k overlap with
 torch.topk of those reference-semantics scores.
 
-Usage: PYTHONPATH=. python3 benchmarks/bench_decode.py --out DIR --commit SHA
+Section ``host`` (``--sections decode,host``, default both): the host cost of the plain public call.
+fp8 keys, bf16 q, the same B / N, K 2048 and 512; the batch is built from host metadata
+(``PagedBatch.from_host``, no sync, as ``PagedCache.batch`` does). Per case: ``dsakit.ops.topk.index_topk``
+(cached workspaces and tile plans, fresh outputs per call) against the plan eager and graph; recorded: the
+public call from its second call on raises no device->host sync and allocates no more than its output,
+public and plan results equal bit for bit, ``public_over_plan`` = public / plan eager (target <= 1.2).
+
+Usage: PYTHONPATH=. python3 benchmarks/bench_decode.py --out DIR --commit SHA [--sections decode,host]
        (``--device cpu --smoke`` under TRITON_INTERPRET=1: toy sizes, no graphs, no timing claims)
 """
 
@@ -35,6 +42,7 @@ from _common import (DIM, bench_parser, environment, make_queries, median_ms, sa
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
 from dsakit.ops.scores.triton import launch_index_scores, prepare_q
+from dsakit.ops.topk import index_topk
 from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
 from dsakit.ops.topk.triton import index_topk_triton, launch_select
 
@@ -158,8 +166,49 @@ def run_case(fmt_name: str, n: int, ks: list[int], b: int, heads: int, device: s
     return rows_out
 
 
+def host_case(n: int, k: int, b: int, heads: int, device: str, rep_ms: int, smoke: bool) -> dict:
+    """The public ``index_topk`` (batch from host metadata) against the planned decode path: host cost."""
+    fmt = KeyFormat.FP8
+    pool, table, counts = timing_pool(fmt, [n] * b, device, seed=n + k)
+    batch = PagedBatch.from_host(pool, fmt, table.cpu().tolist(), [n] * b)
+    static = PagedBatch.build(pool, fmt, table, counts, torch.arange(b, dtype=torch.int32, device=device),
+                              validate=False, max_entries=n)  # for the graph
+    q, w, _ = make_queries("bf16", b, heads, device, seed=7)
+    plan = plan_decode_topk(b, 1, n, k, fmt, device, num_heads=heads)
+
+    def public():
+        return index_topk(q, w, batch, k)
+
+    def planned():
+        return index_topk_decode(q, w, static, k, plan=plan)
+
+    first = public().clone()  # compiles, fills the workspace and plan caches
+    row = {"case": "host", "format": fmt.name, "q": str(q.dtype), "B": b, "next_n": 1, "N": n, "H": heads, "K": k,
+           "output_bytes": b * k * 4}
+    if device == "cuda":
+        row.update(sync_and_alloc(public))
+    row["public_equals_plan"] = bool(torch.equal(first, planned()))
+    row["public_ms"] = bench(public, device, rep_ms)
+    row["plan_eager_ms"] = bench(planned, device, rep_ms)
+    if device == "cuda" and not smoke:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            planned()
+        graph.replay()
+        torch.cuda.synchronize()
+        row["graph_equals_public"] = bool(torch.equal(plan.indices, first))
+        row["plan_graph_ms"] = bench(graph.replay, device, rep_ms)
+        del graph
+    row["public_over_plan"] = row["public_ms"] / row["plan_eager_ms"]
+    print(row, flush=True)
+    return row
+
+
 def main() -> int:
-    args = bench_parser().parse_args()
+    parser = bench_parser()
+    parser.add_argument("--sections", default="decode,host", help="comma list: decode (plan path), host (public call)")
+    args = parser.parse_args()
     device = args.device
     smoke = args.smoke
     out_dir = Path(args.out)
@@ -172,19 +221,25 @@ def main() -> int:
     rep_ms = 5 if smoke else 60
     report = {"meta": {**environment(device, args.commit), "B": b, "H": heads, "D": DIM, "next_n": 1, "N": ns,
                        "K": ks, "formats": ["fp8", "bf16", "fp4"], "timing": "triton.testing.do_bench median, ms"},
-              "decode": [], "skipped": []}
+              "decode": [], "host": [], "skipped": []}
     start = time.time()
 
     def save():
         write_json(out_dir / "decode_h200.json", report)
 
-    for fmt_name in ("fp8", "bf16", "fp4"):
+    for fmt_name in ("fp8", "bf16", "fp4") if "decode" in args.sections else ():
         for n in ns:
             if time.time() - start > TIME_GUARD_S:
                 report["skipped"].append({"format": fmt_name, "N": n, "why": "time guard"})
                 continue
             report["decode"] += run_case(fmt_name, n, ks, b, heads, device, rep_ms, smoke)
             print(f"[{time.time() - start:.0f} s] {fmt_name} {n} done", flush=True)
+            save()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    for n in ns if "host" in args.sections else ():
+        for k in (ks[-1], ks[0]):
+            report["host"].append(host_case(n, k, b, heads, device, rep_ms, smoke))
             save()
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -203,6 +258,13 @@ def main() -> int:
               f"{r['torch_topk_ms']:7.3f} {r.get('deepgemm_plus_topk_ms', 0):8.3f} {r['key_tb_per_s']:8.2f}  "
               f"{ok!s:5}  {r.get('sync_free', '-')}  rel_l2 {r['scores_rel_l2_vs_fp32']:.1e} "
               f"overlap {r['topk_overlap_vs_fp32_reference']:.3f}")
+    print("\nhost: N       K     public  plan    graph   public/plan  sync-free  alloc-peak  equal")
+    for r in report["host"]:
+        ok = r["public_equals_plan"] and r.get("sync_free") is not False and r.get("graph_equals_public", True)
+        failures += not ok
+        print(f"      {r['N']:7} {r['K']:5} {r['public_ms']:7.3f} {r['plan_eager_ms']:7.3f} "
+              f"{r.get('plan_graph_ms', 0):7.3f} {r['public_over_plan']:11.2f}  {r.get('sync_free')!s:9}  "
+              f"{r.get('alloc_peak_bytes')!s:10}  {ok}")
     print(f"skipped: {report['skipped']}; check failures: {failures}; total {time.time() - start:.0f} s")
     return 1 if failures else 0
 

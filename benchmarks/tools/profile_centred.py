@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the bench_* scripts
 from _common import make_queries, timing_pool
-from bench_centred_targets import PLAIN, centred_pool
+from bench_centred import PLAIN, centred_pool
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat

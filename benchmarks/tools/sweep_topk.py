@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the bench_* scripts
 from _common import (bench_parser, environment, make_queries, median_ms, peak_extra_bytes, same_selection, timing_pool,
                      write_json)
 from bench_select import make_scores

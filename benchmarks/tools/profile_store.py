@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the bench_* scripts
 from bench_store import _launch_v4, scattered_slots
 
 from dsakit.formats import KeyFormat

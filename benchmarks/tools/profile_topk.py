@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from dataclasses import replace
 
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the bench_* scripts
 from _common import make_queries, timing_pool
 
 from dsakit import PagedBatch
