@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from _common import (DIM, bench_parser, environment, make_queries, median_ms, peak_extra_bytes, same_selection,
                      timing_pool, write_json)
-from bench_select import make_scores
+from bench_indexer import make_scores
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
