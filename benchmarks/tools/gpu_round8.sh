@@ -7,7 +7,7 @@
 #      DeepGEMM build beside the gpu-marked Gluon tests, then bench_centred --runs 2 and the select
 #      filters (bench_indexer select --filters).
 #   2  (the Gluon bf16 prefill scores step that stood here timed a variant since removed),
-#      FlashMLA beside dsakit's attention twice (bench_attention_vs_flashmla), the Gluon fp8-KV rows
+#      FlashMLA beside dsakit's attention twice (bench_peers --sections attention-*), the Gluon fp8-KV rows
 #      (bench_attention --sections gluon).
 #   3  every peer beside dsakit twice (bench_peers), then Nsight Compute on the kernels behind missed targets.
 #   4  (after the select defaults changed and FlashMLA's build was fixed) the select filters again with the
@@ -71,8 +71,8 @@ case "$phase" in
     deepgemm || echo "DeepGEMM not importable" | tee -a "$res/summary.txt"
     flashmla_wait 200
     mkdir -p "$res/run1" "$res/run2"
-    step attention_vs_flashmla_run1 150 python3 benchmarks/bench_attention_vs_flashmla.py --out "$res/run1" --commit "$commit"
-    step attention_vs_flashmla_run2 150 python3 benchmarks/bench_attention_vs_flashmla.py --out "$res/run2" --commit "$commit"
+    step attention_vs_flashmla_run1 150 python3 benchmarks/bench_peers.py --sections attention-prefill,attention-decode --out "$res/run1" --commit "$commit"
+    step attention_vs_flashmla_run2 150 python3 benchmarks/bench_peers.py --sections attention-prefill,attention-decode --out "$res/run2" --commit "$commit"
     step attention_gluon 120 python3 benchmarks/bench_attention.py --sections gluon --out "$res" --commit "$commit"
     ;;
   3)
@@ -113,8 +113,8 @@ case "$phase" in
     step peers_run2 120 python3 benchmarks/bench_peers.py --rep 40 --out "$res/run2" --commit "$commit"
     flashmla_wait 240
     mkdir -p "$res/fm1" "$res/fm2"
-    step attention_vs_flashmla_run1 110 python3 benchmarks/bench_attention_vs_flashmla.py --out "$res/fm1" --commit "$commit"
-    step attention_vs_flashmla_run2 110 python3 benchmarks/bench_attention_vs_flashmla.py --out "$res/fm2" --commit "$commit"
+    step attention_vs_flashmla_run1 110 python3 benchmarks/bench_peers.py --sections attention-prefill,attention-decode --out "$res/fm1" --commit "$commit"
+    step attention_vs_flashmla_run2 110 python3 benchmarks/bench_peers.py --sections attention-prefill,attention-decode --out "$res/fm2" --commit "$commit"
     ;;
   5)
     # the runs Round 8 left (benchmarks/NOTES.md): the centred decode step kernel by kernel, the centred store
