@@ -1,209 +1,353 @@
-"""Page-centred key formats against their plain formats on the GPU, in the same run: store, scores, top-k.
+"""The page-centred key formats against their plain formats in one process on one GPU, --runs times.
 
-    PYTHONPATH=. python3 benchmarks/bench_centred.py --out DIR --commit $(git rev-parse --short HEAD)
-    # CPU smoke test of the code paths (interpreter, tiny sizes, no timing claims):
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/bench_centred.py --out /tmp/bc --device cpu --small
+    source benchmarks/anchors/build_deepgemm.sh .anchors/deepgemm-54e2261.tgz   # optional: the DeepGEMM rows
+    PYTHONPATH=$PWD:$PYTHONPATH python3 benchmarks/bench_centred.py --out DIR --runs 2
+    # CPU smoke run of the code paths (toy sizes, no DeepGEMM, no timing claims):
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/bench_centred.py --out /tmp/ct --device cpu --smoke
 
-Pairs (fp8, fp8-centred) and (fp4, fp4-centred), V4 key transform (RMSNorm, interleaved rope on the
-trailing 64 dims, Hadamard), H = 64 heads. Writes DIR/centred_bench.json (after every section):
+The centred store is timed by ``bench_store.py --centred``. H 64, D 128, K 2048, every query sees every entry.
+Sections (``--sections``, default all):
 
-1. check: a small store through the Triton kernel and the CPU reference, bytes equal (fraction), and Triton
-   scores of the centred pool against the reference's on the same pool (max |difference| relative to the
-   largest score);
-2. store: bulk prefill of N rows (a sequence's keys in order, pages shuffled) and decode appends (one row per
-   sequence for B sequences at random fill levels), median ms, the centred format's two launches included;
-3. scores + top-k: prefill (T queries of one sequence of N entries, ``index_scores`` materialized and
-   ``index_topk`` k = 2048) and decode (B sequences of N entries, one query each, ``index_topk`` k = 2048),
-   fp8 queries with q_scale for the fp8 pair and bf16 queries for the fp4 pair (as bench_scores does).
+  check    once, before the runs: keys with a large shared part (|mu| / |z| = 30) stored through the Triton
+           store and the CPU reference (fraction of equal bytes, centred and plain), and the Triton scores of
+           the centred pool against the reference's (max |difference| relative to the largest score).
 
-Each timed row records plain ms, centred ms and the ratio centred / plain (target <= 1.1).
+Each run times:
+
+  prefill  T 8192 x N 65536, eager on every side (triton.testing.do_bench): ``index_topk`` with fp8 keys and
+           with fp8-centred keys (fp8 q + q_scale), the centred one also with 8-warp prefill tiles
+           (``prefill_warps=8``: a variant, not the default), and DeepGEMM ``fp8_fp4_mqa_logits`` + torch.topk
+           on the fp8 keys (q_scale folded into the weights).
+  decode   B 64 x N 65536 / 131072, one query per sequence, CUDA-graph replays on every side
+           (do_bench_cudagraph): dsakit's decode plan (``plan_decode_topk`` + ``index_topk_decode``) with fp8,
+           fp8-centred, fp4 and fp4-centred keys (fp8 q + q_scale; the centred page copies also with other
+           register caps: fp8-centred at 248 (in effect uncapped), fp4-centred at 128, as variants), and DeepGEMM
+           ``fp8_fp4_paged_mqa_logits``
+           (context_lens [B, 1], clean_logits=False, metadata computed once outside) + torch.topk captured whole.
+
+The centred pools hold the same residual bytes as the plain pools (random valid fp8 / fp4 pages) plus a bf16
+centre per page, so centred / plain compares the same per-entry work plus the page term. Checks per case:
+the selection against torch.topk on the same scores (dsakit's workspace), and for the centred decode rows the
+scores of two queries against a torch statement of the rule (q . (s r) + q . c, relu, weights), relative error.
+
+Targets (ratios of the same run): fp8-centred prefill <= 1.05x fp8 and <= 0.80x DeepGEMM + torch.topk;
+fp8-centred decode <= 1.10x fp8 and <= 0.85x DeepGEMM + torch.topk; fp4-centred decode <= fp8 decode.
+A peer that is not importable is reported missing with the reason, never timed from elsewhere.
+Results: DIR/centred_targets_<commit>.json (written after every case): GPU, torch / triton versions, commit,
+deep_gemm_version, the rows and a per-target summary per run.
 """
 
 from __future__ import annotations
 
-import argparse
-import math
+import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+from _common import DIM, bench_parser, environment, make_queries, median_ms, same_selection, timing_pool, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, make_queries, timed, write_json  # noqa: E402
+from dsakit import PagedBatch
+from dsakit.cache import PagedCache
+from dsakit.formats import ENTRIES_PER_PAGE, KeyFormat
+from dsakit.ops import scores as scores_ops
+from dsakit.ops import store as store_ops
+from dsakit.presets import get_preset
+from dsakit.ops.scores.config import ScoresConfig
+from dsakit.ops.topk.config import TopkConfig
+from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
+from dsakit.ops.topk.triton import index_topk_triton, release_workspaces
 
-from dsakit import PagedBatch  # noqa: E402
-from dsakit.cache import PagedCache  # noqa: E402
-from dsakit.formats import ENTRIES_PER_PAGE, KeyFormat  # noqa: E402
-from dsakit.ops import scores as scores_ops  # noqa: E402
-from dsakit.ops import store as store_ops  # noqa: E402
-from dsakit.presets import get_preset  # noqa: E402
-
-PAIRS = (("fp8", "fp8-centred"), ("fp4", "fp4-centred"))
-PRESET = get_preset("deepseek-v4-flash")
-TRANSFORM = PRESET.key_transform
-
-
-def shared_keys(n: int, device: str, seed: int) -> torch.Tensor:
-    """Pre-norm keys with a large shared part (|mu| / |z| = 30), bf16, like pooled keys."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    mu = torch.randn(1, 128, device=device, generator=g)
-    return (30 * mu / mu.norm() * math.sqrt(128) + torch.randn(n, 128, device=device, generator=g)).to(torch.bfloat16)
+HEADS = 64
+K = 2048
+PLAIN = {"fp8-centred": "fp8", "fp4-centred": "fp4"}
 
 
-def filled_cache(fmt: KeyFormat, lengths: list[int], device: str, seed: int, table: torch.Tensor):
-    """A PagedCache of ``fmt`` holding sequences of the given lengths, written by the store op (pages in a
-    shuffled order); -> (cache, sequence ids)."""
-    pages = sum(math.ceil(n / ENTRIES_PER_PAGE) for n in lengths) + len(lengths)
-    cache = PagedCache(fmt, pages, device=device)
-    g = torch.Generator().manual_seed(seed)
-    cache._free = [int(p) for p in torch.randperm(pages, generator=g)]  # shuffled page order
-    seqs = []
-    for i, n in enumerate(lengths):
-        seq = cache.add_sequence()
-        slots = cache.append(seq, n).to(device)
-        keys = shared_keys(n, device, seed + i)
-        positions = torch.arange(n, device=device) * 4 % table.shape[0]
-        store_ops.store_index_keys(keys, positions, slots, cache.pool, fmt, table, torch.ones(128, device=device),
-                                   None, TRANSFORM, backend="triton")
-        seqs.append(seq)
-    return cache, seqs
+def load_deep_gemm() -> tuple[object, dict]:
+    """-> (the deep_gemm module or None, {"present", "version" | "reason"})."""
+    try:
+        import deep_gemm
+    except Exception as error:  # noqa: BLE001 - any import failure means: no peer in this run
+        reason = f"{type(error).__name__}: {str(error)[:200]}"
+        print(f"deep_gemm missing ({reason}); its rows are marked missing", flush=True)
+        return None, {"present": False, "reason": reason}
+    return deep_gemm, {"present": True, "version": getattr(deep_gemm, "__version__", None)}
 
 
-def section_check(device: str, table: torch.Tensor, small: bool) -> dict:
+def centred_pool(name: str, plain_pool: torch.Tensor, seed: int) -> torch.Tensor:
+    """A pool of format ``name`` holding plain_pool's entry bytes (its residuals) and a bf16 centre per page:
+    one shared vector (elements ~ 10x a residual element) plus a per-page part at the residuals' scale, as for
+    keys with a shared part (the centre is entry 0 of its page). Until d405359 every page had an independent
+    centre 10x the residuals: the scores then cluster by page, which slows the streaming select several-fold
+    (decode top-k 0.568 ms of which the scores kernels took 0.244) and no real pool looks like."""
+    fmt = KeyFormat.parse(name)
+    pool = torch.empty(plain_pool.shape[0], fmt.page_bytes, dtype=torch.uint8, device=plain_pool.device)
+    pool[:, : plain_pool.shape[1]].copy_(plain_pool)
+    g = torch.Generator(device=plain_pool.device).manual_seed(seed)
+    shared = 10 * torch.randn(1, DIM, device=plain_pool.device, generator=g)
+    centres = (shared + torch.randn(plain_pool.shape[0], DIM, device=plain_pool.device, generator=g)).to(torch.bfloat16)
+    pool[:, fmt.centre_offset_in_page:].copy_(centres.view(torch.uint8))
+    return pool
+
+
+def ordered(pool: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's pool with its pages in table order (DeepGEMM's non-paged keys are then a plain view)."""
+    pool = pool[table[0].long()].contiguous()
+    return pool, torch.arange(pool.shape[0], device=pool.device, dtype=torch.int32).unsqueeze(0)
+
+
+def fp8_keys(pool: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ordered single-sequence fp8 pool -> DeepGEMM's non-paged kv (fp8 [n, 128], fp32 scales [n])."""
+    pages = pool.shape[0]
+    values = pool[:, : 64 * DIM].reshape(pages * 64, DIM)[:n]
+    scales = pool[:, 64 * DIM:].contiguous().view(torch.float32).reshape(pages * 64)[:n]
+    return values.contiguous().view(torch.float8_e4m3fn), scales.contiguous()
+
+
+def centred_rule_error(name: str, pool: torch.Tensor, table: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
+                       qs: torch.Tensor, scores: torch.Tensor, rows: list[int], n: int) -> float:
+    """Largest |kernel - torch statement| / largest |score| over ``rows`` (query b reads sequence b): the
+    logit of entry j is q . (dequantized residual) + q . c[page(j)], relu, times the weights."""
+    fmt = KeyFormat.parse(name)
+    worst = 0.0
+    for b in rows:
+        pages = pool[table[b].long()[: -(-n // ENTRIES_PER_PAGE)]].cpu()
+        values, scales = fmt.split_pages(pages)
+        residual = fmt.dequantize_residual(values, scales)[:n].to(q.device)  # [n, 128]
+        centres = fmt.page_centres(pages).to(q.device)  # [pages, 128]
+        qf = q[b].float()  # [H, 128]
+        logits = qf @ residual.T + (qf @ centres.T).repeat_interleave(64, dim=1)[:, :n]
+        expect = ((logits.relu() * (w[b] * qs[b])[:, None]).sum(0))
+        worst = max(worst, float((scores[b, :n] - expect).abs().max() / expect.abs().max()))
+    return worst
+
+
+def section_check(dev: str, smoke: bool) -> dict:
+    """Store bytes (Triton against the CPU reference) and centred scores against the reference, per centred
+    format; the plain format's store bytes beside them."""
+    preset = get_preset("deepseek-v4-flash")
+    table = preset.rope.cos_sin_table(8192).to(dev)
+    n = 200 if smoke else 4096
+    g = torch.Generator(device=dev).manual_seed(1)
+    mu = torch.randn(1, DIM, device=dev, generator=g)
+    keys = (30 * mu / mu.norm() * DIM ** 0.5 + torch.randn(n, DIM, device=dev, generator=g)).to(torch.bfloat16)
+    positions = torch.arange(n, device=dev) * 4 % table.shape[0]
     out = {}
-    n = 200 if small else 4096
-    for _, name in PAIRS:
-        fmt = KeyFormat.parse(name)
-        keys = shared_keys(n, device, 1)
-        positions = torch.arange(n, device=device) * 4 % table.shape[0]
-        cache = PagedCache(fmt, math.ceil(n / 64), device=device)
+
+    def stored(fmt: KeyFormat, slots: torch.Tensor, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pool written by the Triton store, pool written by the CPU reference) of the same rows."""
+        pool = torch.zeros(pages, fmt.page_bytes, dtype=torch.uint8, device=dev)
+        store_ops.store_index_keys(keys, positions, slots.to(dev), pool, fmt, table, torch.ones(DIM, device=dev),
+                                   None, preset.key_transform, backend="triton")
+        ref = torch.zeros_like(pool, device="cpu")
+        store_ops.store_index_keys(keys.cpu(), positions.cpu(), slots.cpu(), ref, fmt, table.cpu(), torch.ones(DIM),
+                                   None, preset.key_transform, backend="reference")
+        return pool, ref
+
+    for name, plain_name in PLAIN.items():
+        fmt, plain = KeyFormat.parse(name), KeyFormat.parse(plain_name)
+        cache = PagedCache(fmt, -(-n // ENTRIES_PER_PAGE), device=dev)
         seq = cache.add_sequence()
         slots = cache.append(seq, n)
-        store_ops.store_index_keys(keys, positions, slots.to(device), cache.pool, fmt, table,
-                                   torch.ones(128, device=device), None, TRANSFORM, backend="triton")
-        ref_pool = torch.zeros_like(cache.pool, device="cpu")
-        store_ops.store_index_keys(keys.cpu(), positions.cpu(), slots.cpu(), ref_pool, fmt, table.cpu(),
-                                   torch.ones(128), None, TRANSFORM, backend="reference")
-        equal = float((ref_pool == cache.pool.cpu()).float().mean())
-        q, w, q_scale = make_queries(fmt.kind, 4, 64, device, 5)
+        pool, ref = stored(fmt, slots, cache.pool.shape[0])
+        cache.pool.copy_(pool)
+        plain_pool, plain_ref = stored(plain, slots, cache.pool.shape[0])
+        q, w, _ = make_queries(plain_name, 4, HEADS, dev, 5)
         batch = cache.batch([seq], query_lens=[4])
-        tri = scores_ops.index_scores(q, w, batch, backend="triton").cpu()
-        cpu_batch = PagedBatch.build(cache.pool.cpu(), fmt, cache.block_table([seq]).cpu(),
-                                     cache.entry_counts([seq]).cpu(), torch.zeros(4, dtype=torch.int32))
-        ref = scores_ops.index_scores(q.float().cpu(), w.cpu(), cpu_batch, backend="reference")
-        plain = KeyFormat.parse(fmt.kind)  # the plain format through the same check, for comparison
-        plain_pool = torch.zeros(math.ceil(n / 64), plain.page_bytes, dtype=torch.uint8, device=device)
-        store_ops.store_index_keys(keys, positions, slots.to(device), plain_pool, plain, table,
-                                   torch.ones(128, device=device), None, TRANSFORM, backend="triton")
-        plain_ref = torch.zeros_like(plain_pool, device="cpu")
-        store_ops.store_index_keys(keys.cpu(), positions.cpu(), slots.cpu(), plain_ref, plain, table.cpu(),
-                                   torch.ones(128), None, TRANSFORM, backend="reference")
-        out[name] = {"entries": n, "store_bytes_equal_fraction": equal,
-                     f"{plain.name}_store_bytes_equal_fraction": float((plain_ref == plain_pool.cpu()).float().mean()),
-                     "scores_max_rel_diff": float((tri - ref).abs().max() / ref.abs().max())}
+        got = scores_ops.index_scores(q, w, batch, backend="triton").cpu()
+        cpu_batch = PagedBatch.build(ref, fmt, cache.block_table([seq]).cpu(), cache.entry_counts([seq]).cpu(),
+                                     torch.zeros(4, dtype=torch.int32))
+        expect = scores_ops.index_scores(q.float().cpu(), w.cpu(), cpu_batch, backend="reference")
+        out[name] = {"entries": n, "store_bytes_equal_fraction": float((ref == pool.cpu()).float().mean()),
+                     f"{plain_name}_store_bytes_equal_fraction": float((plain_ref == plain_pool.cpu()).float().mean()),
+                     "scores_max_rel_diff": float((got - expect).abs().max() / expect.abs().max())}
     return out
 
 
-def section_store(device: str, table: torch.Tensor, small: bool, seed: int) -> list[dict]:
-    rows = []
-    n_bulk = 256 if small else 262144  # 1M tokens at ratio 4
-    n_decode = 4 if small else 64
-    for plain, centred in PAIRS:
-        for case in ("prefill", "decode"):
-            times = {}
-            for name in (plain, centred):
-                fmt = KeyFormat.parse(name)
-                g = torch.Generator().manual_seed(seed)
-                if case == "prefill":
-                    n = n_bulk
-                    pages = math.ceil(n / 64)
-                    perm = torch.randperm(pages, generator=g)
-                    j = torch.arange(n)
-                    slots = (perm[j // 64] * 64 + j % 64).to(device)
-                else:  # one row per sequence, each at a random fill level of its own page
-                    n = n_decode
-                    pages = n
-                    slots = (torch.randperm(pages, generator=g) * 64 + torch.randint(0, 64, (n,), generator=g)).to(device)
-                pool = torch.zeros(pages, fmt.page_bytes, dtype=torch.uint8, device=device)
-                keys = shared_keys(n, device, seed)
-                positions = torch.arange(n, device=device) * 4 % table.shape[0]
-                weight = torch.ones(128, device=device)
-                fn = lambda: store_ops.store_index_keys(keys, positions, slots, pool, fmt, table, weight,  # noqa: E731
-                                                        None, TRANSFORM, backend="triton")
-                times[name] = timed(fn, device)[0]
-            rows.append({"op": f"store-{case}", "rows": n, "plain": plain, "centred": centred,
-                         "plain_ms": times[plain], "centred_ms": times[centred],
-                         "ratio": times[centred] / times[plain] if times[plain] else None})
-    return rows
-
-
-def section_scores(device: str, table: torch.Tensor, small: bool, seed: int) -> list[dict]:
-    rows = []
-    heads, k = (16 if small else 64), 2048
-    n = 256 if small else 65536
-    t_prefill = 16 if small else 4096
-    b_decode = 2 if small else 64
-    for plain, centred in PAIRS:
-        caches = {name: filled_cache(KeyFormat.parse(name), [n] * b_decode, device, seed, table)
-                  for name in (plain, centred)}
-        for case in ("prefill-scores", "prefill-topk", "decode-topk"):
-            times = {}
-            for name in (plain, centred):
-                fmt = KeyFormat.parse(name)
-                cache, seqs = caches[name]
-                if case.startswith("prefill"):  # the last t tokens of one sequence, causal
-                    t = t_prefill
-                    batch = cache.batch(seqs[:1], query_lens=[t],
-                                        query_positions=torch.arange(n - t, n, device=device))
-                else:  # one query per sequence, every entry visible
-                    t = b_decode
-                    batch = cache.batch(seqs)
-                q, w, q_scale = make_queries(fmt.kind, t, heads, device, seed)
-                if case == "prefill-scores":
-                    from dsakit.ops.scores.triton import index_scores_triton
-
-                    fn = lambda: index_scores_triton(q, w, batch, q_scale=q_scale)  # noqa: E731
-                else:
-                    from dsakit.ops.topk.triton import index_topk_triton
-
-                    fn = lambda: index_topk_triton(q, w, batch, min(k, n), q_scale=q_scale)  # noqa: E731
-                times[name] = timed(fn, device)[0]
-            rows.append({"op": case, "entries": n, "queries": t_prefill if case.startswith("prefill") else b_decode,
-                         "heads": heads, "k": min(k, n), "plain": plain, "centred": centred,
-                         "plain_ms": times[plain], "centred_ms": times[centred],
-                         "ratio": times[centred] / times[plain] if times[plain] else None})
-        del caches
-    return rows
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--commit", default="unknown")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--small", action="store_true", help="smoke sizes (CPU interpreter)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "centred_bench.json"
-    device = args.device
-    table = PRESET.rope.cos_sin_table(8192 if args.small else 1 << 20).to(device)
-    report = {"env": environment(device, args.commit), "preset": PRESET.name, "target_ratio": 1.1}
-    report["check"] = section_check(device, table, args.small)
-    write_json(path, report)
-    report["store"] = section_store(device, table, args.small, args.seed)
-    write_json(path, report)
-    report["scores"] = section_scores(device, table, args.small, args.seed)
-    write_json(path, report)
-    if device == "cuda":
-        report["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
-    write_json(path, report)
-    for row in report["store"] + report["scores"]:
-        print(f"{row['op']:15s} {row['plain']:4s} {row['plain_ms']:9.3f} ms  {row['centred']:11s} "
-              f"{row['centred_ms']:9.3f} ms  x{row['ratio']:.3f}" if row["ratio"] else row)
-    print(report["check"])
+    ap = bench_parser(commit_default=None)
+    ap.add_argument("--runs", type=int, default=2, help="repeat every case (run-to-run spread)")
+    ap.add_argument("--rep", type=int, default=60, help="do_bench rep (ms)")
+    ap.add_argument("--sections", default="check,prefill,decode")
+    ap.add_argument("--decode-n", default="65536,131072", help="decode entry counts N")
+    ap.add_argument("--no-variants", action="store_true", help="time the default launch settings only")
+    args = ap.parse_args()
+    dev = args.device
+    smoke = args.smoke or dev != "cuda"
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip() or "unknown"
+    dg, dg_info = (None, {"present": False, "reason": "CUDA only (CPU smoke run)"}) if smoke else load_deep_gemm()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"centred_targets_{commit}.json"
+    meta = environment(dev, commit)
+    meta.update({"deep_gemm_version": dg_info.get("version"), "deep_gemm": dg_info, "H": HEADS, "D": DIM, "K": K,
+                 "runs": args.runs, "timing": "prefill eager on every side, decode CUDA-graph replays on every side"})
+    report = {"meta": meta, "prefill": [], "decode": [], "targets": []}
+    if "check" in args.sections:
+        report["check"] = section_check(dev, smoke)
+        print(report["check"], flush=True)
+        write_json(path, report)
+    heads = 4 if smoke else HEADS
+    k = 16 if smoke else K
+    graph = dev == "cuda"
+
+    def bench(fn, graph_on=False):
+        return median_ms(fn, dev, args.rep, graph=graph_on and graph)
+
+    def ratio(row: dict, mine: str, other: str) -> None:
+        if mine in row and other in row:
+            row[f"{mine[:-3]}_vs_{other[:-3]}"] = row[mine] / row[other]
+
+    for run in range(1, args.runs + 1):
+        if "prefill" in args.sections:
+            t, n = (16, 300) if smoke else (8192, 65536)
+            row = {"run": run, "case": "prefill", "T": t, "N": n, "K": k, "H": heads, "timing": "eager"}
+            plain, table, counts = timing_pool(KeyFormat.FP8, [n], dev, seed=7)
+            plain, table = ordered(plain, table)
+            pools = {"fp8": plain, "fp8-centred": centred_pool("fp8-centred", plain, seed=8)}
+            q, w, qs = make_queries("fp8", t, heads, dev, seed=9)
+            if qs is None:  # the CPU smoke run: bf16 q
+                qs = torch.rand(t, heads, device=dev) + 0.5
+            seq = torch.zeros(t, dtype=torch.int32, device=dev)
+            variants = [("fp8", None), ("fp8-centred", None),
+                        ("fp8-centred_warps8", replace(TopkConfig.for_device(dev),
+                                                       scores=replace(ScoresConfig.for_device(dev), prefill_warps=8)))]
+            for label, config in variants[:2] if args.no_variants else variants:
+                name = label.split("_")[0]
+                batch = PagedBatch.build(pools[name], KeyFormat.parse(name), table, counts, seq)
+
+                def ours(batch=batch, config=config):
+                    return index_topk_triton(q, w, batch, k, q_scale=qs, config=config)
+
+                ours()
+                row[f"dsakit_{label}_ms"] = bench(ours)
+                release_workspaces()
+            ratio(row, "dsakit_fp8-centred_ms", "dsakit_fp8_ms")
+            ratio(row, "dsakit_fp8-centred_warps8_ms", "dsakit_fp8_ms")
+            if dg is not None:
+                kv = fp8_keys(plain, n)
+                ks = torch.zeros(t, dtype=torch.int32, device=dev)
+                ke = torch.full((t,), n, dtype=torch.int32, device=dev)
+                wq = (w * qs).contiguous()
+
+                def dg_step():
+                    logits = dg.fp8_fp4_mqa_logits((q, None), kv, wq, ks, ke, clean_logits=False)
+                    return torch.topk(logits, k, dim=1)[1]
+
+                try:
+                    dg_step()
+                    row["deepgemm_topk_ms"] = bench(dg_step)
+                except Exception as error:  # noqa: BLE001 - a failing peer is a result
+                    row["deepgemm_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                ratio(row, "dsakit_fp8-centred_ms", "deepgemm_topk_ms")
+                ratio(row, "dsakit_fp8_ms", "deepgemm_topk_ms")
+            else:
+                row["deepgemm_topk_ms"] = None
+                row["deepgemm_missing"] = dg_info.get("reason")
+            del pools, plain, q, w, qs
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+            report["prefill"].append(row)
+            print(row, flush=True)
+            write_json(path, report)
+
+        if "decode" in args.sections:
+            b = 2 if smoke else 64
+            for n in ([300] if smoke else [int(x) for x in args.decode_n.split(",")]):
+                row = {"run": run, "case": "decode", "B": b, "next_n": 1, "N": n, "K": k, "H": heads,
+                       "timing": "graph" if graph else "eager"}
+                seq = torch.arange(b, device=dev, dtype=torch.int32)
+                q, w, qs = make_queries("fp8", b, heads, dev, seed=12)
+                if qs is None:
+                    qs = torch.rand(b, heads, device=dev) + 0.5
+                pools = {}
+                for plain_name in ("fp8", "fp4"):
+                    pool, table, counts = timing_pool(KeyFormat.parse(plain_name), [n] * b, dev, seed=11)
+                    pools[plain_name] = pool
+                    pools[f"{plain_name}-centred"] = centred_pool(f"{plain_name}-centred", pool, seed=13)
+                # the last two: launch variants of the centred page copies (register caps), not defaults
+                decode_variants = [("fp8", None), ("fp8-centred", None), ("fp4", None), ("fp4-centred", None),
+                                   ("fp8-centred_uncapped", replace(ScoresConfig.for_device(dev), decode_maxnreg=248)),
+                                   ("fp4-centred_cap128", replace(ScoresConfig.for_device(dev), decode_maxnreg=128))]
+                if args.no_variants:
+                    decode_variants = decode_variants[:4]
+                for label, scores_config in decode_variants:
+                    name = label.split("_")[0]
+                    fmt = KeyFormat.parse(name)
+                    batch = PagedBatch.build(pools[name], fmt, table, counts, seq)
+                    plan = plan_decode_topk(b, 1, n, k, fmt, dev, num_heads=heads, scores=scores_config)
+
+                    def ours(plan=plan, batch=batch):
+                        return index_topk_decode(q, w, batch, k, plan=plan, q_scale=qs)
+
+                    got = ours().clone()
+                    check = same_selection(got, plan.workspace[:, :n], k)
+                    row[f"dsakit_{label}_check"] = check
+                    if plan.stream is not None:  # which path the select took per row (exact rows cost ~0.25 ms)
+                        row[f"dsakit_{label}_select_paths"] = plan.stream.path_counts(b)
+                    if name in PLAIN:
+                        row[f"dsakit_{label}_rule_error"] = centred_rule_error(
+                            name, pools[name], table, q, w, qs, plan.workspace, [0, b - 1], n)
+                    row[f"dsakit_{label}_ms"] = bench(ours, graph_on=True)
+                    del plan, batch
+                for label, _ in decode_variants[1:]:
+                    ratio(row, f"dsakit_{label}_ms", "dsakit_fp8_ms")
+                if "dsakit_fp4-centred_ms" in row and "dsakit_fp4_ms" in row:
+                    row["dsakit_fp4-centred_vs_dsakit_fp4"] = row["dsakit_fp4-centred_ms"] / row["dsakit_fp4_ms"]
+                if dg is not None:
+                    kv_cache = pools["fp8"].view(pools["fp8"].shape[0], 64, 1, DIM + 4)
+                    context = torch.full((b, 1), n, dtype=torch.int32, device=dev)
+                    q4 = q.reshape(b, 1, heads, DIM)
+                    wq = (w * qs).contiguous()
+                    try:
+                        meta_dg = dg.get_paged_mqa_logits_metadata(context, 64, dg.get_num_sms())
+
+                        def dg_step():  # the metadata is per batch, shared by every layer: computed once, outside
+                            logits = dg.fp8_fp4_paged_mqa_logits((q4, None), kv_cache, wq, context, table, meta_dg,
+                                                                 n, clean_logits=False)
+                            return torch.topk(logits, k, dim=1)[1]
+
+                        dg_step()
+                        row["deepgemm_topk_ms"] = bench(dg_step, graph_on=True)
+                    except Exception as error:  # noqa: BLE001 - a failing peer is a result
+                        row["deepgemm_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                    for name in ("fp8", "fp8-centred", "fp4-centred"):
+                        ratio(row, f"dsakit_{name}_ms", "deepgemm_topk_ms")
+                else:
+                    row["deepgemm_topk_ms"] = None
+                    row["deepgemm_missing"] = dg_info.get("reason")
+                del pools, q, w, qs
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+                report["decode"].append(row)
+                print(row, flush=True)
+                write_json(path, report)
+        report["targets"].append(targets(report, run))
+        write_json(path, report)
+    for item in report["targets"]:
+        print(item, flush=True)
     return 0
+
+
+def targets(report: dict, run: int) -> dict:
+    """The issue's targets for one run: each ratio, its bound, met or not (None where a side did not run)."""
+    out = {"run": run}
+
+    def check(key: str, value, bound: float) -> None:
+        out[key] = {"ratio": value, "bound": bound, "met": None if value is None else value <= bound}
+
+    for row in report["prefill"]:
+        if row["run"] == run:
+            check("prefill fp8-centred / fp8", row.get("dsakit_fp8-centred_vs_dsakit_fp8"), 1.05)
+            check("prefill fp8-centred / DeepGEMM+topk", row.get("dsakit_fp8-centred_vs_deepgemm_topk"), 0.80)
+    for row in report["decode"]:
+        if row["run"] == run:
+            n = row["N"]
+            check(f"decode {n} fp8-centred / fp8", row.get("dsakit_fp8-centred_vs_dsakit_fp8"), 1.10)
+            check(f"decode {n} fp8-centred / DeepGEMM+topk", row.get("dsakit_fp8-centred_vs_deepgemm_topk"), 0.85)
+            check(f"decode {n} fp4-centred / fp8", row.get("dsakit_fp4-centred_vs_dsakit_fp8"), 1.00)
+    return out
 
 
 if __name__ == "__main__":

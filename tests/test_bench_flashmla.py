@@ -1,5 +1,6 @@
-"""benchmarks/bench_attention_vs_flashmla.py: its CPU smoke run writes the result file it promises (FlashMLA
-reported missing, never timed), and its flash-attention tolerance rule accepts and rejects what it should."""
+"""benchmarks/bench_peers.py, attention sections (dsakit's sparse attention beside FlashMLA): its CPU smoke run
+writes the result file it promises (FlashMLA reported missing, never timed), and its flash-attention tolerance
+rule accepts and rejects what it should."""
 
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ BENCHMARKS = REPO / "benchmarks"
 def _bench():
     sys.path.insert(0, str(BENCHMARKS))  # the script imports its siblings (_common, bench_attention) by name
     try:
-        spec = importlib.util.spec_from_file_location("bench_attention_vs_flashmla",
-                                                      BENCHMARKS / "bench_attention_vs_flashmla.py")
+        spec = importlib.util.spec_from_file_location("bench_peers", BENCHMARKS / "bench_peers.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
@@ -30,9 +30,10 @@ def _bench():
 
 def test_smoke_run_writes_the_promised_json(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, str(BENCHMARKS / "bench_attention_vs_flashmla.py"), "--device", "cpu",
-                    "--smoke", "--out", str(tmp_path), "--commit", "abc1234"], check=True, env=env, timeout=120,
-                   capture_output=True)
+    subprocess.run([sys.executable, str(BENCHMARKS / "bench_peers.py"), "--device", "cpu", "--smoke",
+                    "--sections", "attention-prefill,attention-decode", "--out", str(tmp_path), "--commit", "abc1234"],
+                   check=True, env=env, timeout=120, capture_output=True)
+    assert not (tmp_path / "peers_abc1234.json").exists()  # the indexer sections were not asked for
     report = json.loads((tmp_path / "attention_vs_flashmla_abc1234.json").read_text())
     meta = report["meta"]
     assert meta["dsakit_commit"] == "abc1234" and meta["timing_claims"] is False

@@ -15,7 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _bench():
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports its siblings (_common, bench_select) by name
+    sys.path.insert(0, str(BENCHMARKS))  # the script imports its siblings ((_common, bench_indexer)) by name
     try:
         spec = importlib.util.spec_from_file_location("bench_peers", BENCHMARKS / "bench_peers.py")
         module = importlib.util.module_from_spec(spec)

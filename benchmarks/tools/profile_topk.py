@@ -3,7 +3,7 @@ path) or prefill (T queries x N entries of one sequence, the chunked ``index_top
 
     ncu --clock-control none -k regex:"_index_scores|_filter|_final|_order" -c 8 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-        python3 benchmarks/profile_topk.py [--mode decode|prefill] [--n 131072] [--format fp8] \
+        python3 benchmarks/tools/profile_topk.py [--mode decode|prefill] [--n 131072] [--format fp8] \
             [--prefill-kernel triton|gluon] [--stream-filter warp|thread]
 
 q is fp8 e4m3 for fp8 / fp4 keys and bf16 for bf16 keys (the benchmarks' convention). Warm-up calls compile
@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from dataclasses import replace
 
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the bench_* scripts
 from _common import make_queries, timing_pool
 
 from dsakit import PagedBatch

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The H200 calls of session 8: every run the open speed issues (21, 25, 26) wait for, in three warm calls.
 #
-#   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_round8.sh PHASE OUTDIR      (carry .anchors)
+#   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/tools/gpu_round8.sh PHASE OUTDIR      (carry .anchors)
 #
 #   1  FlashMLA build started in its own process session (it outlives the call; phase 2 waits for it), the
-#      DeepGEMM build beside the gpu-marked Gluon tests, then bench_centred_targets --runs 2 and the select
-#      filters (bench_select --filters).
-#   2  the Gluon bf16 prefill scores beside Triton and DeepGEMM (bench_vs_deepgemm --sections gluon --runs 2),
-#      FlashMLA beside dsakit's attention twice (bench_attention_vs_flashmla), the Gluon fp8-KV rows
+#      DeepGEMM build beside the gpu-marked Gluon tests, then bench_centred --runs 2 and the select
+#      filters (bench_indexer select --filters).
+#   2  (the Gluon bf16 prefill scores step that stood here timed a variant since removed),
+#      FlashMLA beside dsakit's attention twice (bench_peers --sections attention-*), the Gluon fp8-KV rows
 #      (bench_attention --sections gluon).
 #   3  every peer beside dsakit twice (bench_peers), then Nsight Compute on the kernels behind missed targets.
 #   4  (after the select defaults changed and FlashMLA's build was fixed) the select filters again with the
@@ -64,16 +64,15 @@ case "$phase" in
     step gluon_gpu_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_scores_gluon.py tests/test_attention_gluon.py
     wait
     deepgemm || echo "DeepGEMM not importable: its rows are reported missing" | tee -a "$res/summary.txt"
-    step centred_targets 230 python3 benchmarks/bench_centred_targets.py --runs 2 --out "$res" --commit "$commit"
-    step select_filters 150 python3 benchmarks/bench_select.py --filters --rep 10 --out "$res" --commit "$commit"
+    step centred_targets 230 python3 benchmarks/bench_centred.py --runs 2 --out "$res" --commit "$commit"
+    step select_filters 150 python3 benchmarks/bench_indexer.py select --filters --rep 10 --out "$res" --commit "$commit"
     ;;
   2)
     deepgemm || echo "DeepGEMM not importable" | tee -a "$res/summary.txt"
-    step gluon_scores 150 python3 benchmarks/bench_vs_deepgemm.py --sections gluon --runs 2 --out "$res" --commit "$commit"
     flashmla_wait 200
     mkdir -p "$res/run1" "$res/run2"
-    step attention_vs_flashmla_run1 150 python3 benchmarks/bench_attention_vs_flashmla.py --out "$res/run1" --commit "$commit"
-    step attention_vs_flashmla_run2 150 python3 benchmarks/bench_attention_vs_flashmla.py --out "$res/run2" --commit "$commit"
+    step attention_vs_flashmla_run1 150 python3 benchmarks/bench_peers.py --sections attention-prefill,attention-decode --out "$res/run1" --commit "$commit"
+    step attention_vs_flashmla_run2 150 python3 benchmarks/bench_peers.py --sections attention-prefill,attention-decode --out "$res/run2" --commit "$commit"
     step attention_gluon 120 python3 benchmarks/bench_attention.py --sections gluon --out "$res" --commit "$commit"
     ;;
   3)
@@ -85,27 +84,27 @@ case "$phase" in
     step peers_run2 200 python3 benchmarks/bench_peers.py --rep 40 --out "$res/run2" --commit "$commit"
     ncu_common=(ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis
                 --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats)
-    step ncu_attention 60 "${ncu_common[@]}" -k regex:"attention" -c 6 python3 benchmarks/profile_attention.py
-    step ncu_scores_gluon 50 "${ncu_common[@]}" -k regex:"index_scores" -c 2 python3 benchmarks/profile_topk.py \
+    step ncu_attention 60 "${ncu_common[@]}" -k regex:"attention" -c 6 python3 benchmarks/tools/profile_attention.py
+    step ncu_scores_gluon 50 "${ncu_common[@]}" -k regex:"index_scores" -c 2 python3 benchmarks/tools/profile_topk.py \
       --mode prefill --format bf16 --n 65536 --prefill-kernel gluon
-    step ncu_select_thread 50 "${ncu_common[@]}" -k regex:"_filter|_final|_order" -c 6 python3 benchmarks/profile_topk.py \
+    step ncu_select_thread 50 "${ncu_common[@]}" -k regex:"_filter|_final|_order" -c 6 python3 benchmarks/tools/profile_topk.py \
       --mode decode --format fp8 --n 131072 --stream-filter thread
-    step ncu_centred 50 "${ncu_common[@]}" -k regex:"_page_term|_index_scores" -c 4 python3 benchmarks/profile_centred.py
+    step ncu_centred 50 "${ncu_common[@]}" -k regex:"_page_term|_index_scores" -c 4 python3 benchmarks/tools/profile_centred.py
     ;;
   4)
     # FlashMLA (fixed build) and DeepGEMM build in the background while the GPU runs what needs neither
     flashmla_start
     ( deepgemm 6; echo "deepgemm build rc=$? ${SECONDS}s" >> "$res/summary.txt" ) &
     dg_pid=$!
-    step select_filters 130 python3 benchmarks/bench_select.py --filters --rep 10 --out "$res" --commit "$commit"
+    step select_filters 130 python3 benchmarks/bench_indexer.py select --filters --rep 10 --out "$res" --commit "$commit"
     mkdir -p "$res/store1" "$res/store2"
     step store_centred_run1 100 python3 benchmarks/bench_store.py --out "$res/store1" --commit "$commit" --skip check,bandwidth,memory --centred
     step store_centred_run2 100 python3 benchmarks/bench_store.py --out "$res/store2" --commit "$commit" --skip check,bandwidth,memory --centred
     ncu_common=(ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis
                 --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats)
-    step ncu_store 60 "${ncu_common[@]}" --nvtx --nvtx-include "profile/" python3 benchmarks/profile_store.py
+    step ncu_store 60 "${ncu_common[@]}" --nvtx --nvtx-include "profile/" python3 benchmarks/tools/profile_store.py
     step ncu_centred_select 60 "${ncu_common[@]}" -k regex:"_page_term|_index_scores|_filter|_final|_order" -c 6 \
-      python3 benchmarks/profile_centred.py
+      python3 benchmarks/tools/profile_centred.py
     wait "$dg_pid"
     deepgemm || echo "DeepGEMM not importable" | tee -a "$res/summary.txt"
     source benchmarks/anchors/build_streamindex.sh .anchors/streamindex-06e9216.tgz >> "$res/streamindex_build.log" 2>&1
@@ -114,8 +113,8 @@ case "$phase" in
     step peers_run2 120 python3 benchmarks/bench_peers.py --rep 40 --out "$res/run2" --commit "$commit"
     flashmla_wait 240
     mkdir -p "$res/fm1" "$res/fm2"
-    step attention_vs_flashmla_run1 110 python3 benchmarks/bench_attention_vs_flashmla.py --out "$res/fm1" --commit "$commit"
-    step attention_vs_flashmla_run2 110 python3 benchmarks/bench_attention_vs_flashmla.py --out "$res/fm2" --commit "$commit"
+    step attention_vs_flashmla_run1 110 python3 benchmarks/bench_peers.py --sections attention-prefill,attention-decode --out "$res/fm1" --commit "$commit"
+    step attention_vs_flashmla_run2 110 python3 benchmarks/bench_peers.py --sections attention-prefill,attention-decode --out "$res/fm2" --commit "$commit"
     ;;
   5)
     # the runs Round 8 left (benchmarks/NOTES.md): the centred decode step kernel by kernel, the centred store
@@ -123,18 +122,18 @@ case "$phase" in
     ncu_common=(ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis
                 --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats)
     step centred_decode_graph 90 "${ncu_common[@]}" --nvtx --nvtx-include "profile/" --graph-profiling node \
-      python3 benchmarks/profile_centred.py --decode-graph
+      python3 benchmarks/tools/profile_centred.py --decode-graph
     step centred_fp4_decode_graph 90 "${ncu_common[@]}" --nvtx --nvtx-include "profile/" --graph-profiling node \
-      python3 benchmarks/profile_centred.py --decode-graph --format fp4-centred
+      python3 benchmarks/tools/profile_centred.py --decode-graph --format fp4-centred
     mkdir -p "$res/store1" "$res/store2"
     step store_centred_run1 150 python3 benchmarks/bench_store.py --out "$res/store1" --commit "$commit" --skip check,bandwidth,memory --centred
     step store_centred_run2 100 python3 benchmarks/bench_store.py --out "$res/store2" --commit "$commit" --skip check,bandwidth,memory --centred
-    step select_sample_groups 120 python3 benchmarks/bench_select.py --sample-groups --rep 20 --out "$res" --commit "$commit"
+    step select_sample_groups 120 python3 benchmarks/bench_indexer.py select --sample-groups --rep 20 --out "$res" --commit "$commit"
     step ncu_prefill_8k 60 "${ncu_common[@]}" -k regex:"_index_scores|_filter|_final|_order" -c 8 \
-      python3 benchmarks/profile_topk.py --mode prefill --format fp8 --n 8192 --t 8192
-    step ncu_select_prefill 60 "${ncu_common[@]}" -k regex:"_filter|_final|_order" -c 3 python3 benchmarks/profile_topk.py \
+      python3 benchmarks/tools/profile_topk.py --mode prefill --format fp8 --n 8192 --t 8192
+    step ncu_select_prefill 60 "${ncu_common[@]}" -k regex:"_filter|_final|_order" -c 3 python3 benchmarks/tools/profile_topk.py \
       --mode prefill --format fp8 --n 65536
-    step ncu_fp4_decode 60 "${ncu_common[@]}" -k regex:"_index_scores" -c 2 python3 benchmarks/profile_topk.py \
+    step ncu_fp4_decode 60 "${ncu_common[@]}" -k regex:"_index_scores" -c 2 python3 benchmarks/tools/profile_topk.py \
       --mode decode --format fp4 --n 65536
     step peers_decode 120 python3 benchmarks/bench_peers.py --sections decode --next-n 1 --rep 40 --out "$res" \
       --commit "$commit"

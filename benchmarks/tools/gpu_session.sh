@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the DeepGEMM anchor, run the GPU tests and the benchmarks, pack results.
 #
-#   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_session.sh OUTDIR SECTION...
+#   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/tools/gpu_session.sh OUTDIR SECTION...
 #
 # Sections: tests scores-tests host select selectq deepgemm* peers attention centred layer store sweep decode-sweep prefill-sweep ncu
 # ncu-gaps distributed (see the case below);
@@ -47,34 +47,34 @@ run_section() {
   local start=$SECONDS
   case "$name" in
     tests)       "${env_gpu[@]}" timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-    host)        "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_host.py --out "$dir" --commit "$commit" ;;
-    select)      "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_select.py --out "$dir" --commit "$commit" ;;
+    host)        "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_indexer.py decode --sections host --out "$dir" --commit "$commit" ;;
+    select)      "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_indexer.py select --out "$dir" --commit "$commit" ;;
     deepgemm*)   deepgemm_ready || echo "DeepGEMM build failed: timing dsakit alone"
-                 "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_vs_deepgemm.py --out "$dir" --commit "$commit" ;;
+                 "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_peers.py --sections select,prefill,decode --out "$dir" --commit "$commit" ;;
     peers)       deepgemm_ready || echo "DeepGEMM build failed: reported as missing"
                  streamindex_ready || echo "StreamIndex not unpacked: reported as missing"
                  "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_peers.py --out "$dir" --commit "$commit" ;;
-    selectq)     "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_select.py --out "$dir" --commit "$commit" --quick ;;
+    selectq)     "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_indexer.py select --out "$dir" --commit "$commit" --quick ;;
     attention)   "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_attention.py --out "$dir" --commit "$commit" ;;
     centred)     "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_centred.py --out "$dir" --commit "$commit" ;;
     layer)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_layer.py --out "$dir" --commit "$commit" ;;
     store)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/bench_store.py --out "$dir" --commit "$commit" --skip memory ;;
-    sweep)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/sweep_topk.py --out "$dir" --commit "$commit" ;;
-    decode-sweep) "${env_gpu[@]}" timeout "$limit" python3 benchmarks/sweep_topk.py --out "$dir" --commit "$commit" \
+    sweep)       "${env_gpu[@]}" timeout "$limit" python3 benchmarks/tools/sweep_topk.py --out "$dir" --commit "$commit" ;;
+    decode-sweep) "${env_gpu[@]}" timeout "$limit" python3 benchmarks/tools/sweep_topk.py --out "$dir" --commit "$commit" \
                    --sections decode --decode-formats fp8,fp4 --next-n 1,2,4 --rep 30 ;;
-    prefill-sweep) "${env_gpu[@]}" timeout "$limit" python3 benchmarks/sweep_topk.py --out "$dir" --commit "$commit" \
+    prefill-sweep) "${env_gpu[@]}" timeout "$limit" python3 benchmarks/tools/sweep_topk.py --out "$dir" --commit "$commit" \
                    --sections prefill --rep 20 ;;
     scores-tests) "${env_gpu[@]}" timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_scores_triton.py ;;
     ncu)         "${env_gpu[@]}" timeout 240 ncu --clock-control none -k regex:"_index_scores_group|_filter|_final|_order" \
                    -c 8 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-                   --section Occupancy --section LaunchStats python3 benchmarks/profile_topk.py ;;
+                   --section Occupancy --section LaunchStats python3 benchmarks/tools/profile_topk.py ;;
     ncu-gaps)    # the kernels behind the open gaps: bf16 prefill scores, fp4 decode scores
                  for spec in "prefill bf16 _index_scores_tile" "decode fp4 _index_scores_group"; do
                    read -r mode fmt kernel <<< "$spec"
                    "${env_gpu[@]}" timeout 200 ncu --clock-control none -k regex:"$kernel" -c 2 --section SpeedOfLight \
                      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
                      --section Occupancy --section LaunchStats --section SourceCounters \
-                     python3 benchmarks/profile_topk.py --mode "$mode" --format "$fmt" --n 65536
+                     python3 benchmarks/tools/profile_topk.py --mode "$mode" --format "$fmt" --n 65536
                  done ;;
     distributed) timeout "$limit" python3 benchmarks/bench_distributed.py --out "$dir" --gpus 2 --commit "$commit" ;;
     *) echo "unknown section $name"; return 2 ;;

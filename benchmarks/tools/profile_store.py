@@ -1,7 +1,7 @@
 """The plain and the page-centred store of the same rows, one profiled launch each, for Nsight Compute.
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight --section WarpStateStats \\
-        python3 benchmarks/profile_store.py [--decode-rows 64] [--prefill-rows 16384]
+        python3 benchmarks/tools/profile_store.py [--decode-rows 64] [--prefill-rows 16384]
 
 Cases (those of bench_store.py --centred): a decode append of B rows (B sequences, one page each, filled to a
 random level whose earlier entries, entry 0 included, are stored first) and a prefill chunk of N rows from
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the bench_* scripts
 from bench_store import _launch_v4, scattered_slots
 
 from dsakit.formats import KeyFormat

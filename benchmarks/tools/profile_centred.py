@@ -1,12 +1,12 @@
 """One centred decode call and one centred prefill scores call to run under Nsight Compute.
 
     ncu --clock-control none -k regex:"_page_term|_index_scores" -c 4 --section SpeedOfLight --section Occupancy \
-        python3 benchmarks/profile_centred.py [--format fp8-centred] [--n 65536]
+        python3 benchmarks/tools/profile_centred.py [--format fp8-centred] [--n 65536]
 
 decode: B 64 sequences x N entries, one fp8 query (+ q_scale) each, the planned top-k path (``plan_decode_topk``
 + ``index_topk_decode``): the page-term pass, then the page-copy scores kernel. prefill: T 1024 fp8 queries x N
 entries of one sequence, ``index_scores_triton``: the tile plan's page-term pass, then the tile kernel. The
-pools are built on the device (bench_centred_targets.centred_pool: random valid residual pages plus a bf16
+pools are built on the device (bench_centred.centred_pool: random valid residual pages plus a bf16
 centre per page). Launch order: decode pass, decode scores, (select kernels), prefill pass, prefill scores.
 
 ``--decode-graph``: the whole decode step of the plain format and of the centred one, each as one CUDA-graph
@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the bench_* scripts
 from _common import make_queries, timing_pool
-from bench_centred_targets import PLAIN, centred_pool
+from bench_centred import PLAIN, centred_pool
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat

@@ -1,6 +1,6 @@
 """Register use of the scores kernels on sm_90a, measured on a machine without a GPU.
 
-    PYTHONPATH=. python3 benchmarks/sm90_registers.py --out DIR [--formats fp8-centred,fp4-centred] [--quick]
+    PYTHONPATH=. python3 benchmarks/tools/sm90_registers.py --out DIR [--formats fp8-centred,fp4-centred] [--quick]
 
 Compiles ``_index_scores_group_kernel`` (decode) and ``_index_scores_tile_kernel`` (prefill) ahead of time for
 sm_90a with Triton's own compiler and the ptxas it ships (no CUDA device or driver needed), with the

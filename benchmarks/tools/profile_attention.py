@@ -1,7 +1,7 @@
 """Sparse-attention calls to run under Nsight Compute: the prefill and decode shapes of the FlashMLA targets.
 
     ncu --clock-control none -k regex:"attention" -c 4 --section SpeedOfLight --section WarpStateStats \\
-        python3 benchmarks/profile_attention.py [--kernel auto|triton]
+        python3 benchmarks/tools/profile_attention.py [--kernel auto|triton]
 
 prefill: T 4096 queries, Hq 128, head dim 512, K 2048 random slots of an 8192-token bf16 pool, sink on (the
 550 TFLOP/s target's shape); decode: B 64, next_n 1, K 2048 slots of each query's own 8192-token sequence,
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the bench_* scripts
 from bench_attention import FORMATS, decode_inputs, prefill_inputs, run_kernel
 
 

@@ -1,11 +1,12 @@
 """The streaming select's kernels compiled for sm_90a on a machine without a GPU: registers, stack, and the SASS
 instructions per streamed entry of the filter loop (warp filter against thread filter).
 
-    PYTHONPATH=. python3 benchmarks/sm90_select.py --out DIR
+    PYTHONPATH=. python3 benchmarks/tools/sm90_select.py --out DIR
 
 For each launch of ``SelectConfig().stream_for`` (warp filter, the default),
 ``SelectConfig(stream_filter="thread").stream_for`` and the same with ``stream_register_sort`` at 8192 x 65536,
-64 x 65536 and 64 x 131072 (K 2048), compiles the kernels that launch runs with Triton's own compiler (``triton.compile`` with ``GPUTarget("cuda", 90, 32)``;
+64 x 65536 and 64 x 131072 (K 2048), compiles the kernels the public launcher ``launch_stream_select`` launches for it (recorded on
+meta tensors, nothing runs) with Triton's own compiler (``triton.compile`` with ``GPUTarget("cuda", 90, 32)``;
 16-byte aligned pointers and a row stride that is a multiple of 16, as on the GPU), reads registers and stack
 with the cuobjdump Triton ships, and counts the instructions of the filter's streaming loop (the largest
 backward branch of the SASS that both loads and stores) per entry a thread streams, and the static
@@ -28,12 +29,14 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real even from a shell that interprets
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
-from dsakit.ops.topk import _select_kernels as kernels  # noqa: E402
 from dsakit.ops.topk.config import SelectConfig, StreamConfig  # noqa: E402
+from dsakit.ops.topk.triton import SelectBuffers, launch_stream_select  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SHAPES = [(8192, 65536, 2048), (64, 65536, 2048), (64, 131072, 2048)]
@@ -88,39 +91,38 @@ def _stream_loop_instructions(sass: str) -> int:
     return best
 
 
-def launch_cases(cfg: StreamConfig, k: int) -> list[tuple[str, object, dict, int, float]]:
-    """(name, kernel, constexprs, warps, entries per thread per loop iteration) of the kernels ``cfg`` runs."""
-    common = dict(SPLITS=cfg.splits, CAP=cfg.cap, SAMPLE=cfg.sample, BINS=cfg.bins, MARGIN=cfg.sample_margin)
-    per_buffer = dict(LANES=cfg.lanes, LCAP=cfg.lane_cap, TCAP=cfg.tie_cap)
-    out = []
-    if cfg.filter == "thread":
-        if cfg.splits > 1:
-            out.append(("threshold", kernels._threshold_kernel, common, cfg.final_warps, 0))
-        out.append(("filter", kernels._filter_thread_kernel,
-                    dict(common, **per_buffer, UNROLL=cfg.unroll, SHARED_THR=cfg.splits > 1), cfg.num_warps,
-                    cfg.unroll))
-    else:
-        out.append(("filter", kernels._filter_kernel, dict(common, **per_buffer, V=cfg.v), cfg.num_warps,
-                    cfg.block / (32 * cfg.num_warps)))
-    out.append(("final", kernels._final_kernel, dict(SPLITS=cfg.splits, **per_buffer, BLOCK=cfg.block, BINS=cfg.bins,
-                                                     DIRECT=False, FLOAT_BITS=cfg.filter == "thread"),
-                cfg.final_warps, 0))
-    k_pad = triton.next_power_of_2(k)
-    chunks = cfg.sort_chunks(k)
-    if chunks > 1:
-        chunk = k_pad // chunks
-        out.append(("order_chunk", kernels._order_chunk_kernel, dict(CHUNK=chunk), cfg.order_warps, 0))
-        out.append(("order_merge", kernels._order_merge_kernel, dict(CHUNK=chunk, LOG_CHUNK=chunk.bit_length() - 1,
-                                                                     CHUNKS=chunks, WITH_SLOTS=False),
-                    cfg.order_warps, 0))
-    elif cfg.register_sort:
-        rows = min(k_pad, 128 * cfg.order_warps)
-        out.append(("order_blocked", kernels._order_blocked_kernel, dict(ROWS=rows, REGS=k_pad // rows,
-                                                                         WITH_SLOTS=False), cfg.order_warps, 0))
-    else:
-        out.append(("order", kernels._order_kernel, dict(K_PAD=k_pad, SORT=True, WITH_SLOTS=False), cfg.order_warps,
-                    0))
-    return out
+def launch_cases(cfg: StreamConfig, rows: int, width: int, k: int) -> list[tuple[str, object, dict, int, float]]:
+    """(name, kernel, constexprs, warps, entries per thread per loop iteration) of the launches the public
+    ``launch_stream_select`` makes with ``cfg``: it runs on meta tensors (shapes, no memory, no device) with
+    Triton's launch replaced by a recorder, so what is compiled is what the launcher would launch."""
+    scores = torch.empty((rows, width), dtype=torch.float32, device="meta")
+    counts = torch.empty((rows,), dtype=torch.int32, device="meta")
+    out = torch.empty((rows, k), dtype=torch.int32, device="meta")
+    buffers = SelectBuffers.allocate(rows, width, k, "meta", cfg)
+    recorded = []
+
+    def record(kernel, *args, grid=None, warmup=False, **kwargs):
+        warps = kwargs.pop("num_warps", 4)
+        consts = {name: value for name, value in kwargs.items() if name in kernel.arg_names}
+        recorded.append((kernel, consts, warps))
+
+    original = JITFunction.run
+    JITFunction.run = record
+    try:
+        launch_stream_select(scores, counts, out, k, True, buffers)
+    finally:
+        JITFunction.run = original
+    cases = []
+    for kernel, consts, warps in recorded:
+        name = kernel.fn.__name__.strip("_").removesuffix("_kernel")
+        if name == "filter_thread":
+            name, per_thread = "filter", cfg.unroll
+        elif name == "filter":
+            per_thread = cfg.block / (32 * warps)
+        else:
+            per_thread = 0
+        cases.append((name, kernel, consts, warps, per_thread))
+    return cases
 
 
 def main() -> int:
@@ -132,7 +134,7 @@ def main() -> int:
         for select in (SelectConfig(), SelectConfig(stream_filter="thread"),
                        SelectConfig(stream_filter="thread", stream_register_sort=True)):
             cfg = select.stream_for(rows, width, k)
-            for name, kernel, consts, warps, per_thread in launch_cases(cfg, k):
+            for name, kernel, consts, warps, per_thread in launch_cases(cfg, rows, width, k):
                 row = {"rows": rows, "N": width, "K": k, "filter": cfg.filter, "register_sort": cfg.register_sort,
                        "kernel": name, "warps": warps,
                        **{key: value for key, value in consts.items() if key in ("LANES", "LCAP", "UNROLL", "V")}}

@@ -11,7 +11,7 @@ Exploration runs behind the defaults in ``ScoresConfig`` / ``SelectConfig.stream
             ``TopkConfig`` variant the installed version has (e.g. chunk overlap on / off).
 Every selection is checked against torch.topk (same values; a mismatch is recorded, not hidden).
 
-Usage: PYTHONPATH=. python3 benchmarks/sweep_topk.py --out DIR --commit SHA [--sections decode,select,prefill]
+Usage: PYTHONPATH=. python3 benchmarks/tools/sweep_topk.py --out DIR --commit SHA [--sections decode,select,prefill]
        (``--device cpu --smoke`` under TRITON_INTERPRET=1: toy sizes, no timing claims)
 """
 
@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common and the bench_* scripts
 from _common import (bench_parser, environment, make_queries, median_ms, peak_extra_bytes, same_selection, timing_pool,
                      write_json)
-from bench_select import make_scores
+from bench_indexer import make_scores
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
@@ -231,10 +232,10 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "sweep_topk.json"
     report = {"meta": environment(args.device, args.commit), "decode": [], "select": [], "prefill": []}
-    # launch choices only: the speed claims against the peer come from bench_vs_deepgemm.py in the same process
+    # launch choices only: the speed claims against the peer come from bench_peers.py in the same process
     report["meta"].update(deep_gemm_version=None, peer="none in this file: a launch-configuration sweep of "
                           "dsakit kernels (torch.topk on the same scores); ratios against DeepGEMM + "
-                          "torch.topk come from bench_vs_deepgemm.py")
+                          "torch.topk come from bench_peers.py")
     start = time.time()
     sections = {"decode": decode_section, "select": select_section, "prefill": prefill_section}
     for name in args.sections.split(","):

@@ -11,8 +11,8 @@ lanes * v entries; lane l owns entries l * v .. l * v + v - 1 of each tile). A r
 ``--check`` runs the real select (Triton interpreter: TRITON_INTERPRET=1) on a few rows of one case and
 compares its path counts with the emulation's, row by row.
 
-    PYTHONPATH=. python3 benchmarks/select_sample_groups.py [--rows 1000] [--out DIR]
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/select_sample_groups.py --check   # ~3 minutes
+    PYTHONPATH=. python3 benchmarks/tools/select_sample_groups.py [--rows 1000] [--out DIR]
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/tools/select_sample_groups.py --check   # ~3 minutes
 """
 
 from __future__ import annotations
