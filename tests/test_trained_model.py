@@ -108,7 +108,7 @@ def test_copy_warmup_gaps_reach_past_the_window_when_asked():
 def test_set_window_narrows_every_layer_and_the_saved_config(tmp_path):
     from transformers import DeepseekV4ForCausalLM
 
-    from dsakit.models.train import model_config, set_window
+    from dsakit.models.config import model_config, set_window
 
     model = DeepseekV4ForCausalLM(model_config(599, 4, hidden_size=64, max_positions=512))
     set_window(model, 64)
