@@ -100,15 +100,17 @@ def _check_dir(flag: str, value, must_hold: str | None = None) -> None:
         refuse(f"{flag} {value!r} has no {must_hold}")
 
 
-def check_settings(s: TrainSettings) -> TrainSettings:
+def check_settings(s: TrainSettings, *, init_from_pending: bool = False) -> TrainSettings:
     """``s`` with every value checked (ValueError naming the first bad one); the device resolved. Nothing is
-    built or written here: paths are only looked at."""
+    built or written here: paths are only looked at (``init_from_pending``: ``init_from`` is an earlier recipe
+    phase's output, written before this phase starts)."""
     if not isinstance(s.out, str) or not s.out:
         refuse(f"--out must name a directory, got {s.out!r}")
     if Path(s.out).exists() and not Path(s.out).is_dir():
         refuse(f"--out {s.out!r} exists and is not a directory")
     _check_dir("--resume", s.resume, "resume.pt")
-    _check_dir("--init-from", s.init_from, "config.json")
+    if not init_from_pending:
+        _check_dir("--init-from", s.init_from, "config.json")
     _check_dir("--tokenizer", s.tokenizer, "tokenizer.json")
     if s.resume is not None and s.init_from is not None:
         refuse("--resume and --init-from exclude each other (resume continues a run, init-from starts one)")

@@ -40,7 +40,10 @@ from pathlib import Path
 
 import typer
 
-from .settings import TrainSettings, check_settings, load_recipe, plan
+from .settings import RUN_ONLY, TrainSettings, check_settings, differing_settings, load_recipe, plan, refuse
+
+#: flags a recipe run may set: where and how fast it runs, how often it logs, where it stops (a short check)
+RECIPE_OVERRIDES = ("device", "workers", "log_every", "stop_at_step")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="dsakit train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default=None,
                     help="a recipe file (e.g. models/dsakit-v4-tiny/recipe.json): every setting of every phase; "
-                         "only --out, --device and --workers may be given beside it")
+                         "beside it only --out, --device, --workers, --log-every and --stop-at-step (every phase "
+                         "stops after that many steps: a quick check of the recipe)")
     ap.add_argument("--out", required=True, help="output directory (checkpoint, log, curves)")
     ap.add_argument("--resume", default=None, help="directory of a checkpoint with resume.pt to continue")
     ap.add_argument("--init-from", default=None, help="checkpoint directory whose weights start the run (strict)")
@@ -111,13 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--copy-gapped-share", type=float, default=d.copy_gapped_share,
                     help="share of the copy-toy rows with gapped repeats in the warm-up's second half")
     ap.add_argument("--copy-min-gap", type=int, default=d.copy_min_gap, help="shortest gap before a gapped repeat (tokens)")
-    ap.add_argument("--stop-at-step", type=int, default=d.stop_at_step,
+    ap.add_argument("--stop-at-step", type=int, default=None,
                     help="save and stop after this global step (the schedule still spans --steps)")
     ap.add_argument("--dense-lr", type=float, default=None, help="peak learning rate of the dense stage")
     ap.add_argument("--clip-norm", type=float, default=d.clip_norm, help="gradient-norm clip (0: none)")
     ap.add_argument("--copy-steps", type=int, default=d.copy_steps,
                     help="first steps on the copy toy (a random sequence repeated; data.DocumentBatches.copy_row)")
-    ap.add_argument("--log-every", type=int, default=d.log_every)
+    ap.add_argument("--log-every", type=int, default=None, help=f"log every this many steps (default {d.log_every})")
     ap.add_argument("--save-every-seconds", type=float, default=d.save_every_seconds)
     ap.add_argument("--eval-lengths", type=_csv(int), default=d.eval_lengths)
     ap.add_argument("--eval-docs", type=int, default=d.eval_docs, help="eval batches per length (0: no final eval)")
@@ -131,36 +135,57 @@ def settings_from_args(argv) -> tuple[list[tuple[str, TrainSettings]], str | Non
     args = ap.parse_args(argv)
     values = {k: v for k, v in vars(args).items() if k != "recipe"}
     if args.recipe is None:
-        if values["workers"] is None:
-            values.pop("workers")
+        for name in ("workers", "log_every", "stop_at_step"):  # unset: the settings' defaults
+            if values[name] is None:
+                values.pop(name)
         return [("run", check_settings(TrainSettings(**values)))], None
-    given = sorted(k for k, v in values.items() if k not in ("out", "device", "workers") and v != ap.get_default(k))
+    given = sorted(k for k, v in values.items() if k not in ("out", *RECIPE_OVERRIDES) and v != ap.get_default(k))
     if given:
-        ap.error(f"--recipe fixes every setting; only --out, --device and --workers may be given beside it, got "
-                 f"--{given[0].replace('_', '-')}")
+        ap.error(f"--recipe fixes every setting; beside it only --out, --device, --workers, --log-every and "
+                 f"--stop-at-step may be given, got --{given[0].replace('_', '-')}")
     phases, _ = load_recipe(args.recipe)
-    planned = plan(phases, args.out, REPO_ROOT, device=args.device, workers=args.workers)
-    return [(phase.name, check_settings(s)) for phase, s in planned], args.recipe
+    overrides = {k: values[k] for k in RECIPE_OVERRIDES if values[k] != ap.get_default(k)}
+    planned = plan(phases, args.out, REPO_ROOT, **overrides)
+    return [(phase.name, check_settings(s, init_from_pending=phase.init_from is not None))
+            for phase, s in planned], args.recipe
 
 
 def run_phases(phases: list[tuple[str, TrainSettings]], recipe: str | None = None) -> list[dict]:
-    """Train each phase in order (checked settings); a phase whose directory already holds a finished run is
-    skipped, one with an unfinished run is resumed (a recipe run cut off goes on where it stopped)."""
+    """Train each phase in order (checked settings). With a recipe, a phase whose directory already holds a run
+    of the same settings is skipped when finished and resumed when not (a cut-off recipe run goes on where it
+    stopped); a run of other settings there is refused (ValueError), never overwritten."""
     from .loop import train
 
     logs = []
     for name, s in phases:
-        log_file = Path(s.out) / "train_log.json"
-        if recipe is not None and (Path(s.out) / "resume.pt").is_file() and log_file.is_file():
-            if json.loads(log_file.read_text()).get("finished"):
+        earlier = _earlier_run(Path(s.out)) if recipe is not None else None
+        if earlier is not None:
+            changed = differing_settings(s, earlier["args"], ignore=RUN_ONLY + ("device", "workers", "log_every"))
+            if changed:
+                key = sorted(changed)[0]
+                refuse(f"{s.out} holds a run of phase {name} with other settings ({key} "
+                                 f"{changed[key][1]!r}, the recipe says {changed[key][0]!r}); choose a fresh --out")
+            if earlier.get("finished"):
                 print(f"phase {name}: finished in {s.out}, skipped", flush=True)
-                logs.append(json.loads(log_file.read_text()))
+                logs.append(earlier)
                 continue
             s = check_settings(TrainSettings(**{**vars(s), "resume": s.out, "init_from": None, "window": None}))
         if recipe is not None:
             print(f"phase {name} of {recipe} -> {s.out}", flush=True)
         logs.append(train(s))
     return logs
+
+
+def _earlier_run(out: Path) -> dict | None:
+    """The train_log.json of a resumable run in ``out`` (None when there is none)."""
+    log_file = out / "train_log.json"
+    if not ((out / "resume.pt").is_file() and log_file.is_file()):
+        return None
+    try:
+        log = json.loads(log_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return log if isinstance(log, dict) and isinstance(log.get("args"), dict) else None
 
 
 def main(argv=None) -> int:
