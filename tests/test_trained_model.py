@@ -129,8 +129,8 @@ def test_shipped_model_finds_passkeys_at_1k_tokens_through_dsakit_blocks(monkeyp
     of seeded ~1K-token documents (greedy) in at least 9 of 10 cases."""
     import time
 
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from tiny_model_passkey import found_passkeys
+    monkeypatch.syspath_prepend(str(REPO / "models" / "tools"))
+    from passkey import found_passkeys
 
     torch.manual_seed(0)
     started = time.time()
