@@ -74,6 +74,8 @@ BAD_ARGUMENTS = {
     "short length": ["--lengths", "64"],
     "not a length": ["--lengths", "abc"],
     "batch below the length": ["--lengths", "256", "--tokens-per-batch", "128"],
+    "batch of a trillion tokens": ["--tokens-per-batch", "1000000000000"],
+    "gap of a billion tokens": ["--copy-min-gap", "1000000000"],
     "negative stop": ["--stop-at-step=-1"],
     "negative copy steps": ["--copy-steps=-1"],
     "gapped share above 1": ["--copy-gapped-share", "1.5"],

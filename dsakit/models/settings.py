@@ -33,6 +33,9 @@ from .config import MAX_POSITIONS, MAX_TOPK
 from .data import KIND_WEIGHTS
 
 MIN_LENGTH = 128  # shortest document the data generator writes (intro, needle, question, answer)
+# a sanity bound, not a memory model: 16x the largest batch any run used (131K tokens ran out of memory on an
+# H200 with transformers' eager attention); a typo of a few zeros is refused instead of killed by the OS
+MAX_TOKENS_PER_BATCH = 1 << 21
 
 
 @dataclass
@@ -122,8 +125,8 @@ def check_settings(s: TrainSettings, *, init_from_pending: bool = False) -> Trai
     check_int_list("--lengths", s.lengths, MIN_LENGTH)
     if not s.lengths or max(s.lengths) > MAX_POSITIONS:
         refuse(f"--lengths must be one or more ints in {MIN_LENGTH}..{MAX_POSITIONS}, got {s.lengths!r}")
-    check_int("--tokens-per-batch", s.tokens_per_batch, max(s.lengths),
-              message=f"--tokens-per-batch must be an int >= the longest length {max(s.lengths)}")
+    check_int("--tokens-per-batch", s.tokens_per_batch, max(s.lengths), MAX_TOKENS_PER_BATCH,
+              message=f"--tokens-per-batch must be an int in {max(s.lengths)} (the longest length)..{MAX_TOKENS_PER_BATCH}")
     if s.steps is not None:
         check_int_list("--steps", s.steps, 1, length=3,
                        message="--steps must be 3 ints >= 1 (dense, indexer, sparse)")
@@ -150,10 +153,10 @@ def check_settings(s: TrainSettings, *, init_from_pending: bool = False) -> Trai
         if sum(s.kinds.values()) <= 0:
             refuse(f"--kinds must give at least one kind a weight > 0, got {s.kinds!r}")
     check_int("--short-steps", s.short_steps, 0)
-    check_int("--short-length", s.short_length, 1)
+    check_int("--short-length", s.short_length, 1, MAX_POSITIONS)
     check_int("--window", s.window, 1, MAX_POSITIONS, allow_none=True)
     _check_fraction("--copy-gapped-share", s.copy_gapped_share)
-    check_int("--copy-min-gap", s.copy_min_gap, 1)
+    check_int("--copy-min-gap", s.copy_min_gap, 1, MAX_POSITIONS)
     check_int("--copy-steps", s.copy_steps, 0)
     check_int("--stop-at-step", s.stop_at_step, 0)
     check_float("--dense-lr", s.dense_lr, positive=True, allow_none=True)
