@@ -37,8 +37,8 @@ PROMPT = "The amber river watched the quiet farmer.\nThe secret passphrase is ZE
 def write_tiny_checkpoint(directory: Path) -> Path:
     from transformers import DeepseekV4ForCausalLM
 
+    from dsakit.models.config import model_config
     from dsakit.models.tokenizer import load_tokenizer
-    from dsakit.models.train import model_config
 
     vocab = load_tokenizer(TOKENIZER_DIR).get_vocab_size()
     torch.manual_seed(0)

@@ -108,7 +108,7 @@ def test_copy_warmup_gaps_reach_past_the_window_when_asked():
 def test_set_window_narrows_every_layer_and_the_saved_config(tmp_path):
     from transformers import DeepseekV4ForCausalLM
 
-    from dsakit.models.train import model_config, set_window
+    from dsakit.models.config import model_config, set_window
 
     model = DeepseekV4ForCausalLM(model_config(599, 4, hidden_size=64, max_positions=512))
     set_window(model, 64)
@@ -129,8 +129,8 @@ def test_shipped_model_finds_passkeys_at_1k_tokens_through_dsakit_blocks(monkeyp
     of seeded ~1K-token documents (greedy) in at least 9 of 10 cases."""
     import time
 
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from tiny_model_passkey import found_passkeys
+    monkeypatch.syspath_prepend(str(REPO / "models" / "tools"))
+    from passkey import found_passkeys
 
     torch.manual_seed(0)
     started = time.time()

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._memory import check_choice
 from ..niah.server import render_chat
 from ..niah.text import (DEFAULT_INTRO, DEFAULT_MULTI_QUESTION, DEFAULT_NEEDLE, DEFAULT_QUESTION, FillerStream,
                          Templates, build_haystack, completion_prompt, needle_codes)
@@ -67,9 +68,13 @@ class Document:
 
 
 def make_document(rng: random.Random, filler_lines: int, kind: str, chat: bool, seed_text: str,
-                  repeat_rate: float = 0.0) -> Document:
+                  repeat_rate: float = 0.0, needle_depth: float | None = None) -> Document:
     """One document with ``filler_lines`` filler lines (see the module docstring); each filler line after the
-    first is, with probability ``repeat_rate``, a copy of an earlier one (half the time one of the 4 before)."""
+    first is, with probability ``repeat_rate``, a copy of an earlier one (half the time one of the 4 before).
+    ``needle_depth`` (``passkey`` only): the needle's depth in the filler (0 first line .. 1 last, niah's
+    convention) instead of a random one; the random draws stay the same, so the rest of the document does."""
+    if needle_depth is not None:  # its range is checked where the haystack places it (needle_line_index)
+        check_choice("document kind with a needle_depth", kind, ("passkey",))
     filler = FillerStream(seed_text).lines(filler_lines)
     repeated = set()
     for i in range(1, len(filler)):
@@ -82,7 +87,8 @@ def make_document(rng: random.Random, filler_lines: int, kind: str, chat: bool, 
     codes_seed = rng.randrange(1 << 30)
     if kind == "passkey":
         codes = needle_codes(1, codes_seed)
-        hay = build_haystack(filler, codes, [rng.random()], Templates())
+        depth = rng.random()
+        hay = build_haystack(filler, codes, [depth if needle_depth is None else needle_depth], Templates())
         answer = codes[0]
     elif kind == "multi":
         count = rng.randint(2, 4)

@@ -4,15 +4,15 @@ Each sequence is BOS + a random 24-token sequence + the same sequence again (bat
 printed loss is the mean cross-entropy over the repeat (ln 580 = 6.36 without copying, -> 0 with it).
 Variants:
 
-* ``v4``: :func:`dsakit.models.train.model_config` with transformers' init;
-* ``v4-soft``: the same with :func:`dsakit.models.train.soften_attention_` (key norms at 0.15, o_a_proj x 1/0.15)
+* ``v4``: :func:`dsakit.models.config.model_config` with transformers' init;
+* ``v4-soft``: the same with :func:`dsakit.models.config.soften_attention_` (key norms at 0.15, o_a_proj x 1/0.15)
   and the key norms trained 10x faster (what the training script does);
 * ``llama``: a transformers Llama of about the same size (hidden 128, 4 layers, 4 heads), for reference.
 
 Measured on 2 shared CPU cores (seed 0): llama falls from step ~150 (1.76 at 280); v4 stays at 6.37 for
 900 steps; v4-soft falls from step ~220 (4.07 at 360).
 
-    python benchmarks/tiny_model_copy_toy.py v4-soft --steps 400
+    python models/tools/copy_toy.py v4-soft --steps 400
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def build(variant: str):
         return LlamaForCausalLM(config), 1.0
     from transformers import DeepseekV4ForCausalLM
 
-    from dsakit.models.train import model_config, soften_attention_
+    from dsakit.models.config import model_config, soften_attention_
 
     config = model_config(VOCAB, 8)
     config._attn_implementation = "eager"
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     model, key_norm_lr_mult = build(args.variant)
-    from dsakit.models.train import KEY_NORMS
+    from dsakit.models.config import KEY_NORMS
 
     fast = [p for n, p in model.named_parameters() if n.endswith(KEY_NORMS)] if key_norm_lr_mult != 1 else []
     rest = [p for p in model.parameters() if all(p is not f for f in fast)]

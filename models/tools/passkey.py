@@ -5,7 +5,7 @@ Builds seeded passkey documents (``dsakit.models.data``, completion form: haysta
 patched onto dsakit's attention blocks, index keys in ``--format`` at ``--topk``) and counts the cases whose
 greedy continuation contains the passkey. The CPU test in tests/test_trained_model.py runs the same check.
 
-    python benchmarks/tiny_model_passkey.py --model models/dsakit-v4-tiny --length 1024 --cases 10
+    python models/tools/passkey.py --model models/dsakit-v4-tiny --length 1024 --cases 10
 """
 
 from __future__ import annotations

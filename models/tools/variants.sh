@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train several variants of the tiny DSA model side by side on one GPU (the model is too small to fill it),
 # then pack the best one (highest teacher-forced exact match at 1024 tokens, top-k) with its resume state.
-# Usage: bash benchmarks/tiny_model_variants.sh OUT BUDGET_SECONDS NAME="ARGS" [NAME="ARGS" ...]
+# Usage: bash models/tools/variants.sh OUT BUDGET_SECONDS NAME="ARGS" [NAME="ARGS" ...]
 # Each variant shares COMMON below and adds its ARGS; logs in OUT/NAME.log, checkpoints in OUT/NAME/.
 # Returns (what the device tool can bring back): OUT/NAME.log per variant, OUT/logs.tgz (every train_log.json),
 # OUT/best.tgz (config, weights, log, curves of the best variant), OUT/best_resume.pt, OUT/best.txt.

@@ -1,8 +1,10 @@
 """Probe the trained tiny DSA model's lightning indexers: capture their tensors for ``dsakit recall --captured``
 and measure the statistic the recall lab's generator is built on.
 
-For each context length, one passkey prompt (the niah generator's needle at depth ``--depth``, completion
-format, the code appended as the answer) runs through transformers' eager model (fp32, unpatched). Per CSA layer:
+For each context length, one passkey prompt (the niah generator's needle at depth ``--depth`` of the filler,
+completion format, the code appended as the answer) runs through transformers' eager model (fp32, unpatched).
+``probe.json`` records where the needle landed (``needle_position``: its first token / the prompt's tokens,
+a little below the depth since the intro comes before the filler and the question after it). Per CSA layer:
 
 * ``captured_L{length}_layer{i}.safetensors``: q / k / weights of the indexer (``capture_deepseek_v4_indexer``)
   for the queries that must retrieve the code (the last prompt token, "Answer:", and every answer token but the
@@ -12,9 +14,10 @@ format, the code appended as the answer) runs through transformers' eager model 
   ``shared_ratio`` = |mu| / RMS_j |k_j - mu| with mu the mean key), over all 128 dims and over the 64 no-rope
   dims, next to the lab's default (``dsakit recall --shared-ratio``, 100).
 
-Writes ``probe.json`` (ratios, capture files, needle entries) into ``--out``.
+Writes ``probe.json`` (ratios, capture files, needle entries) into ``--out``; then run ``dsakit recall
+--captured`` on each capture file (one file per call; see models/dsakit-v4-tiny/README.md).
 
-    python benchmarks/tiny_model_probe.py --model models/dsakit-v4-tiny --out models/dsakit-v4-tiny/eval/probe
+    python models/tools/probe.py --model models/dsakit-v4-tiny --out models/dsakit-v4-tiny/eval/probe
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from dsakit.models.checkpoint import load_causal_lm_strict
 from dsakit.models.data import make_document
 from dsakit.models.tokenizer import load_tokenizer
 from dsakit.recall.captured import CapturedTensors, capture_deepseek_v4_indexer, save_captured
@@ -44,11 +48,12 @@ def shared_ratio(keys: torch.Tensor) -> float:
 
 def passkey_ids(tokenizer, length: int, depth: float, seed: int) -> tuple[list[int], int, tuple[int, int]]:
     """-> (ids = BOS + prompt + answer, first answer token index, token span of the code in the prompt)."""
-    rng = random.Random(f"probe:{seed}:{length}")
     per_line = 21
     lines = max(1, (length - 90) // per_line)
     while True:
-        doc = make_document(rng, lines, "passkey", chat=False, seed_text=f"probe:{seed}:{length}")
+        rng = random.Random(f"probe:{seed}:{length}")  # the same draws for every line count tried
+        doc = make_document(rng, lines, "passkey", chat=False, seed_text=f"probe:{seed}:{length}",
+                            needle_depth=depth)
         prompt = tokenizer.encode(doc.prompt)
         answer = tokenizer.encode(doc.answer, add_special_tokens=False).ids
         if len(prompt.ids) + len(answer) <= length or lines == 1:
@@ -60,25 +65,43 @@ def passkey_ids(tokenizer, length: int, depth: float, seed: int) -> tuple[list[i
     return prompt.ids + answer, len(prompt.ids), (min(tokens), max(tokens) + 1)
 
 
+def _depth(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 256:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts >= 256, got {text!r}")
+    return values
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--lengths", default="2048,4096")
-    ap.add_argument("--depth", type=float, default=0.5)
+    ap.add_argument("--lengths", type=_lengths, default=[2048, 4096], help="context lengths in tokens (>= 256)")
+    ap.add_argument("--depth", type=_depth, default=0.5, help="needle depth in the filler, 0..1")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    from transformers import DeepseekV4ForCausalLM
-
+    try:
+        model = load_causal_lm_strict(args.model)
+        tokenizer = load_tokenizer(args.model)
+    except ValueError as exc:
+        ap.error(str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = DeepseekV4ForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(args.model)
     layers = [i for i, layer in enumerate(model.model.layers)
               if layer.self_attn.layer_type == "compressed_sparse_attention"]
     report = {"model": args.model, "depth": args.depth, "seed": args.seed,
               "lab_default_shared_ratio": SyntheticConfig().shared_ratio, "runs": []}
-    for length in [int(x) for x in args.lengths.split(",")]:
+    for length in args.lengths:
         ids, answer_start, (code_a, code_b) = passkey_ids(tokenizer, length, args.depth, args.seed)
         pre_norm: dict[int, torch.Tensor] = {}
         hooks = []
@@ -113,6 +136,7 @@ def main(argv=None) -> int:
             path = save_captured(out / f"captured_L{length}_layer{i}.safetensors", picked)
             keys = pre_norm[i]
             row = {"length": len(ids), "layer": i, "entries": n, "needle_entries": needle,
+                   "needle_position": round(code_a / answer_start, 3),
                    "code_tokens": [code_a, code_b], "queries": [int(queries[0]), int(queries[-1])],
                    "shared_ratio_all_dims": round(shared_ratio(keys), 3),
                    "shared_ratio_nope_dims": round(shared_ratio(keys[:, :NOPE_DIMS]), 3),

@@ -3,20 +3,22 @@
 # `dsakit serve`, one sweep per (index-key format, top-k), each through the per-request override
 #   {"dsakit": {"index_key_format": F, "topk": K}}
 # of a single server. Resumable: rerunning skips the finished cells (niah --resume). Then the combined
-# table and heatmaps (benchmarks/tiny_model_report.py).
+# table and heatmaps (models/tools/niah_report.py).
 #
-#   benchmarks/tiny_model_niah.sh                  # the committed grid (CPU, about 20-40 minutes on 2 cores)
-#   FORMATS="bf16" TOPKS="32" benchmarks/tiny_model_niah.sh   # one row
+#   models/tools/niah.sh                                # the committed grid: the defaults below are the
+#                                                       # model card's table (CPU, about 8 minutes on 2 cores)
+#   OUT=niah-bf16 FORMATS="bf16" TOPKS="16" models/tools/niah.sh   # one row
 #
+# The defaults write into $MODEL/eval/niah (the committed results); give OUT to keep them.
 # Environment: MODEL (default models/dsakit-v4-tiny), OUT (default $MODEL/eval/niah), FORMATS, TOPKS,
 # LENGTHS, DEPTHS, TRIALS, SEED, DEVICE (cpu), PY (python with dsakit importable).
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 MODEL=${MODEL:-models/dsakit-v4-tiny}
 OUT=${OUT:-$MODEL/eval/niah}
 FORMATS=${FORMATS:-"bf16 fp8 fp4 fp8-centred fp4-centred"}
-TOPKS=${TOPKS:-"16 32"}
-LENGTHS=${LENGTHS:-"1K,2K,4K"}
+TOPKS=${TOPKS:-"8 16"}
+LENGTHS=${LENGTHS:-"1K,2K"}
 DEPTHS=${DEPTHS:-"0.1,0.3,0.5,0.7,0.9"}
 TRIALS=${TRIALS:-3}
 SEED=${SEED:-0}
@@ -42,4 +44,4 @@ for fmt in $FORMATS; do
       --title "$NAME, $fmt index keys, top-$k" --out "$run" "${resume[@]}" | tail -n 12
   done
 done
-"$PY" benchmarks/tiny_model_report.py --runs "$OUT" --out "$OUT"
+"$PY" models/tools/niah_report.py --runs "$OUT" --out "$OUT"

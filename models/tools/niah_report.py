@@ -1,4 +1,4 @@
-"""Combine the needle sweeps of benchmarks/tiny_model_niah.sh into one table and one heatmap figure.
+"""Combine the needle sweeps of models/tools/niah.sh into one table and one heatmap figure.
 
 Reads ``RUNS/<format>_k<topk>/results.jsonl`` (``dsakit niah`` rows) and writes into ``--out``:
 
@@ -7,7 +7,7 @@ Reads ``RUNS/<format>_k<topk>/results.jsonl`` (``dsakit niah`` rows) and writes 
 * ``table.json``: the same numbers, per depth as well;
 * ``heatmaps.png``: one depth x length heatmap per (format, top-k).
 
-    python benchmarks/tiny_model_report.py --runs models/dsakit-v4-tiny/eval/niah --out models/dsakit-v4-tiny/eval/niah
+    python models/tools/niah_report.py --runs models/dsakit-v4-tiny/eval/niah --out models/dsakit-v4-tiny/eval/niah
 """
 
 from __future__ import annotations
