@@ -384,6 +384,13 @@ def serve_model(model_dir: str, *, index_key_format: str = "bf16", topk: int | N
         raise ValueError("--backend triton runs on CUDA only (use --backend auto or reference on the CPU)")
     if threads:
         torch.set_num_threads(threads)
+    try:  # a server's log: errors only, no progress bars (one line per refusal)
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()
+        transformers_logging.disable_progress_bar()
+    except ImportError:
+        pass  # load_model_dir says what is missing
     model, tokenizer = load_model_dir(model_dir, device, DTYPES[dtype])
     runner = ModelRunner(model, tokenizer, index_key_format=key_format, topk=topk, backend=backend,
                          max_context=max_context, max_new_tokens=max_new_tokens,
