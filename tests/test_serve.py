@@ -223,24 +223,23 @@ def test_streaming_sends_each_token_as_it_is_made(served):
     forwards = []
     hook = runner.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     try:
-        events = service.stream({"prompt": PROMPT, "max_tokens": 8}, chat=False)
+        events = service.stream({"prompt": PROMPT, "max_tokens": 4}, chat=False)
         first = next(events)
         assert first["choices"][0]["text"] and len(forwards) == 1  # the first token, before the second forward
         rest = list(events)
     finally:
         hook.remove()
-    full = runner.generate(runner.encode(PROMPT), 8)[0]
+    full = runner.generate(runner.encode(PROMPT), 4)[0]
     assert first["choices"][0]["text"] + "".join(e["choices"][0]["text"] for e in rest) == full
-    r = post(url, "/completions", {"prompt": PROMPT, "max_tokens": 6, "stream": True,
+    r = post(url, "/completions", {"prompt": PROMPT, "max_tokens": 4, "stream": True,
                                    "stream_options": {"include_usage": True}})
     assert r.status_code == 200
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-    six = runner.generate(runner.encode(PROMPT), 6)[0]
-    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == six
-    assert events[-1]["usage"]["completion_tokens"] <= 6
-    if len(six) > 1:
-        r = post(url, "/completions", {"prompt": PROMPT, "max_tokens": 6, "stop": six[1:]})
-        assert r.json()["choices"][0]["text"] == six[:1]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == full
+    assert events[-1]["usage"]["completion_tokens"] <= 4
+    if len(full) > 1:
+        r = post(url, "/completions", {"prompt": PROMPT, "max_tokens": 4, "stop": full[1:]})
+        assert r.json()["choices"][0]["text"] == full[:1]
         assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 
@@ -396,13 +395,14 @@ def _bad_checkpoints(checkpoint: Path, root: Path):
         return Path(shutil.copytree(checkpoint, root / name))
 
     missing = copy("missing")
-    _edit_weights(missing, lambda t: t.pop("model.layers.2.self_attn.kv_proj.weight"))
+    # the file keeps DeepSeek's names (attn.wkv); the error names the model's (self_attn.kv_proj)
+    _edit_weights(missing, lambda t: t.pop("model.layers.2.attn.wkv.weight"))
     yield missing, "missing tensor 'model.layers.2.self_attn.kv_proj.weight'"
     head = copy("no-head")
-    _edit_weights(head, lambda t: t.pop("lm_head.weight"))
+    _edit_weights(head, lambda t: t.pop("head.weight"))
     yield head, "missing tensor 'lm_head.weight'"
     nan = copy("nan")
-    _edit_weights(nan, lambda t: t["model.layers.1.self_attn.q_a_proj.weight"].view(-1)[0].fill_(float("nan")))
+    _edit_weights(nan, lambda t: t["model.layers.1.attn.wq_a.weight"].view(-1)[0].fill_(float("nan")))
     yield nan, "'model.layers.1.self_attn.q_a_proj.weight' has non-finite values"
     for name, layers in (("more-layers", 5), ("fewer-layers", 3)):
         changed = copy(name)

@@ -128,7 +128,7 @@ def derive_limits(memory: MemoryModel, *, request_mb: int, model_context: int, m
         raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in a context of "
                          f"{context} tokens")
     # the largest top-k whose prefill chunk of MIN_QUERY_CHUNK queries fits what a full context leaves
-    max_topk = min(topk_limit, (budget - context * per_token) // memory.work_bytes(MIN_QUERY_CHUNK, 1)
+    max_topk = min(topk_limit, (budget - context * per_token) // (MIN_QUERY_CHUNK * WORK_BYTES_PER_READ)
                    - memory.window)
     max_chars = context * chars_per_token
     return ServerLimits(max_context=context, max_new_tokens=max_new_tokens, max_topk=max_topk,
