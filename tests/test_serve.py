@@ -361,10 +361,10 @@ def test_fifty_clients_mixing_valid_oversized_malformed_and_abandoned_requests(s
 def test_missing_or_corrupt_model_directory(tmp_path, checkpoint):
     with pytest.raises(ValueError, match="does not exist"):
         load_model_dir(tmp_path / "nope")
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match="no config.json that is a JSON object"):
         load_model_dir(tmp_path)
     (tmp_path / "config.json").write_text("{broken")
-    with pytest.raises(ValueError, match="not a JSON object"):
+    with pytest.raises(ValueError, match="no config.json that is a JSON object"):
         load_model_dir(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="deepseek_v4"):
@@ -451,16 +451,16 @@ def negative_positions(tmp_path, checkpoint) -> Path:
 
 
 @pytest.mark.parametrize("args, needle, model", [
-    (["--max-context", "0"], "--max-context must be an int >= 1", None),
-    (["--max-context", "100000"], "exceeds the config's max_position_embeddings", None),
+    (["--max-context", "0"], "--max-context must be an int", None),
+    (["--max-context", "100000"], "--max-context must be an int in 1..512", None),
     (["--topk", "1000000"], "--topk must be an int in 1..16384", None),
-    (["--backend", "triton", "--device", "cpu"], "--backend triton runs on CUDA only", None),
+    (["--backend", "triton", "--device", "cpu"], "triton runs on CUDA only", None),
     (["--threads", "-1"], "--threads must be an int >= 0", None),
-    (["--device", "tpu"], "--device must be cpu or cuda", None),
+    (["--device", "tpu"], "--device (cpu or cuda[:N])", None),
     (["--request-memory-mb", "0"], "--request-memory-mb must be an int >= 1", None),
     (["--request-memory-mb", "1"], "affords", None),
     (["--max-pending", "0"], "--max-pending must be an int >= 1", None),
-    (["--max-new-tokens", "600"], "leaves no room for a prompt", None),
+    (["--max-new-tokens", "600"], "must leave room for a prompt", None),
     ([], "chat template does not render", "broken_template"),
     ([], "max_position_embeddings must be an int >= 1", "negative_positions"),
 ])

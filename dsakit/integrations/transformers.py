@@ -28,7 +28,7 @@ import types
 import torch
 from torch import nn
 
-from .._memory import check_positive_int, check_tensor
+from .._memory import check_instance, check_positive_int, check_tensor
 from ..formats import AttentionKVFormat, KeyFormat
 from ..layers.attention import V4Attention
 from ..layers.config import resolve_index_key_format
@@ -261,9 +261,9 @@ def layer_settings(model: nn.Module, *, index_key_format: "KeyFormat | None" = N
     if query_chunk is not None:
         check_positive_int("query_chunk", query_chunk)
     _, layers = _decoder(model)
-    blocks = [layer.self_attn for layer in layers]
-    if not all(isinstance(b, PatchedDeepseekV4Attention) for b in blocks):
-        raise ValueError("layer_settings needs a model patched by patch_deepseek_v4")
+    blocks = [check_instance(f"layer {i}'s self_attn", layer.self_attn, PatchedDeepseekV4Attention,
+                             "layer_settings runs a model patched by patch_deepseek_v4")
+              for i, layer in enumerate(layers)]
     key = (index_key_format, topk, query_chunk)
     changes = {name: value for name, value in (("index_key_format", index_key_format), ("index_topk", topk),
                                                ("query_chunk", query_chunk)) if value is not None}

@@ -107,15 +107,13 @@ def derive_limits(memory: MemoryModel, *, request_mb: int, model_context: int, m
     check_int("--request-memory-mb", request_mb, 1, message="--request-memory-mb must be an int >= 1 (MiB)")
     check_int("max_position_embeddings", model_context, 1,
               message="the config's max_position_embeddings must be an int >= 1")
-    check_int("--max-context", max_context, 1, message="--max-context must be an int >= 1 (tokens)",
-              allow_none=True)
+    check_int("--max-context", max_context, 1, model_context, allow_none=True,
+              message=f"--max-context must be an int in 1..{model_context} (the config's max_position_embeddings)")
     check_int("--max-new-tokens", max_new_tokens, 1, message="--max-new-tokens must be an int >= 1")
     check_int("--max-pending", max_pending, 1, message="--max-pending must be an int >= 1")
     check_int("--topk", default_topk, 1, topk_limit,
               message=f"--topk must be an int in 1..{topk_limit} (the top-k ops' limit)")
     budget = request_mb * MIB
-    if max_context is not None and max_context > model_context:
-        raise ValueError(f"--max-context {max_context} exceeds the config's max_position_embeddings {model_context}")
     # per token of context: its caches and the tokenizer's buffers for its longest text
     per_token = memory.cache_bytes_per_token + TOKENIZER_BYTES_PER_CHAR * chars_per_token
     afford_context = (budget - memory.work_bytes(MIN_QUERY_CHUNK, default_topk)) // per_token
@@ -124,9 +122,9 @@ def derive_limits(memory: MemoryModel, *, request_mb: int, model_context: int, m
         raise ValueError(f"--request-memory-mb {request_mb} affords {max(afford_context, 0)} tokens of context at "
                          f"top-k {default_topk}, less than {context if max_context else 'one'}: raise the budget "
                          f"or lower --max-context / --topk")
-    if max_new_tokens >= context:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in a context of "
-                         f"{context} tokens")
+    check_int("--max-new-tokens", max_new_tokens, 1, context - 1,
+              message=f"--max-new-tokens must leave room for a prompt in a context of {context} tokens (at most "
+                      f"{context - 1})")
     # the largest top-k whose prefill chunk of MIN_QUERY_CHUNK queries fits what a full context leaves
     max_topk = min(topk_limit, (budget - context * per_token) // (MIN_QUERY_CHUNK * WORK_BYTES_PER_READ)
                    - memory.window)

@@ -52,14 +52,12 @@ def load_model_dir(path: "str | Path", device: "str | torch.device" = "cpu", dty
     if not path.is_dir():
         raise ValueError(f"model directory {str(path)!r} does not exist (or is not a directory)")
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{path} has no config.json: not a transformers checkpoint directory")
-    try:
+    try:  # no config.json, not JSON, or JSON that is not an object (no .get)
         raw = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{config_file} is not a JSON object: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_file} is not a JSON object")
+        raw.get("model_type")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"{path} has no config.json that is a JSON object (not a transformers checkpoint "
+                         f"directory): {exc}") from None
     if raw.get("model_type") != "deepseek_v4":
         raise ValueError(f"{config_file} has model_type {raw.get('model_type')!r}; dsakit serve runs 'deepseek_v4' "
                          f"checkpoints")
@@ -92,11 +90,11 @@ def check_chat_template(tokenizer, path) -> None:
     try:
         text = tokenizer.apply_chat_template([{"role": "system", "content": "a"}, {"role": "user", "content": "b"}],
                                              tokenize=False, add_generation_prompt=True)
+        problem = None if isinstance(text, str) and "b" in text else f"it drops the messages (rendered {text!r})"
     except Exception as exc:  # noqa: BLE001 - jinja raises many types
-        raise ValueError(f"{path}: the tokenizer's chat template does not render a conversation: "
-                         f"{type(exc).__name__}: {exc}") from None
-    if not isinstance(text, str) or "b" not in text:
-        raise ValueError(f"{path}: the tokenizer's chat template drops the messages (rendered {text!r})")
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem:
+        raise ValueError(f"{path}: the tokenizer's chat template does not render a conversation: {problem}")
 
 
 def longest_token_chars(tokenizer) -> int:
@@ -148,10 +146,9 @@ class ModelRunner:
 
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
-        check_choice("--backend", backend, BACKENDS)
-        if backend == "triton" and self.device.type != "cuda":
-            raise ValueError(f"--backend triton runs on CUDA only; the model is on {self.device.type} "
-                             f"(use --backend auto or reference)")
+        # the Triton kernels run on CUDA only
+        check_choice("--backend", backend, BACKENDS if self.device.type == "cuda" else ("auto", "reference"),
+                     what=f"--backend for a model on {self.device.type} (triton runs on CUDA only)")
         self.backend = backend
         self.default_format = KeyFormat.parse(index_key_format)
         config_topk = getattr(model.config, "index_topk", None)
@@ -347,16 +344,15 @@ def check_device(device: str | None) -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        parsed = torch.device(device)
+        kind = torch.device(device).type
     except (RuntimeError, TypeError):
-        parsed = None
-    if parsed is None or parsed.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
-        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        kind = device
+    check_choice("--device", kind, ("cpu", "cuda"), what="--device (cpu or cuda[:N])")
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        check_int("--device", torch.device(device).index or 0, 0, count - 1,
+                  message=f"--device {device}: " + (f"this machine has {count} CUDA device(s)" if count else
+                                                    "CUDA is not available on this machine (use --device cpu)"))
     return device
 
 
@@ -380,8 +376,8 @@ def serve_model(model_dir: str, *, index_key_format: str = "bf16", topk: int | N
     check_choice("--dtype", dtype, sorted(DTYPES))
     check_choice("--backend", backend, BACKENDS)
     device = check_device(device)
-    if backend == "triton" and not device.startswith("cuda"):
-        raise ValueError("--backend triton runs on CUDA only (use --backend auto or reference on the CPU)")
+    check_choice("--backend", backend, BACKENDS if device.startswith("cuda") else ("auto", "reference"),
+                 what=f"--backend on {device} (triton runs on CUDA only)")
     if threads:
         torch.set_num_threads(threads)
     try:  # a server's log: errors only, no progress bars (one line per refusal)
