@@ -306,10 +306,8 @@ class ModelService(CompletionService):
         except BaseException:
             runner.release()
             raise
-        completion = Completion(chat=chat, model_name=self.model_name, prompt_tokens=len(prompt_ids),
-                                pieces=iter(()), release=runner.release)
-        completion._pieces = self._pieces(plan, completion, cancelled)
-        return completion
+        return Completion(chat=chat, model_name=self.model_name, prompt_tokens=len(prompt_ids),
+                          make_pieces=lambda c: self._pieces(plan, c, cancelled), release=runner.release)
 
     def _pieces(self, plan: Generation, completion: Completion, cancelled) -> Iterator[tuple[str, str]]:
         """Text deltas as tokens are made. A delta is held back while the text so far ends in the start of a

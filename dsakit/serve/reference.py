@@ -86,10 +86,9 @@ class ReferenceService(CompletionService):
             pieces.append(("content", f"<think>{result.trace()}</think>\n"))
         pieces.append(("content", result.answer))
         kept, completion_tokens, finish = self._cut(pieces, max_tokens)
-        completion = Completion(chat=chat, model_name=self.model_name, prompt_tokens=prompt_tokens,
-                                pieces=iter(()), reasoning_field=reasoning == "field" and chat)
-        completion._pieces = self._events(kept, completion, finish, completion_tokens)
-        return completion
+        return Completion(chat=chat, model_name=self.model_name, prompt_tokens=prompt_tokens,
+                          make_pieces=lambda c: self._events(kept, c, finish, completion_tokens),
+                          reasoning_field=reasoning == "field" and chat)
 
     def _events(self, kept, completion: Completion, finish: str, completion_tokens: int):
         """The kept pieces, a few tokens at a time (cut at token boundaries)."""

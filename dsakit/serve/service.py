@@ -38,10 +38,14 @@ class RequestSettings:
 class Completion:
     """One request's answer as it is made: iterate :attr:`pieces` for (kind 'reasoning' | 'content', text);
     once drained, :attr:`finish_reason` and :attr:`completion_tokens` are set. :meth:`close` (also on
-    ``with``) stops a generation that is not drained and frees what it holds (the model's lock)."""
+    ``with``) stops a generation that is not drained and frees what it holds (the model's lock).
 
-    def __init__(self, *, chat: bool, model_name: str, prompt_tokens: int, pieces: Iterator[tuple[str, str]],
-                 reasoning_field: bool = False, release: Callable[[], None] | None = None):
+    ``make_pieces(completion)``: the generator of pieces, which calls ``completion.finish(reason, tokens)``
+    at its end."""
+
+    def __init__(self, *, chat: bool, model_name: str, prompt_tokens: int,
+                 make_pieces: Callable[["Completion"], Iterator[tuple[str, str]]], reasoning_field: bool = False,
+                 release: Callable[[], None] | None = None):
         self.chat = chat
         self.prompt_tokens = prompt_tokens
         self.reasoning_field = reasoning_field
@@ -49,8 +53,8 @@ class Completion:
         self.completion_tokens = 0
         self.meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                      "model": model_name}
-        self._pieces = pieces
         self._release = release
+        self._pieces = make_pieces(self)
 
     @property
     def pieces(self) -> Iterator[tuple[str, str]]:
