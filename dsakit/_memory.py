@@ -168,9 +168,10 @@ def check_tensor(name: str, x, *, dims: int | None = None, shape: tuple | None =
     ``message`` ("q must be [T, H, 128]") replaces the first two with "{message}, got [4, 64]" (or the type);
     ``floating``: a floating dtype, any width ("{name} must be a floating tensor, got torch.int64").
     """
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{message}, got {type(x).__name__}" if message
-                         else f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(x, torch.Tensor) or x.is_meta:  # a meta tensor has a shape but no values to read
+        got = "a meta tensor (no data)" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{message}, got {got}" if message
+                         else f"{name} must be a torch.Tensor with data, got {got}")
     if shape is not None:
         bad = x.dim() != len(shape) or any(want is not None and got != want for got, want in zip(x.shape, shape))
     else:

@@ -34,7 +34,7 @@ This module also holds the cheap (sync-free) checks of the query-side inputs sha
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -153,6 +153,19 @@ class PagedBatch:
     query_lens: tuple[int, ...] | None = None
     rows_sorted: bool = False
     summaries: PageSummaries | None = None  # the pool's page summaries, for hierarchical selection (optional)
+    # ids of the (pool, block table, entry counts) a builder checked: a batch made from a checked one by
+    # dataclasses.replace with other tensors is not checked (see __post_init__)
+    checked_tensors: tuple = field(default=(), repr=False)
+
+    def __post_init__(self):
+        # ``query_lens`` marks a checked batch (the ops trust its pages); another pool or block table swapped in
+        # (dataclasses.replace) makes it an unchecked one, whose slots the ops check against its pool
+        if self.query_lens is not None and self.checked_tensors != self._tensor_ids():
+            object.__setattr__(self, "query_lens", None)
+            object.__setattr__(self, "rows_sorted", False)
+
+    def _tensor_ids(self) -> tuple:
+        return id(self.pool), id(self.block_table), id(self.entry_counts)
 
     @property
     def device(self) -> torch.device:
@@ -246,10 +259,14 @@ class PagedBatch:
         per_seq = torch.bincount(s64.clamp(0, max(b - 1, 0)), minlength=b)[:b] if t else \
             torch.zeros(b, dtype=torch.int64, device=device)
         unsorted = (s64[1:] < s64[:-1]).sum() if t > 1 else zero
+        position_min = positions.min() if positions is not None and t else zero
         stats = torch.cat([torch.stack([
             c64.min() if b else zero, c64.max() if b else zero, (~in_range).sum() if t else zero,
-            bad_pages.sum(), s64.min() if t else zero, s64.max() if t else zero, unsorted, repeats]), per_seq.long()])
-        count_min, count_max, bad_seq, bad_page_count, seq_min, seq_max, n_unsorted, n_repeats, *lens = stats.tolist()
+            bad_pages.sum(), s64.min() if t else zero, s64.max() if t else zero, unsorted, repeats,
+            position_min.long()]), per_seq.long()])
+        count_min, count_max, bad_seq, bad_page_count, seq_min, seq_max, n_unsorted, n_repeats, pos_min, *lens = \
+            stats.tolist()
+        check_int("query_positions", pos_min, 0, message="query_positions must be token positions >= 0 (smallest)")
         if count_min < 0 or count_max > width * ENTRIES_PER_PAGE:
             raise ValueError(f"entry_counts must be in 0..{width * ENTRIES_PER_PAGE} (block table width {width} x "
                              f"64), got range {count_min}..{count_max}")
@@ -262,8 +279,9 @@ class PagedBatch:
                              f"entries")
         if n_repeats:
             raise ValueError(_repeated_page_message(table, needed))
-        return cls(pool, fmt, _int32(table), _int32(counts), _int32(seq), positions, ratio, t,
-                   int(count_max) if b else 0, tuple(int(n) for n in lens), n_unsorted == 0, summaries)
+        table, counts = _int32(table), _int32(counts)
+        return cls(pool, fmt, table, counts, _int32(seq), positions, ratio, t, int(count_max) if b else 0,
+                   tuple(int(n) for n in lens), n_unsorted == 0, summaries, (id(pool), id(table), id(counts)))
 
     @classmethod
     def from_host(cls, pool: torch.Tensor, fmt: KeyFormat, pages: "Sequence[Sequence[int] | torch.Tensor]",
@@ -316,7 +334,7 @@ class PagedBatch:
             positions = _as_positions(query_positions, t)
             positions = upload(positions.contiguous(), device) if positions.device != device else positions.contiguous()
         return cls(pool, fmt, table, counts, seq, positions, ratio, t,
-                   max(lengths, default=0), tuple(query_lens), True, summaries)
+                   max(lengths, default=0), tuple(query_lens), True, summaries, (id(pool), id(table), id(counts)))
 
     def __repr__(self) -> str:
         return (f"PagedBatch(fmt={self.fmt.name}, B={self.num_seqs}, T={self.num_queries}, "

@@ -43,14 +43,15 @@ def env() -> None:
 
 
 # Subcommands that live in their own packages.
-from .niah.cli import niah, serve_reference  # noqa: E402
+from .niah.cli import niah  # noqa: E402
 from .recall.cli import recall  # noqa: E402
 from .models.train import TRAIN_COMMAND_CONTEXT, train_command  # noqa: E402
-from .serve import serve_command  # noqa: E402
+from .serve.model import serve_command  # noqa: E402
+from .serve.reference import serve_reference_command  # noqa: E402
 
 app.command("recall")(recall)
 app.command("niah")(niah)
-app.command("serve-reference")(serve_reference)
+app.command("serve-reference")(serve_reference_command)
 app.command("serve")(serve_command)
 app.command("train", context_settings=TRAIN_COMMAND_CONTEXT, add_help_option=False)(train_command)
 

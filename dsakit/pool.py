@@ -31,7 +31,10 @@ def num_slots(pool: torch.Tensor) -> int:
 
 
 def check_pool(pool: torch.Tensor, fmt, what: str = "pool") -> None:
-    """uint8 [P, fmt.page_bytes], contiguous, starting on a 16-byte boundary, else ValueError (no sync)."""
+    """uint8 [P, fmt.page_bytes], contiguous, starting on a 16-byte boundary, else ValueError (no sync).
+    ``fmt`` must be a format object: a name is ambiguous here ("bf16" names a key and an attention KV format)."""
+    check_instance("fmt", fmt, EntryFormat, "KeyFormat.parse(name) or AttentionKVFormat.parse(name)",
+                   label="dsakit.formats.EntryFormat")
     check_tensor(what, pool)  # "pool must be a torch.Tensor, got list"
     # contiguous: cache writes never go through a silent copy
     check_tensor(what, pool, shape=(None, fmt.page_bytes), dtypes=torch.uint8, contiguous=True,

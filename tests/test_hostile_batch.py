@@ -134,3 +134,52 @@ def test_a_layer_cache_on_cuda_without_cuda_is_a_value_error():
     layer = random_layer("csa", "reference", "cpu")
     with pytest.raises(ValueError, match="CUDA is not available"):
         layer.new_cache(16, device="cuda")
+
+
+# -- issue 35 item 5: clear errors at the batch / pool / tensor boundaries ---------------------------------
+
+
+def test_negative_query_positions_are_refused():
+    cache = _two_sequences()
+    batch = cache.batch()
+    with pytest.raises(ValueError, match="query_positions must be token positions >= 0.*-5"):
+        PagedBatch.build(cache.pool, cache.fmt, batch.block_table, batch.entry_counts, batch.query_seq,
+                         torch.tensor([-5, 3]))
+
+
+def test_meta_tensors_are_a_value_error():
+    cache = _two_sequences()
+    with pytest.raises(ValueError, match="meta tensor"):
+        cache.batch(query_lens=[1, 1], query_positions=torch.empty(2, dtype=torch.int64, device="meta"))
+    with pytest.raises(ValueError, match="meta tensor"):
+        index_topk(torch.empty(2, 4, 128, device="meta"), torch.rand(2, 4), cache.batch(), 4, backend="reference")
+
+
+def test_pool_functions_refuse_a_format_name():
+    from dsakit import pool
+
+    cache = _two_sequences("fp8")
+    for call in (lambda: pool.read_entries(cache.pool, "fp8", torch.tensor([0])),
+                 lambda: pool.dequantize_entries(cache.pool, "fp8", torch.tensor([0])),
+                 lambda: pool.store_entries(cache.pool, "fp8", torch.tensor([0]), torch.randn(1, 128)),
+                 lambda: pool.check_pool(cache.pool, "fp8")):
+        with pytest.raises(ValueError, match="fmt must be a dsakit.formats.EntryFormat.*KeyFormat.parse"):
+            call()
+
+
+@pytest.mark.parametrize("replaced", ["pool", "block_table"])
+def test_a_checked_batch_with_a_replaced_pool_or_table_is_checked_again(replaced):
+    """dataclasses.replace on a checked batch: the reference ops check its slots (ValueError, not IndexError)."""
+    import dataclasses
+
+    cache = _two_sequences()
+    batch = cache.batch(query_lens=[1, 1])
+    q, w = torch.randn(2, 4, 128), torch.rand(2, 4)
+    swap = {"pool": torch.zeros(1, cache.pool.shape[1], dtype=torch.uint8),
+            "block_table": torch.tensor([[99, 98], [97, 96]], dtype=torch.int32)}[replaced]
+    bad = dataclasses.replace(batch, **{replaced: swap})
+    assert bad.query_lens is None and batch.query_lens == (1, 1)
+    with pytest.raises(ValueError, match="slots out of range"):
+        index_topk(q, w, bad, 4, backend="reference")
+    # the same batch rebuilt with its own tensors stays checked
+    assert dataclasses.replace(batch).query_lens == (1, 1)

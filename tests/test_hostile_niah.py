@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 from dsakit.cli import app
 from dsakit.niah.client import EndpointConfig
 from dsakit.niah.retrieval import RetrievalConfig, RetrievalModel
-from dsakit.niah.server import ReferenceHTTPServer, ReferenceService, RequestError
+from dsakit.serve.http import CompletionHTTPServer, RequestError
+from dsakit.serve.reference import ReferenceService
 from dsakit.niah.sweep import (CALIBRATION_FILE, ERRORS_FILE, MAX_LENGTH, RESULTS_FILE, RUN_FILE, SweepConfig,
                                run_sweep)
 from dsakit.niah.tokens import ReferenceCounter
@@ -147,7 +148,7 @@ def test_sweep_lengths_are_bounded():
 @pytest.fixture(scope="module")
 def reference_server():
     torch.set_num_threads(1)
-    server = ReferenceHTTPServer(("127.0.0.1", 0), ReferenceService(RetrievalModel(RetrievalConfig())))
+    server = CompletionHTTPServer(("127.0.0.1", 0), ReferenceService(RetrievalModel(RetrievalConfig())))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield server
@@ -177,7 +178,7 @@ def test_undecodable_bodies_get_a_400_not_a_dropped_connection(reference_server,
 
 def test_listen_backlog_covers_64_concurrent_clients(reference_server):
     """64 clients connect at the same moment and each sends a completion request: every one is answered."""
-    assert ReferenceHTTPServer.request_queue_size >= 128  # the default of 5 reset connections under load
+    assert CompletionHTTPServer.request_queue_size >= 128  # the default of 5 reset connections under load
     clients = 64
     barrier = threading.Barrier(clients)
     results: list = [None] * clients
@@ -268,7 +269,7 @@ def test_serve_reference_port_out_of_range_is_a_usage_error(port):
     assert f"port must be an int in 0..65535 (0 = any free port), got {port}" in result.output
     assert "Traceback" not in result.output
     with pytest.raises(ValueError, match="port must be"):
-        ReferenceHTTPServer(("127.0.0.1", int(port)), ReferenceService(RetrievalModel(RetrievalConfig())))
+        CompletionHTTPServer(("127.0.0.1", int(port)), ReferenceService(RetrievalModel(RetrievalConfig())))
 
 
 # -- broken 200 responses, lying usage counts, huge grids and bodies (mocked transport, no sockets) -------

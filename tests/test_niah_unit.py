@@ -15,7 +15,9 @@ from dsakit.niah.report import (RequestedGrid, cell_lines, found_matrix, grouped
                                 write_heatmap)
 from dsakit.niah.results import ResultStore, StoreLockedError, read_rows
 from dsakit.niah.retrieval import RetrievalConfig, RetrievalModel, SimpleTokenizer
-from dsakit.niah.server import FaultConfig, ReferenceService, RequestError, check_loopback, render_chat
+from dsakit.serve.chat import render_chat
+from dsakit.serve.http import FaultConfig, RequestError, check_loopback
+from dsakit.serve.reference import ReferenceService
 from dsakit.niah.sweep import Calibration, Cell, PromptBuilder, SweepConfig, cell_found, score_needles
 from dsakit.niah.text import (CODE_PATTERN, FillerStream, Templates, build_haystack, code_found, completion_prompt,
                               filler_lines, needle_codes, normalize_answer)
@@ -283,7 +285,8 @@ def test_chat_template_and_question_span():
     prompt, (a, b) = render_chat([{"role": "system", "content": "be brief"},
                                   {"role": "user", "content": "long text\n\nWhat is it?"}])
     assert prompt.startswith("<|system|>\nbe brief\n<|user|>\n") and prompt.endswith("<|assistant|>\n")
-    assert prompt[a:b] == "What is it?"
+    assert prompt[a:b] == "long text\n\nWhat is it?"  # the last user message (the reference service takes its
+    # last paragraph as the question)
     with pytest.raises(RequestError):
         render_chat([{"role": "system", "content": "no user"}])
     assert check_loopback("localhost") == "127.0.0.1" and check_loopback("::1") == "::1"
@@ -486,9 +489,9 @@ def test_http_post_to_an_unknown_route_does_not_desync_keep_alive():
     import socket
     import threading
 
-    from dsakit.niah.server import ReferenceHTTPServer
+    from dsakit.serve.http import CompletionHTTPServer
 
-    server = ReferenceHTTPServer(("127.0.0.1", 0), ReferenceService(RetrievalModel(RetrievalConfig())))
+    server = CompletionHTTPServer(("127.0.0.1", 0), ReferenceService(RetrievalModel(RetrievalConfig())))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
@@ -514,9 +517,9 @@ def test_http_server_drops_a_client_that_stalls_mid_request():
     import threading
     import time
 
-    from dsakit.niah.server import ReferenceHTTPServer
+    from dsakit.serve.http import CompletionHTTPServer
 
-    server = ReferenceHTTPServer(("127.0.0.1", 0), ReferenceService(RetrievalModel(RetrievalConfig())),
+    server = CompletionHTTPServer(("127.0.0.1", 0), ReferenceService(RetrievalModel(RetrievalConfig())),
                                  request_timeout=0.5)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
@@ -531,4 +534,4 @@ def test_http_server_drops_a_client_that_stalls_mid_request():
         server.server_close()
         thread.join(10)
     with pytest.raises(ValueError, match="request_timeout"):
-        ReferenceHTTPServer(("127.0.0.1", 0), None, request_timeout=float("nan"))
+        CompletionHTTPServer(("127.0.0.1", 0), None, request_timeout=float("nan"))

@@ -28,7 +28,7 @@ import types
 import torch
 from torch import nn
 
-from .._memory import check_positive_int, check_tensor
+from .._memory import check_instance, check_positive_int, check_tensor
 from ..formats import AttentionKVFormat, KeyFormat
 from ..layers.attention import V4Attention
 from ..layers.config import resolve_index_key_format
@@ -37,7 +37,8 @@ from ..layers.from_transformers import (LAYER_TYPE_NAMES, adopt_parameters, chec
                                         layer_config_from_transformers)
 from ..layers.kv_cache import V4LayerCache
 
-__all__ = ["patch_deepseek_v4", "unpatch_deepseek_v4", "PatchedDeepseekV4Attention", "LAYER_TYPE_NAMES"]
+__all__ = ["patch_deepseek_v4", "unpatch_deepseek_v4", "layer_settings", "PatchedDeepseekV4Attention",
+           "LAYER_TYPE_NAMES"]
 
 _STATE_ATTR = "_dsakit_layer_state"
 _FORWARD_ATTR = "forward"
@@ -238,6 +239,49 @@ def patch_deepseek_v4(model: nn.Module, index_key_format: "KeyFormat | str | Non
         layers[i].self_attn = block
     vars(inner)[_FORWARD_ATTR] = types.MethodType(_decoder_forward, inner)
     return model
+
+
+@contextlib.contextmanager
+def layer_settings(model: nn.Module, *, index_key_format: "KeyFormat | None" = None, topk: int | None = None,
+                   query_chunk: int | None = None):
+    """Run a patched model with other per-call settings, without re-patching: inside the ``with``, every patched
+    block reads a copy of its :class:`~dsakit.layers.config.V4AttentionConfig` with the given fields replaced
+    (None = keep the patch's); on the way out the patch's configs are back. Nothing else changes (parameters,
+    buffers, modules), so it costs one checked config per block and setting (cached on the block; measured in
+    docs/serve.md). Caches made inside the ``with`` take its formats: use them only inside it (a server makes a
+    cache per request).
+
+    index_key_format: a :class:`~dsakit.formats.KeyFormat` (parsed by the caller, once, at its edge).
+    topk: compressed entries per query (csa). query_chunk: queries per prefill chunk (bounds the working set).
+    Every setting is checked (on every block) before the first block changes."""
+    if index_key_format is not None:
+        index_key_format = KeyFormat.parse(index_key_format)  # an object passes through unchanged
+    if topk is not None:
+        check_positive_int("topk", topk)
+    if query_chunk is not None:
+        check_positive_int("query_chunk", query_chunk)
+    _, layers = _decoder(model)
+    blocks = [check_instance(f"layer {i}'s self_attn", layer.self_attn, PatchedDeepseekV4Attention,
+                             "layer_settings runs a model patched by patch_deepseek_v4")
+              for i, layer in enumerate(layers)]
+    key = (index_key_format, topk, query_chunk)
+    changes = {name: value for name, value in (("index_key_format", index_key_format), ("index_topk", topk),
+                                               ("query_chunk", query_chunk)) if value is not None}
+    saved = [b.layer_config for b in blocks]
+    configs = []
+    for block, base in zip(blocks, saved):
+        variants = vars(block).setdefault("_setting_variants", {})  # key -> (the patch's config, variant)
+        made = variants.get(key)
+        if made is None or made[0] is not base:
+            made = variants[key] = (base, base.replace(**changes) if changes else base)
+        configs.append(made[1])
+    try:
+        for block, config in zip(blocks, configs):
+            block.layer_config = config
+        yield model
+    finally:
+        for block, config in zip(blocks, saved):
+            block.layer_config = config
 
 
 def unpatch_deepseek_v4(model: nn.Module) -> nn.Module:

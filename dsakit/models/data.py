@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .._memory import check_choice
-from ..niah.server import render_chat
+from ..serve.chat import render_chat
 from ..niah.text import (DEFAULT_INTRO, DEFAULT_MULTI_QUESTION, DEFAULT_NEEDLE, DEFAULT_QUESTION, FillerStream,
                          Templates, build_haystack, completion_prompt, needle_codes)
 from .tokenizer import BOS, EOS, PAD

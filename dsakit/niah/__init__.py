@@ -3,9 +3,9 @@
 * :func:`dsakit.niah.sweep.run_sweep` (CLI ``dsakit niah``): context length x depth grid, distinct filler,
   exact lengths (local tokenizer or calibration from ``usage.prompt_tokens``), robust async running,
   append-only JSONL with resume, per-cell lines, summary table and heatmap.
-* ``dsakit serve-reference`` (:mod:`dsakit.niah.server`): an OpenAI-compatible loopback server whose
-  "model" is a transparent retrieval procedure built on dsakit's indexer (:mod:`dsakit.niah.retrieval`),
-  not a language model. Its answers depend on the index-key format and top-k.
+* :mod:`dsakit.niah.retrieval`: a transparent retrieval procedure built on dsakit's indexer, not a language
+  model, whose answers depend on the index-key format and top-k; ``dsakit serve-reference``
+  (:mod:`dsakit.serve.reference`) serves it over an OpenAI-compatible API to test harnesses.
 
 See docs/niah.md.
 """

@@ -1,4 +1,5 @@
-"""``dsakit niah`` and ``dsakit serve-reference``: thin command-line layers over :mod:`dsakit.niah`.
+"""``dsakit niah``: a thin command-line layer over :mod:`dsakit.niah` (``dsakit serve-reference`` is in
+:mod:`dsakit.serve.reference`).
 
 Heavy imports (torch, httpx, matplotlib) happen inside the commands so ``dsakit --help`` stays fast.
 """
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -185,40 +185,3 @@ def niah(
         typer.echo(f"{len(missing)} cell(s) have no row (errors in {out / 'errors.jsonl'}); rerun with --resume",
                    err=True)
         raise typer.Exit(1)
-
-
-def serve_reference(
-    host: str = typer.Option("127.0.0.1", "--host", help="loopback address only"),
-    port: int = typer.Option(8000, "--port", help="TCP port (0 = any free port)"),
-    port_file: Optional[Path] = typer.Option(None, "--port-file", help="write the bound port to this file"),
-    model_name: str = typer.Option("dsakit-reference", "--model-name", help="name served in /v1/models"),
-    index_key_format: str = typer.Option("bf16", "--index-key-format", help="bf16 | fp8 | fp8-ue8m0 | fp4 | fp4-rne | fp8-centred | fp4-centred"),
-    topk: int = typer.Option(128, "--topk", help="entries the indexer selects"),
-    ratio: int = typer.Option(4, "--ratio", help="tokens per index entry (mean pooling)"),
-    common_scale: float = typer.Option(120.0, "--common-scale",
-                                       help="norm of the shared key component over a token's own part "
-                                            "(docs/spec.md §6)"),
-    max_context: int = typer.Option(131072, "--max-context", help="longest prompt accepted, in tokens"),
-    reasoning: str = typer.Option("none", "--reasoning",
-                                  help="none | field (reasoning_content) | tags (<think> in the content)"),
-    fail_rate: float = typer.Option(0.0, "--fail-rate", help="probability of an injected 429/500/503"),
-    latency: float = typer.Option(0.0, "--latency", help="seconds added to every completion request"),
-    drop_connection: float = typer.Option(0.0, "--drop-connection",
-                                          help="probability of closing the connection without a response"),
-    fault_seed: int = typer.Option(0, "--fault-seed", help="seed of the fault injection"),
-    verbose: bool = typer.Option(False, "--verbose", help="log every request"),
-) -> None:
-    """OpenAI-compatible test server whose "model" is a retrieval procedure on dsakit's indexer (not an LLM)."""
-    from .retrieval import RetrievalConfig
-    from .server import FaultConfig, check_loopback, serve
-
-    try:
-        check_loopback(host)
-        config = RetrievalConfig(key_format=index_key_format, topk=topk, compress_ratio=ratio,
-                                 common_scale=common_scale, max_context=max_context)
-        faults = FaultConfig(fail_rate=fail_rate, latency=latency, drop_connection=drop_connection, seed=fault_seed)
-        serve(config, faults, host=host, port=port, model_name=model_name, reasoning=reasoning,
-              port_file=str(port_file) if port_file else None, verbose=verbose)
-    except (ValueError, OSError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        sys.exit(2)

@@ -50,10 +50,10 @@ class ReferenceCounter(TokenCounter):
         return self._tok.count(text)
 
     def count_chat(self, content: str) -> int:
-        from .server import render_chat
-
-        prompt, _ = render_chat([{"role": "user", "content": content}])
-        return self._tok.count(prompt)
+        # the reference server's chat template for one user message (dsakit.serve.chat, docs/niah.md): the
+        # wire format of the server measured, written out here because a client imports nothing of a server
+        # (tests/test_serve.py checks that the two agree)
+        return self._tok.count(f"<|user|>\n{content}\n<|assistant|>\n")
 
 
 class JsonTokenizerCounter(TokenCounter):

@@ -38,6 +38,13 @@ _SENTINEL = 2**30  # a page column past every real one: sorts last, marks "no pa
 _BOUND_CHUNK_ELEMENTS = 1 << 26
 
 
+def _with_layout(batch: PagedBatch, query_lens, rows_sorted: bool) -> PagedBatch:
+    """A derived batch with the host query layout it was built for (its pages are columns of a checked block
+    table): the tile plans then need no sync, as for the flat top-k of a checked batch."""
+    return dataclasses.replace(batch, query_lens=query_lens, rows_sorted=rows_sorted,
+                               checked_tensors=batch._tensor_ids())
+
+
 def representatives(batch: PagedBatch, summaries: PageSummaries | None) -> torch.Tensor:
     """bf16 [P, 128] (a view, rows may be strided): the representative of every page of the pool."""
     if is_centred(batch.fmt):
@@ -63,7 +70,7 @@ def _stage1_batch(batch: PagedBatch, reps: torch.Tensor) -> tuple[PagedBatch, in
                                batch.query_positions, batch.ratio * ENTRIES_PER_PAGE, validate=False,
                                max_entries=pages_max)
     # the original batch's query layout (host metadata): the tile plans need no sync
-    derived = dataclasses.replace(derived, query_lens=batch.query_lens, rows_sorted=batch.rows_sorted)
+    derived = _with_layout(derived, batch.query_lens, batch.rows_sorted)
     return derived, pages_max
 
 
@@ -101,7 +108,7 @@ def _stage2(q, weights, batch: PagedBatch, k: int, cols: torch.Tensor, visible: 
     derived = PagedBatch.build(batch.pool, batch.fmt, pages.to(torch.int32), counts,
                                torch.arange(t, device=batch.device, dtype=torch.int32), None, 1,
                                validate=False, max_entries=width * ENTRIES_PER_PAGE)
-    derived = dataclasses.replace(derived, query_lens=(1,) * t, rows_sorted=True)  # one query per sequence
+    derived = _with_layout(derived, (1,) * t, True)  # one query per sequence
     chosen = topk(q, weights, derived, k).long()
     column = (chosen.clamp(min=0) // ENTRIES_PER_PAGE)
     within = chosen.clamp(min=0) % ENTRIES_PER_PAGE
@@ -124,7 +131,7 @@ def _kth_scores(q, weights, derived: PagedBatch, chosen: torch.Tensor, cols: tor
     one = PagedBatch.build(derived.pool, derived.fmt, page.to(torch.int32),
                            torch.full_like(kth, ENTRIES_PER_PAGE), derived.query_seq, None, 1, validate=False,
                            max_entries=ENTRIES_PER_PAGE)
-    one = dataclasses.replace(one, query_lens=derived.query_lens, rows_sorted=True)
+    one = _with_layout(one, derived.query_lens, True)
     page_scores = scores(q, weights, one)
     value = page_scores.gather(1, (kth.clamp(min=0) % ENTRIES_PER_PAGE).unsqueeze(1)).squeeze(1)
     value = torch.where(kth >= 0, value, torch.full_like(value, float("-inf")))
@@ -189,7 +196,7 @@ def _stage2_per_sequence(q, weights, batch: PagedBatch, k: int, kept: torch.Tens
     derived = PagedBatch.build(batch.pool, batch.fmt, table.to(torch.int32), counts, batch.query_seq,
                                (derived_visible - 1).clamp(min=0), 1, validate=False,
                                max_entries=widest * ENTRIES_PER_PAGE)
-    derived = dataclasses.replace(derived, query_lens=batch.query_lens, rows_sorted=batch.rows_sorted)
+    derived = _with_layout(derived, batch.query_lens, batch.rows_sorted)
     chosen = topk(q, weights, derived, k).long()
     chosen = torch.where((visible > 0).unsqueeze(1), chosen, torch.full_like(chosen, -1))
     column = chosen.clamp(min=0) // ENTRIES_PER_PAGE
