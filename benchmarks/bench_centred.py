@@ -34,7 +34,7 @@ from _common import environment, make_queries, timed, write_json  # noqa: E402
 from dsakit import PagedBatch  # noqa: E402
 from dsakit.cache import PagedCache  # noqa: E402
 from dsakit.formats import ENTRIES_PER_PAGE, KeyFormat  # noqa: E402
-from dsakit.ops import scores as scores_ops  # noqa: E402
+from dsakit.ops import indexer as indexer_ops  # noqa: E402
 from dsakit.ops import store as store_ops  # noqa: E402
 from dsakit.presets import get_preset  # noqa: E402
 
@@ -87,10 +87,10 @@ def section_check(device: str, table: torch.Tensor, small: bool) -> dict:
         equal = float((ref_pool == cache.pool.cpu()).float().mean())
         q, w, q_scale = make_queries(fmt.kind, 4, 64, device, 5)
         batch = cache.batch([seq], query_lens=[4])
-        tri = scores_ops.index_scores(q, w, batch, backend="triton").cpu()
+        tri = indexer_ops.index_scores(q, w, batch, backend="triton").cpu()
         cpu_batch = PagedBatch.build(cache.pool.cpu(), fmt, cache.block_table([seq]).cpu(),
                                      cache.entry_counts([seq]).cpu(), torch.zeros(4, dtype=torch.int32))
-        ref = scores_ops.index_scores(q.float().cpu(), w.cpu(), cpu_batch, backend="reference")
+        ref = indexer_ops.index_scores(q.float().cpu(), w.cpu(), cpu_batch, backend="reference")
         plain = KeyFormat.parse(fmt.kind)  # the plain format through the same check, for comparison
         plain_pool = torch.zeros(math.ceil(n / 64), plain.page_bytes, dtype=torch.uint8, device=device)
         store_ops.store_index_keys(keys, positions, slots.to(device), plain_pool, plain, table,
@@ -160,11 +160,11 @@ def section_scores(device: str, table: torch.Tensor, small: bool, seed: int) -> 
                     batch = cache.batch(seqs)
                 q, w, q_scale = make_queries(fmt.kind, t, heads, device, seed)
                 if case == "prefill-scores":
-                    from dsakit.ops.scores.triton import index_scores_triton
+                    from dsakit.ops.indexer.scores import index_scores_triton
 
                     fn = lambda: index_scores_triton(q, w, batch, q_scale=q_scale)  # noqa: E731
                 else:
-                    from dsakit.ops.topk.triton import index_topk_triton
+                    from dsakit.ops.indexer.triton import index_topk_triton
 
                     fn = lambda: index_topk_triton(q, w, batch, min(k, n), q_scale=q_scale)  # noqa: E731
                 times[name] = timed(fn, device)[0]

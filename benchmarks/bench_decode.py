@@ -34,9 +34,11 @@ from _common import (DIM, bench_parser, environment, make_queries, median_ms, sa
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.triton import launch_index_scores, prepare_q
-from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
-from dsakit.ops.topk.triton import index_topk_triton, launch_select
+from dsakit.ops.indexer.scores import launch_index_scores, prepare_q
+from dsakit.ops.indexer.triton import index_topk_decode
+from dsakit.ops.indexer.plans import plan_decode_topk
+from dsakit.ops.indexer.triton import index_topk_triton
+from dsakit.ops.indexer.select import launch_select
 
 HBM_TB_PER_S = 4.27  # device-to-device copy ceiling (docs/performance.md §1)
 # DeepGEMM 2.6.1 paged decode on the same H200, batch 64 (docs/performance.md §2): logits ms, torch.topk ms, K 512 / 2048

@@ -1,4 +1,4 @@
-"""Host cost of the public top-k call: plain ``dsakit.ops.topk.index_topk`` against the planned decode path.
+"""Host cost of the public top-k call: plain ``dsakit.ops.indexer.index_topk`` against the planned decode path.
 
 Cases: B = 64 sequences, one query each, N = 65536 and 131072 entries per sequence (every entry visible),
 H 64, bf16 q, fp8 keys, K 2048 (and 512). The batch is a ``PagedCache.batch`` of the sequences (host metadata,
@@ -28,8 +28,9 @@ from _common import DIM, bench_parser, environment, median_ms, sync_and_alloc, w
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.topk import index_topk
-from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
+from dsakit.ops.indexer import index_topk
+from dsakit.ops.indexer.triton import index_topk_decode
+from dsakit.ops.indexer.plans import plan_decode_topk
 
 
 def default_commit() -> str:

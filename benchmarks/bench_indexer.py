@@ -33,11 +33,13 @@ from _common import DIM, environment, make_queries, same_selection, timed, timin
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.triton import flops, index_scores_triton
-from dsakit.ops.topk.config import SelectConfig, TopkConfig
-from dsakit.ops.topk.reference import select_topk as reference_select
-from dsakit.ops.topk.triton import (DEFAULT_WORKSPACE_BYTES, index_topk_triton, rows_per_chunk, select_topk_triton,
-                                    workspace_width)
+from dsakit.ops.indexer.scores import flops, index_scores_triton
+from dsakit.ops.indexer.config import SelectConfig, TopkConfig
+from dsakit.ops.indexer.reference import select_topk as reference_select
+from dsakit.ops.indexer.config import DEFAULT_WORKSPACE_BYTES, rows_per_chunk
+from dsakit.ops.indexer.triton import index_topk_triton
+from dsakit.ops.indexer.select import select_topk_triton
+from dsakit.ops.indexer.plans import workspace_width
 
 HEADS = 64
 # DeepGEMM 2.6.1 on the same H200, fp8 q and keys (docs/performance.md §2): logits ms, torch.topk ms for k = 512 / 2048.
@@ -45,7 +47,7 @@ DEEPGEMM_PREFILL = {8192: (1.08, 1.32, 1.54), 16384: (2.18, 2.23, 2.46), 32768: 
                     65536: (8.69, 7.67, 7.98)}
 DEEPGEMM_DECODE = {65536: (0.150, 0.136, 0.139), 131072: (0.288, 0.186, 0.189)}
 # Select configuration when the sweep section is skipped: None = the library's tuned defaults
-# (dsakit.ops.topk.config.SelectConfig.resolve), i.e. what a caller gets.
+# (dsakit.ops.indexer.config.SelectConfig.resolve), i.e. what a caller gets.
 LIBRARY_DEFAULTS = {"block": None, "num_warps": None, "bins": None}
 
 

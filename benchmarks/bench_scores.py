@@ -26,10 +26,11 @@ import torch
 from _common import DIM, environment, timed, timing_pool, write_json
 
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.deepgemm_compat import fp8_mqa_logits, fp8_paged_mqa_logits
+from dsakit.ops.indexer.deepgemm_compat import fp8_mqa_logits, fp8_paged_mqa_logits
 from dsakit import PagedBatch
-from dsakit.ops.scores.config import ScoresConfig
-from dsakit.ops.scores.triton import index_scores_decode, index_scores_triton, plan_decode_tiles, plan_query_tiles
+from dsakit.ops.indexer.config import ScoresConfig
+from dsakit.ops.indexer.scores import index_scores_decode, index_scores_triton
+from dsakit.ops.indexer.plans import plan_decode_tiles, plan_query_tiles
 
 HEADS = 64
 DEEPGEMM_LOGITS_MS = {8192: 1.08, 16384: 2.18, 32768: 4.40, 65536: 8.69}  # docs/performance.md §2, 8192 q, fp8

@@ -7,7 +7,7 @@ rising with the index like a recency bias):
           not tied), which path the rows took (candidate buffer / tie lists / exact fallback), two runs
           bitwise equal;
   time    medians (triton.testing.do_bench) of the streaming select (sorted and unsorted), the multi-pass
-          select of dsakit.ops.topk.triton, torch.topk (sorted) on the same scores; ratios;
+          select of dsakit.ops.indexer.triton, torch.topk (sorted) on the same scores; ratios;
   sweep   (optional) launch configurations of the streaming select.
 
   filters (``--filters``, instead of the above) the streaming select with the warp filter (the default)
@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 from _common import bench_parser, environment, median_ms, same_selection, write_json
 
-from dsakit.ops.topk.config import SelectConfig, StreamConfig
-from dsakit.ops.topk.triton import SelectBuffers, launch_stream_select, select_topk_stream, select_topk_triton
+from dsakit.ops.indexer.config import SelectConfig, StreamConfig
+from dsakit.ops.indexer.select import SelectBuffers, launch_stream_select, select_topk_stream, select_topk_triton
 
 
 def make_scores(kind: str, rows: int, n: int, device: str, seed: int) -> torch.Tensor:
@@ -232,7 +232,7 @@ def main() -> int:
                    "buffer_mb": buffers.nbytes / 2**20, "paths": paths,
                    "deterministic": bool(torch.equal(got, again)), **same_selection(got, scores, k)}
             if kind in ("relu_zeros",) and rows * n <= 64 * 131072:
-                from dsakit.ops.topk.reference import select_topk as reference_select
+                from dsakit.ops.indexer.reference import select_topk as reference_select
                 row["equals_reference"] = bool(torch.equal(got.cpu(), reference_select(scores.cpu(), k)))
             if kind in ("relu_like", "relu_zeros") or number == 0:
                 ms = {}

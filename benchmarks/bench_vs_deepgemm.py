@@ -52,10 +52,12 @@ from _common import (DIM, bench_parser, environment, make_queries, median_ms, pe
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.triton import launch_index_scores, prepare_q
-from dsakit.ops.topk.config import TopkConfig
-from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
-from dsakit.ops.topk.triton import SelectBuffers, index_topk_triton, release_workspaces, select_topk_stream
+from dsakit.ops.indexer.scores import launch_index_scores, prepare_q
+from dsakit.ops.indexer.config import TopkConfig
+from dsakit.ops.indexer.triton import index_topk_decode
+from dsakit.ops.indexer.plans import plan_decode_topk
+from dsakit.ops.indexer.select import SelectBuffers, select_topk_stream
+from dsakit.ops.indexer.triton import index_topk_triton, release_workspaces
 
 PREFILL_VARIANTS = ("fp8_overlap", "fp8_unsorted", "bf16", "bf16_overlap", "bf16_unsorted", "fp4", "fp4_bf16q")
 
@@ -105,7 +107,7 @@ def gluon_section(out_dir: Path, commit: str, dev: str, dg, runs: int, *, smoke:
     docstring) -> whether every check passed. A Gluon variant that cannot run (refused, or failing to compile)
     is recorded under check["errors"] and left out of the timing; on the CPU (smoke) every Gluon variant is
     refused by design (no interpreter), which is recorded, not an error."""
-    from dsakit.ops.scores.triton import index_scores_triton
+    from dsakit.ops.indexer.scores import index_scores_triton
 
     t, n, heads, k = (16, 1200, 4, 16) if smoke else (8192, 65536, HEADS, K)
     rep = 60 if smoke else 300  # ms per do_bench: ~15 calls of an ~18 ms prefill
@@ -264,7 +266,7 @@ def main() -> int:
                     row["dg_plus_topk_peak_gib"] = peak_extra_bytes(
                         lambda: torch.topk(dg_logits(), k, dim=1), dev) / 2**30
                 else:  # the same fp32 scores for the select-alone columns, from dsakit's scores
-                    from dsakit.ops.scores.triton import index_scores_triton
+                    from dsakit.ops.indexer.scores import index_scores_triton
                     logits = index_scores_triton(q, w, batch, q_scale=qs)
                     row["torch_topk_ms"] = bench(lambda: torch.topk(logits, k, dim=1))
                 # select alone on the same fp32 logits

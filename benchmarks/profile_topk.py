@@ -21,9 +21,10 @@ from _common import make_queries, timing_pool
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
-from dsakit.ops.topk.config import TopkConfig
-from dsakit.ops.topk.triton import index_topk_triton
+from dsakit.ops.indexer.triton import index_topk_decode
+from dsakit.ops.indexer.plans import plan_decode_topk
+from dsakit.ops.indexer.config import TopkConfig
+from dsakit.ops.indexer.triton import index_topk_triton
 
 
 def main() -> int:

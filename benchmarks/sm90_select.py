@@ -32,8 +32,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dsakit.ops.topk import _select_kernels as kernels  # noqa: E402
-from dsakit.ops.topk.config import SelectConfig, StreamConfig  # noqa: E402
+from dsakit.ops.indexer import _select_kernels as kernels  # noqa: E402
+from dsakit.ops.indexer.config import SelectConfig, StreamConfig  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SHAPES = [(8192, 65536, 2048), (64, 65536, 2048), (64, 131072, 2048)]

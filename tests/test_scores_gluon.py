@@ -17,13 +17,13 @@ import torch
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
 from dsakit.ops._backend import gluon_importable
-from dsakit.ops.scores import ScoresConfig
-from dsakit.ops.scores.config import GLUON_TILES
-from dsakit.ops.scores.reference import index_scores as reference_scores
+from dsakit.ops.indexer import ScoresConfig
+from dsakit.ops.indexer.config import GLUON_TILES
+from dsakit.ops.indexer.reference import index_scores as reference_scores
 
 pytest.importorskip("triton")
-from dsakit.ops.scores import triton as scores_triton  # noqa: E402
-from dsakit.ops.scores.triton import choose_prefill_kernel  # noqa: E402
+from dsakit.ops.indexer import scores as scores_triton  # noqa: E402
+from dsakit.ops.indexer.scores import choose_prefill_kernel  # noqa: E402
 
 SM90 = (9, 0)
 BF16 = KeyFormat.parse("bf16")
@@ -122,8 +122,8 @@ def test_interpreter_refuses_gluon_and_keeps_triton(monkeypatch):
     q, w, batch = _cpu_case()
     with pytest.raises(ValueError, match="prefill_kernel='gluon' cannot run here: the batch is on cpu"):
         scores_triton.index_scores_triton(q, w, batch, config=GLUON)
-    from dsakit.ops.topk.config import TopkConfig
-    from dsakit.ops.topk.triton import index_topk_triton
+    from dsakit.ops.indexer.config import TopkConfig
+    from dsakit.ops.indexer.triton import index_topk_triton
 
     with pytest.raises(ValueError, match="prefill_kernel='gluon'"):
         index_topk_triton(q, w, batch, 8, config=TopkConfig(scores=GLUON))
@@ -145,7 +145,7 @@ def test_gluon_launch_arguments(monkeypatch, q_dtype):
     view, the launch settings come from ScoresConfig.gluon_launch."""
     if not gluon_importable():
         pytest.skip("this Triton has no Gluon")
-    from dsakit.ops.scores import gluon as gluon_launch
+    from dsakit.ops.indexer import gluon as gluon_launch
 
     recorder = RecordedLaunch(gluon_launch.index_scores_gluon_tile_kernel)
     monkeypatch.setattr(gluon_launch, "index_scores_gluon_tile_kernel", recorder)
@@ -181,7 +181,7 @@ COMPILE_VARIANTS = {
 for _kw in COMPILE_VARIANTS.values():
     _kw.setdefault("warps", 8)
 
-compiled_variants = compiled_variants_fixture("dsakit.ops.scores.gluon:compile_gluon_scores_kernel", COMPILE_VARIANTS)
+compiled_variants = compiled_variants_fixture("dsakit.ops.indexer.gluon:compile_gluon_scores_kernel", COMPILE_VARIANTS)
 
 
 @pytest.mark.parametrize("name", sorted(COMPILE_VARIANTS))
@@ -287,8 +287,8 @@ def test_gluon_prefill_topk_matches_triton(benchmark_helpers):
     equal up to fp32 summation order, so only exact ties at the k-th value could differ: none with randn keys),
     at 8192 x 65536, K 2048, H 64."""
     needs_sm90()
-    from dsakit.ops.topk.config import TopkConfig
-    from dsakit.ops.topk.triton import index_topk_triton
+    from dsakit.ops.indexer.config import TopkConfig
+    from dsakit.ops.indexer.triton import index_topk_triton
 
     from _common import same_selection
 

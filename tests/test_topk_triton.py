@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.reference import index_scores as _reference_scores
-from dsakit.ops.topk import SelectConfig, TopkConfig, index_topk, select_topk
-from dsakit.ops.topk.reference import select_topk as reference_select
-from dsakit.ops.topk.reference import topk_to_slots
+from dsakit.ops.indexer.reference import index_scores as _reference_scores
+from dsakit.ops.indexer import SelectConfig, TopkConfig, index_topk, select_topk
+from dsakit.ops.indexer.reference import select_topk as reference_select
+from dsakit.ops.indexer.reference import topk_to_slots
 
 SMALL_BLOCK = 128  # tile of the streaming passes in tests: N of a few hundred spans several tiles
 # A 32-entry candidate buffer and 32 buckets make small rows go through the range-narrowing passes, the
@@ -30,12 +30,12 @@ SMALL_BLOCK = 128  # tile of the streaming passes in tests: N of a few hundred s
 SMALL_CAP, SMALL_BINS = 32, 32
 
 # Tolerance on scores for the composed path (Triton scores vs reference scores, same inputs): fp32
-# accumulation order and the bf16 rounding of q (see dsakit.ops.scores.triton).
+# accumulation order and the bf16 rounding of q (see dsakit.ops.indexer.scores).
 SCORE_TOL = {"bf16": 2e-2, "fp8": 2e-2, "fp4": 2e-2}
 
 
 def _select(scores, k, *, row_counts=None, sort=True, **kw):
-    from dsakit.ops.topk.triton import select_topk_triton
+    from dsakit.ops.indexer.select import select_topk_triton
 
     kw = {"block": SMALL_BLOCK, "cap": SMALL_CAP, "bins": SMALL_BINS, "algorithm": "multipass", **kw}
     return select_topk_triton(scores, k, row_counts=row_counts, sort=sort, config=SelectConfig(**kw))
@@ -167,7 +167,7 @@ def test_select_property(triton_backend, data):
 
 
 def test_select_rejects_bad_input(triton_backend):
-    from dsakit.ops.topk.triton import select_topk_triton
+    from dsakit.ops.indexer.select import select_topk_triton
 
     scores = torch.randn(2, 10, device=_device(triton_backend))
     with pytest.raises(ValueError, match="k must be"):
@@ -281,7 +281,7 @@ def test_index_topk_triton_rejects_bad_input(triton_backend):
         index_topk(*args, 4, backend="triton", config={"workspace_bytes": 10})
     with pytest.raises(ValueError, match="q has 1 rows but the batch has 2"):
         index_topk(args[0][:1], args[1][:1], args[2], 4, backend="triton")
-    from dsakit.ops.topk.triton import index_topk_triton
+    from dsakit.ops.indexer.triton import index_topk_triton
 
     with pytest.raises(ValueError, match="q_scale"):
         index_topk_triton(*args, 4, q_scale=-torch.ones(2, 4, device=device))
@@ -312,7 +312,7 @@ def _overlap_inputs(device, fmt_name="fp8"):
 
 def test_index_topk_overlap_off_cuda_is_the_serial_path(triton_backend, monkeypatch):
     """Off CUDA overlap=True takes the serial loop (no stream is touched) and gives overlap=False's output."""
-    from dsakit.ops.topk import triton as topk_triton
+    from dsakit.ops.indexer import triton as topk_triton
 
     device = _device(triton_backend)
     if device != "cpu":
@@ -361,7 +361,7 @@ def test_index_topk_overlap_protocol_with_fake_streams(triton_backend, monkeypat
     select i - 2, the last reader of their buffer; the caller's stream joins the side stream at the end)."""
     import contextlib
 
-    from dsakit.ops.topk import triton as topk_triton
+    from dsakit.ops.indexer import triton as topk_triton
 
     device = _device(triton_backend)
     if device != "cpu":
@@ -429,7 +429,7 @@ def test_index_topk_overlap_cuda_matches_serial_without_sync_and_under_graph_cap
     """On CUDA with many chunks, overlap=True gives overlap=False's indices and slots bit for bit; a second
     call makes no device->host sync; a captured call replays to the same result, and to a fresh eager call's
     after the inputs change in place."""
-    from dsakit.ops.topk.triton import index_topk_triton
+    from dsakit.ops.indexer.triton import index_topk_triton
 
     torch.manual_seed(11)
     fmt = KeyFormat.parse(fmt_name)
@@ -474,7 +474,7 @@ def test_index_topk_overlap_cuda_matches_serial_without_sync_and_under_graph_cap
 
 
 # --------------------------------------------------------------------------------------------------
-# Decode plan path (dsakit.ops.topk.decode): sync-free, preallocated, CUDA-graph-capturable
+# Decode plan path (dsakit.ops.indexer.plans): sync-free, preallocated, CUDA-graph-capturable
 # --------------------------------------------------------------------------------------------------
 
 DECODE_HEADS = 16  # the smallest H the decode group kernel takes (the real decode kernel, not the tile one)
@@ -521,7 +521,7 @@ def _decode_batch_of(device, pool, fmt, table, counts, next_n, positions=None, r
 
 @pytest.mark.parametrize("fmt_name,next_n", [("bf16", 1), ("fp8", 2), ("fp4", 1)])
 def test_decode_plan_matches_reference(triton_backend, fmt_name, next_n):
-    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+    from dsakit.ops.indexer import index_topk_decode, plan_decode_topk
 
     fmt = KeyFormat.parse(fmt_name)
     device = _device(triton_backend)
@@ -549,7 +549,7 @@ def test_decode_plan_matches_reference(triton_backend, fmt_name, next_n):
 
 
 def test_decode_plan_reuse_two_batches_and_no_positions(triton_backend):
-    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+    from dsakit.ops.indexer import index_topk_decode, plan_decode_topk
 
     fmt = KeyFormat.parse("fp8")
     device = _device(triton_backend)
@@ -575,7 +575,7 @@ def test_decode_plan_reuse_two_batches_and_no_positions(triton_backend):
 def test_decode_plan_bad_values_stay_in_bounds(triton_backend):
     """An unchecked batch (validate=False) with counts beyond the workspace and page ids outside the pool: no
     crash, -1 padding kept, every index inside the workspace; a validated batch names the bad value."""
-    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+    from dsakit.ops.indexer import index_topk_decode, plan_decode_topk
 
     fmt = KeyFormat.parse("bf16")
     device = _device(triton_backend)
@@ -600,7 +600,7 @@ def test_decode_plan_bad_values_stay_in_bounds(triton_backend):
 
 
 def test_decode_plan_rejects_bad_input(triton_backend):
-    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+    from dsakit.ops.indexer import index_topk_decode, plan_decode_topk
 
     fmt = KeyFormat.parse("bf16")
     device = _device(triton_backend)
@@ -637,7 +637,7 @@ def test_decode_plan_rejects_bad_input(triton_backend):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
 def test_decode_plan_cuda_graph_replay():
-    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+    from dsakit.ops.indexer import index_topk_decode, plan_decode_topk
 
     fmt = KeyFormat.parse("fp8")
     k = 32

@@ -40,7 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .._memory import check_choice, check_float, check_int
 from ..formats import KeyFormat
-from ..ops.topk.config import MAX_K
+from ..ops.indexer.config import MAX_K
 from .retrieval import RetrievalConfig, RetrievalModel, SimpleTokenizer, question_paragraph
 
 MAX_BODY_BYTES = 64 << 20

@@ -1,21 +1,23 @@
 """Triton top-k of the lightning indexer: exact radix select over a bounded score workspace.
 
-Two entry points:
+Entry points (the select launchers are in :mod:`dsakit.ops.indexer.select`, the scores launchers in
+:mod:`dsakit.ops.indexer.scores`, the decode plan in :mod:`dsakit.ops.indexer.plans`):
 
-* :func:`select_topk_triton` - scores fp32 [T, W] (+ optional visible count per row) -> int32 [T, K], the
-  rules of :func:`dsakit.ops.topk.reference.select_topk` (candidates are scores > -inf, NaN ranks above +inf,
-  equal scores go to the lower index, -1 padding, descending score order).
-* :func:`index_topk_triton` - scores of a ragged paged batch (a :class:`dsakit.PagedBatch`) fused with the
-  selection, never holding a [T, N] matrix: query rows are scored ``rows_per_chunk`` at a time into one fp32
-  workspace [rows_per_chunk, W] (W = batch.max_entries) by the scores kernel and each chunk is selected
-  before the next one overwrites the workspace. On CUDA with several chunks and ``TopkConfig.overlap``
+* :func:`dsakit.ops.indexer.select.select_topk_triton` - scores fp32 [T, W] (+ optional visible count per
+  row) -> int32 [T, K], the rules of :func:`dsakit.ops.indexer.reference.select_topk` (candidates are scores
+  > -inf, NaN ranks above +inf, equal scores go to the lower index, -1 padding, descending score order).
+* :func:`index_topk_triton` / :func:`index_topk_decode` (through a ``DecodeTopkPlan``) - scores of a ragged
+  paged batch (a :class:`dsakit.PagedBatch`) fused with the selection, never holding a [T, N] matrix: query
+  rows are scored ``rows_per_chunk`` at a time into one fp32 workspace [rows_per_chunk, W] (W =
+  batch.max_entries) by the scores kernel and each chunk is selected before the next one overwrites the
+  workspace. On CUDA with several chunks and ``TopkConfig.overlap``
   (opt-in; measured no faster on the H200) two half-size workspaces alternate: chunk i is selected on a
   high-priority side stream while chunk i + 1 is scored on the caller's stream, ordered by events only.
 
 Both select with the streaming select (:func:`select_topk_stream`, :class:`SelectBuffers`; launch settings from
 ``SelectConfig.stream_for``) for k <= 4096 (one pass over the scores in the common case;
 ``SelectConfig.algorithm``) and with the multi-pass radix select below otherwise. Every launch setting comes
-from :mod:`dsakit.ops.topk.config`.
+from :mod:`dsakit.ops.indexer.config`.
 
 Host cost. Workspaces (visible counts, score workspace, candidate buffers) and tile plans are cached by
 shape (device, T, H, workspace width rounded up to a power of two, queries per sequence), so a repeated
@@ -62,21 +64,19 @@ next tile. Rows with few candidates stop after the stats pass.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 
 import torch
 import triton
 
-from ..._memory import check_bool, check_instance
-from ...batch import PagedBatch, check_k
-from ..scores.triton import (QueryTiles, check_q_inputs, check_q_scale_values, launch_index_scores,
-                             plan_query_tiles, prepare_q, tiles_from_lens)
-from ._inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
-from ._kernels import _radix_select_kernel, _visible_kernel
-from ._select_stream import (SelectBuffers, launch_stream_select, launch_stream_select_cached,
-                             release_select_buffers, select_topk_stream)
-from .config import (DEFAULT_WORKSPACE_BYTES, MAX_K, STREAM_MAX_K, SelectConfig, StreamConfig, TopkConfig,
-                     rows_per_chunk)
+from ..._memory import check_bool, check_instance, check_tensor
+from ...batch import PagedBatch, check_batch, check_k
+from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM
+from ._topk_kernels import _visible_kernel
+from .config import MAX_K, SelectConfig, TopkConfig
+from .inputs import check_q_inputs, check_q_scale_values, decode_rows, lru_get
+from .plans import DecodeTopkPlan, QueryTiles, plan_chunks, workspace_width
+from .scores import launch_index_scores, prepare_q
+from .select import SelectBuffers, launch_select, release_select_buffers
 
 # Buffers reused across calls, keyed by (role, device, shape); bounded so that a long-running process that
 # sees many shapes keeps only the latest few.
@@ -98,39 +98,6 @@ def cached_buffer(role: str, shape: tuple, dtype: torch.dtype, device: torch.dev
                    lambda: torch.empty(shape, dtype=dtype, device=device))
 
 
-def launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int, sort: bool, *,
-                  config: SelectConfig | None = None, slots: torch.Tensor | None = None,
-                  seq: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                  cand_vals: torch.Tensor | None = None, cand_idx: torch.Tensor | None = None,
-                  stream_buffers=None) -> None:
-    """Launch the radix select of scores fp32 [R, W] (row r considers its first counts[r] entries) into
-    out int32 [R, k] (and slots, through seq [R] and block_table, when given). No checks, no sync; the
-    candidate buffers (fp32 / int32 [>= R, cap]) are allocated when not given. With the streaming select
-    (``config.algorithm``), ``stream_buffers`` (a ``SelectBuffers``) or cached ones are used."""
-    config = config or SelectConfig()
-    if config.uses_stream(k):
-        if stream_buffers is None:
-            launch_stream_select_cached(scores, counts, out, k, sort, slots=slots, seq=seq, block_table=block_table,
-                                        select=config)
-        else:
-            launch_stream_select(scores, counts, out, k, sort, stream_buffers, slots=slots, seq=seq,
-                                 block_table=block_table)
-        return
-    block, num_warps, bins = config.resolve(scores.shape[0])
-    cap = config.cap
-    rows = scores.shape[0]
-    if rows == 0:
-        return
-    if cand_vals is None or cand_vals.shape[0] < rows or cand_vals.shape[1] != cap:
-        cand_vals = torch.empty((rows, cap), dtype=torch.float32, device=scores.device)
-        cand_idx = torch.empty((rows, cap), dtype=torch.int32, device=scores.device)
-    _radix_select_kernel[(rows,)](
-        scores, scores.stride(0), counts, out, out.stride(0), cand_vals, cand_idx,
-        *slot_args(out, counts, slots, seq, block_table),
-        k, BLOCK=block, BINS=bins, CAP=cap, K_PAD=triton.next_power_of_2(k), SORT=sort,
-        WITH_SLOTS=slots is not None, num_warps=num_warps)
-
-
 def launch_visible(batch: PagedBatch, out: torch.Tensor, limit: int, config: SelectConfig | None = None) -> None:
     """visible int32 [T] of every batch row, clamped to 0..limit (one kernel, no sync); config: its launch
     (``SelectConfig.visible_block`` rows per program)."""
@@ -142,69 +109,6 @@ def launch_visible(batch: PagedBatch, out: torch.Tensor, limit: int, config: Sel
     _visible_kernel[(triton.cdiv(rows, block),)](
         batch.entry_counts, batch.query_seq, positions if positions is not None else batch.entry_counts, out,
         rows, max(batch.num_seqs, 1), batch.ratio, limit, HAS_POS=positions is not None, BLOCK=block)
-
-
-def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor | None = None,
-                       sort: bool = True, config: SelectConfig | None = None) -> torch.Tensor:
-    """Exact top-k per row of scores fp32 [T, W] -> int32 [T, k] (rules of the reference ``select_topk``).
-
-    ``row_counts`` int [T] (optional): row t considers only its first row_counts[t] entries (the rest is
-    treated as masked and never read; checking the values costs one sync). ``sort=False`` returns the same
-    set per row in a deterministic order (index order for the multi-pass select; the streaming select's
-    buffer order otherwise) and skips the final sort. ``config``: select tuning (:class:`SelectConfig`).
-    Memory: the [T, k] output plus a candidate scratch of 8 * cap bytes per row.
-    """
-    check_scores_matrix(scores, sort)
-    check_k(k, MAX_K)
-    t = scores.shape[0]
-    counts = row_counts_int32(scores, row_counts)
-    out = torch.empty((t, k), dtype=torch.int32, device=scores.device)
-    launch_select(scores, counts, out, k, sort, config=config)
-    return out
-
-
-def workspace_width(max_entries: int) -> int:
-    """Columns of the cached score workspace for W = max_entries: the next power of two (>= 64), so a
-    sequence that grows by one entry per decode step reuses the same workspace for many steps."""
-    return max(64, triton.next_power_of_2(max(1, max_entries)))
-
-
-def _chunk_lens(batch: PagedBatch, chunk: int) -> list[Sequence[int]]:
-    """Queries per sequence within each chunk of ``chunk`` rows: host arithmetic when the rows are grouped
-    by sequence, else one device->host sync for every chunk at once."""
-    t, b = batch.num_queries, batch.num_seqs
-    starts = range(0, t, chunk)
-    if batch.query_lens is not None and chunk >= t:
-        return [batch.query_lens]
-    if batch.query_lens is not None and batch.rows_sorted:
-        out = []
-        bounds = [0]
-        for n in batch.query_lens:
-            bounds.append(bounds[-1] + n)
-        for start in starts:
-            stop = min(t, start + chunk)
-            out.append([max(0, min(stop, bounds[i + 1]) - max(start, bounds[i])) for i in range(b)])
-        return out
-    which = torch.arange(t, device=batch.device) // chunk
-    seq = batch.query_seq.long().clamp(0, max(b - 1, 0))
-    flat = torch.bincount(which * b + seq, minlength=len(starts) * b)[: len(starts) * b]
-    values = flat.tolist()
-    return [values[i * b:(i + 1) * b] for i in range(len(starts))]
-
-
-def plan_chunks(batch: PagedBatch, chunk: int, num_heads: int, config: TopkConfig) -> list[QueryTiles]:
-    """Tile plan of every chunk of ``chunk`` rows (no sync for a batch with rows grouped by sequence)."""
-    if batch.num_queries <= chunk and batch.query_lens is None:
-        return [plan_query_tiles(batch.query_seq, batch.num_seqs, num_heads, config.scores.kernel,
-                                 cap=config.scores.prefill_block_t)]
-    plans = []
-    for number, lens in enumerate(_chunk_lens(batch, chunk)):
-        rows = None
-        if not batch.rows_sorted:
-            start = number * chunk
-            rows = torch.argsort(batch.query_seq[start:start + chunk], stable=True)
-        plans.append(tiles_from_lens(lens, num_heads, batch.device, config.scores, rows))
-    return plans
 
 
 def _has_streams(device: torch.device) -> bool:
@@ -343,6 +247,59 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
     return (indices, slots) if return_slots else indices
 
 
-__all__ = ["index_topk_triton", "select_topk_triton", "launch_select", "launch_visible", "rows_per_chunk",
-           "release_workspaces", "TopkConfig", "SelectConfig", "StreamConfig", "DEFAULT_WORKSPACE_BYTES", "MAX_K",
-           "STREAM_MAX_K", "SelectBuffers", "select_topk_stream", "launch_stream_select"]
+def _check_plan(q, weights, batch, k, plan, q_scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Host-only checks of q / weights / q_scale against the plan and the batch; returns them as [R, ...]."""
+    check_instance("plan", plan, DecodeTopkPlan, label="DecodeTopkPlan from plan_decode_topk")
+    check_batch(batch)
+    q_shapes = f"q must be [B, next_n, H, {INDEX_HEAD_DIM}] or [B * next_n, H, {INDEX_HEAD_DIM}]"
+    check_tensor("q", q, message=q_shapes)
+    if q.dim() not in (3, 4) or q.shape[-1] != INDEX_HEAD_DIM:
+        raise ValueError(f"{q_shapes}, got {list(q.shape)}")
+    rows, h = plan.rows, plan.num_heads
+    if q.dim() == 4 and tuple(q.shape[:3]) != (plan.batch, plan.next_n, h) or q.dim() == 3 and q.shape[:2] != (rows, h):
+        raise ValueError(f"q is {list(q.shape[:-1])} but the plan was built for [B, next_n, H] = "
+                         f"[{plan.batch}, {plan.next_n}, {h}]")
+    if k != plan.k:
+        raise ValueError(f"k = {k!r} but the plan was built for k = {plan.k}")
+    if batch.fmt != plan.fmt:
+        raise ValueError(f"the batch's format is {batch.fmt.name} but the plan was built for {plan.fmt.name}")
+    if batch.num_seqs != plan.batch or batch.num_queries != rows \
+            or (batch.next_n is not None and batch.next_n != plan.next_n):
+        raise ValueError(f"the batch has {batch.num_seqs} sequences and {batch.num_queries} queries but the plan "
+                         f"was built for B = {plan.batch} x next_n = {plan.next_n}")
+    limit = min(plan.max_entries, batch.block_table.shape[1] * ENTRIES_PER_PAGE)
+    if batch.max_entries > plan.max_entries:
+        raise ValueError(f"entry_counts must be in 0..{limit} (plan max_entries {plan.max_entries}): the batch "
+                         f"has a sequence of {batch.max_entries} entries")
+    if batch.device != plan.device:
+        raise ValueError(f"the batch is on {batch.device} but the plan is on {plan.device}")
+    weights = decode_rows("weights", weights, plan.batch, plan.next_n, h)
+    q_scale = decode_rows("q_scale", q_scale, plan.batch, plan.next_n, h)
+    q = q.reshape(rows, h, INDEX_HEAD_DIM)
+    check_q_inputs(q, weights, batch, q_scale)
+    return q, weights, q_scale
+
+
+def index_topk_decode(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int, *,
+                      plan: DecodeTopkPlan, q_scale: torch.Tensor | None = None):
+    """Decode top-k through a plan: int32 [B * next_n, k] indices (-1 padded), or ``(indices, slots)``.
+
+    Arguments as in the module docstring; q_scale fp32 [B * next_n, H] or [B, next_n, H] (> 0, not checked:
+    no sync) multiplies the weights (fp8 q). Returns the plan's output buffers (``plan.indices``,
+    ``plan.slots`` when the plan was built with return_slots=True), overwritten by the next call with the same
+    plan. No device->host sync and no allocation (bf16 / fp8 q), so a call can be captured in a CUDA graph
+    once the kernels are compiled (run it once eagerly first).
+    """
+    q, weights, q_scale = _check_plan(q, weights, batch, k, plan, q_scale)
+    # the batch's widest sequence bounds the columns worth scoring (an unchecked batch states it itself)
+    width = max(1, min(batch.max_entries, plan.max_entries))
+    launch_visible(batch, plan.visible, min(width, batch.block_table.shape[1] * ENTRIES_PER_PAGE), plan.select)
+    scores = plan.workspace[:, :width]
+    launch_index_scores(prepare_q(q), weights, batch, scores, plan.tiles, q_scale=q_scale, config=plan.scores)
+    launch_select(scores, plan.visible, plan.indices, plan.k, plan.sort, config=plan.select, slots=plan.slots,
+                  seq=batch.query_seq, block_table=batch.block_table if plan.slots is not None else None,
+                  cand_vals=plan.cand_vals, cand_idx=plan.cand_idx, stream_buffers=plan.stream)
+    return (plan.indices, plan.slots) if plan.slots is not None else plan.indices
+
+
+__all__ = ["index_topk_triton", "index_topk_decode", "launch_visible", "release_workspaces", "cached_buffer"]

@@ -1,7 +1,7 @@
 """Launch code of the Gluon prefill scores kernel for sm_90 (``_gluon_kernels.py``), bf16 index keys.
 
-Chosen by :func:`dsakit.ops.scores.triton.choose_prefill_kernel` (``ScoresConfig.prefill_kernel``) for tile
-plans; it takes the arguments the Triton tile kernel takes (:func:`dsakit.ops.scores.triton.launch_index_scores`
+Chosen by :func:`dsakit.ops.indexer.scores.choose_prefill_kernel` (``ScoresConfig.prefill_kernel``) for tile
+plans; it takes the arguments the Triton tile kernel takes (:func:`dsakit.ops.indexer.scores.launch_index_scores`
 builds them once for both) on the same grid. Importing this module imports Gluon.
 """
 
