@@ -16,6 +16,7 @@ import torch
 from dsakit.formats import AttentionKVFormat
 from dsakit.ops.attention import AttentionConfig
 from dsakit.ops.attention import reference as ref
+from dsakit.ops.attention.inputs import check_sparse_attention_inputs
 from dsakit.ops.attention.reference import gather_entries
 
 pytest.importorskip("triton")
@@ -34,7 +35,7 @@ def small_inputs(fmt=BF16, extra_fmt=None, heads=64):
     if extra_fmt is not None:
         kw = dict(extra_kv_cache=make_pool(extra_fmt, 1, gen), extra_kv_format=extra_fmt,
                   extra_indices=torch.zeros(2, 4, dtype=torch.int32))
-    return ref.check_sparse_attention_inputs(torch.randn(2, heads, D), make_pool(fmt, 1, gen),
+    return check_sparse_attention_inputs(torch.randn(2, heads, D), make_pool(fmt, 1, gen),
                                              torch.zeros(2, 8, dtype=torch.int32), kv_format=fmt, **kw)
 
 
@@ -158,7 +159,7 @@ def test_gluon_launch_arguments(monkeypatch, extra):
     if extra:
         kw.update(extra_kv_cache=make_pool(BF16, 2, gen), extra_kv_format="bf16",
                   extra_indices=torch.randint(-1, 128, (3, 40), generator=gen, dtype=torch.int32))
-    a = ref.check_sparse_attention_inputs(torch.randn(3, 128, D, generator=gen), pool,
+    a = check_sparse_attention_inputs(torch.randn(3, 128, D, generator=gen), pool,
                                           torch.randint(0, 192, (3, 200), generator=gen, dtype=torch.int32),
                                           kv_format=BF16, softmax_scale=0.05, **kw)
     out, lse = gluon_launch.sparse_attention_gluon(a, AttentionConfig(num_splits=2))
@@ -196,7 +197,7 @@ def test_gluon_fp8_launch_arguments(monkeypatch, extra):
         kw.update(extra_kv_cache=make_pool(FP8, 2, gen), extra_kv_format=FP8,
                   extra_indices=torch.randint(-1, 128, (2, 40), generator=gen, dtype=torch.int32),
                   extra_topk_length=torch.tensor([3, 40], dtype=torch.int32))
-    a = ref.check_sparse_attention_inputs(torch.randn(2, 64, D, generator=gen).bfloat16(), pool,
+    a = check_sparse_attention_inputs(torch.randn(2, 64, D, generator=gen).bfloat16(), pool,
                                           torch.randint(0, 192, (2, 200), generator=gen, dtype=torch.int32),
                                           kv_format=FP8, **kw)
     out, lse = gluon_launch.sparse_attention_gluon(a, AttentionConfig(num_splits=2, gluon_fp8_stages=3))
@@ -280,7 +281,7 @@ def _check_full_size(q, pool, idx, kw, *, sample: int, config: AttentionConfig |
     kw = dict(kw)
     fmt = kw.pop("kv_format")
     cuda = {n: (v.cuda() if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
-    a = ref.check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
+    a = check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
     config = config or AttentionConfig()
     assert choose_attention_kernel(a, config.replace(kernel="auto", gluon_fp8=True)) == "gluon"
     out, lse = sparse_attention_triton(a, config.replace(kernel="gluon"))
@@ -378,7 +379,7 @@ def test_auto_on_gpu_keeps_fp8_portable_unless_switched_on():
     pool = make_pool(FP8, 8, gen).cuda()
     q = torch.randn(4, 64, D, generator=gen).bfloat16().cuda()
     idx = torch.randint(0, 512, (4, 256), generator=gen, dtype=torch.int32).cuda()
-    a = ref.check_sparse_attention_inputs(q, pool, idx, kv_format=FP8)
+    a = check_sparse_attention_inputs(q, pool, idx, kv_format=FP8)
     assert choose_attention_kernel(a, AttentionConfig()) == "triton"
     auto = sparse_attention_triton(a)
     portable = sparse_attention_triton(a, kernel="triton")

@@ -16,6 +16,7 @@ import torch
 from dsakit.formats import AttentionKVFormat
 from dsakit.ops.attention import sparse_attention, sparse_attention_dense
 from dsakit.ops.attention import reference as ref
+from dsakit.ops.attention.inputs import check_sparse_attention_inputs
 from dsakit.ops.attention.reference import gather_entries
 
 triton = pytest.importorskip("triton")
@@ -68,7 +69,7 @@ def run_both(q, pool, indices, fmt, *, num_splits=None, dv_split=1, **kw):
     """-> kernel (out, lse), reference (out, lse), bf16 torch (out, lse)."""
     from dsakit.ops.attention.triton import sparse_attention_triton
 
-    a = ref.check_sparse_attention_inputs(q, pool, indices, kv_format=fmt, **kw)
+    a = check_sparse_attention_inputs(q, pool, indices, kv_format=fmt, **kw)
     got = sparse_attention_triton(a, num_splits=num_splits, dv_split=dv_split)
     want = ref.sparse_attention(q, pool, indices, kv_format=fmt, **kw)
     kv, valid = gather_entries(pool, a.kv_format, indices, a.topk_length)
@@ -238,7 +239,7 @@ def test_kernel_prefill_cases(fmt_name, hq):
     if hq == 64 and fmt_name == "bf16":
         from dsakit.ops.attention.triton import sparse_attention_triton
 
-        a = ref.check_sparse_attention_inputs(q, pool, idx, kv_format=fmt, sink=sink)
+        a = check_sparse_attention_inputs(q, pool, idx, kv_format=fmt, sink=sink)
         out2, lse2 = sparse_attention_triton(a)  # determinism: a rerun is bitwise equal
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
@@ -294,7 +295,7 @@ def check_kernel_non_finite(name: str, device: str, kernel: str = "triton") -> N
     q, sink, idx, want = non_finite_case(name)
     want_out, want_lse = ref.sparse_attention(q, pool, idx, kv_format="bf16", sink=sink)
     on = [None if x is None else x.to(device) for x in (q, pool, idx, sink)]
-    a = ref.check_sparse_attention_inputs(on[0], on[1], on[2], kv_format="bf16", sink=on[3])
+    a = check_sparse_attention_inputs(on[0], on[1], on[2], kv_format="bf16", sink=on[3])
     for num_splits, dv_split in ((1, 1), (2, 1), (1, 2)):
         out, lse = (x.cpu() for x in sparse_attention_triton(a, num_splits=num_splits, dv_split=dv_split,
                                                              kernel=kernel))
@@ -343,7 +344,7 @@ def test_kernel_on_gpu(fmt_name, hq):
     sink = torch.randn(hq, generator=gen)
     kw = dict(topk_length=length, extra_kv_cache=xpool, extra_kv_format="bf16", extra_indices=xidx, sink=sink)
     want = ref.sparse_attention(q, pool, idx, kv_format=fmt, **kw)
-    a = ref.check_sparse_attention_inputs(q, pool, idx, kv_format=fmt, **kw)
+    a = check_sparse_attention_inputs(q, pool, idx, kv_format=fmt, **kw)
     kv, valid = gather_entries(pool, a.kv_format, idx, length)
     xkv, xvalid = gather_entries(xpool, a.extra_kv_format, xidx, None)
     base = bf16_torch_attention(q.float(), torch.cat([kv, xkv], 1), torch.cat([valid, xvalid], 1), sink,
@@ -351,7 +352,7 @@ def test_kernel_on_gpu(fmt_name, hq):
     cuda = {name: (v.cuda() if isinstance(v, torch.Tensor) else v) for name, v in kw.items()}
     from dsakit.ops.attention.triton import sparse_attention_triton
 
-    ga = ref.check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
+    ga = check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
     # num_splits None: automatic, several splits for these few queries; dv_split 2: the two-program form
     # kernel "triton": the portable kernel also on sm_90, where "auto" would take the Gluon one
     for cfg in (dict(num_splits=1), dict(), dict(dv_split=2, num_warps=4, block_n=32)):
@@ -390,7 +391,7 @@ def test_attention_config_is_checked_and_is_what_the_launcher_reads():
     pool = make_pool(fmt, 3, gen)
     q = torch.randn(2, 64, D, generator=gen)
     indices = torch.randint(0, 3 * 64, (2, 70), generator=gen, dtype=torch.int32)
-    a = ref.check_sparse_attention_inputs(q, pool, indices, kv_format=fmt)
+    a = check_sparse_attention_inputs(q, pool, indices, kv_format=fmt)
     by_config = sparse_attention_triton(a, AttentionConfig(num_splits=2))
     by_override = sparse_attention_triton(a, num_splits=2)
     assert torch.equal(by_config[0], by_override[0]) and torch.equal(by_config[1], by_override[1])

@@ -1,9 +1,9 @@
-"""DSA ops, one folder per op (``store``, ``indexer``, ``attention``, ``compress``). Each folder holds
-``reference.py`` (pure PyTorch fp32 spec, CPU), a fast path (``triton.py`` launchers over ``_kernels.py``
-kernels tuned by ``config.py``; for ``compress``, ``device.py``: torch ops on the tensors' own device) and an
-``__init__.py`` exporting one dispatching function with ``backend="auto" | "reference" | <fast path>``. The
-dispatcher checks the inputs once (into a frozen record where the op has one: ``PagedBatch``,
-``SparseAttentionInputs``, ``DecodeTopkPlan``, ``IndexKeyStore``); the reference and the launchers trust it.
+"""DSA ops, one folder per op (``store``, ``indexer``, ``attention``, ``compress``), each of one shape: an
+``__init__.py`` that dispatches (``backend="auto" | "reference" | <fast path>``), ``inputs.py`` (the op's
+checked-inputs record and checks: ``IndexKeyStore``, ``SparseAttentionInputs``, ...; the indexer's records are
+``PagedBatch`` and ``DecodeTopkPlan``), ``reference.py`` (pure PyTorch fp32 spec, CPU), launchers
+(``triton.py``; for ``compress``, ``device.py``: torch ops on the tensors' own device), ``_kernels.py`` and
+``config.py`` (tuning). The dispatcher checks the inputs once; the reference and the launchers trust them.
 
 The indexer's public names are importable from here (``from dsakit.ops import index_topk``) as well as from
 :mod:`dsakit.ops.indexer`: ``index_scores``, ``index_topk``, ``select_topk``, ``topk_to_slots``, the

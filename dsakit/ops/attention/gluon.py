@@ -17,7 +17,7 @@ from ...pool import num_slots
 from ._gluon_kernels import (GLUON_FP8_BLOCK_N, GLUON_HEAD_BLOCK, GLUON_NUM_WARPS, sparse_attention_gluon_fp8_kernel,
                              sparse_attention_gluon_kernel)
 from .config import AttentionConfig
-from .reference import SparseAttentionInputs
+from .inputs import SparseAttentionInputs
 from ._launch import LOG2E, merge_splits, plan_launch
 
 __all__ = ["sparse_attention_gluon", "compile_gluon_kernel"]

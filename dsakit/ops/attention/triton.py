@@ -20,7 +20,7 @@ from .._backend import device_capability as _device_capability
 from ._kernels import _sparse_attention_kernel
 from ._launch import LOG2E, choose_num_splits, merge_splits, plan_launch
 from .config import ATTENTION_DEFAULTS, ATTENTION_KERNELS, HEAD_BLOCK, TRITON_HEADS, AttentionConfig
-from .reference import SparseAttentionInputs
+from .inputs import SparseAttentionInputs
 
 BLOCK_H = HEAD_BLOCK
 # the H200 stage table (read it from AttentionConfig.for_device(device).stages; kept for the benchmarks)
