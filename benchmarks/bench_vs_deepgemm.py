@@ -10,8 +10,7 @@ anchor cases). Sections:
            (time, peak extra memory); dsakit's select alone vs torch.topk on the same fp32 logits
            (streaming select sorted and unsorted, exactness vs torch.topk); dsakit ``index_topk`` end to end
            with fp8 keys (fp8 q + q_scale), and bf16 / fp4 keys (bf16 q) at N = 65536; fp8 and bf16 also
-           with ``TopkConfig(overlap=True)`` (``dsakit_<fmt>_overlap_ms``: selects on a second stream) and
-           ``TopkConfig(sort=False)`` (``dsakit_<fmt>_unsorted_ms``, beside torch.topk(sorted=False):
+           with ``TopkConfig(sort=False)`` (``dsakit_<fmt>_unsorted_ms``, beside torch.topk(sorted=False):
            the engines' contract is a set).
   decode   B = 64 sequences x N = 65536 / 131072, next_n = 1..4 (rows B * next_n):
            DeepGEMM ``fp8_fp4_paged_mqa_logits`` (+ ``get_paged_mqa_logits_metadata``, context_lens
@@ -19,14 +18,6 @@ anchor cases). Sections:
            on those logits; dsakit's decode plan (``plan_decode_topk`` + ``index_topk_decode``) replayed in
            a CUDA graph, fp8 keys (at next_n = 1 also bf16 keys with bf16 q, fp4 keys with fp8 q + q_scale
            as the fp8 row, and fp4 keys with bf16 q: ``fp4_bf16q``). Times per call and per query row.
-
-  gluon    (``--sections gluon``, alone: ~1 minute on the H200) the bf16-key prefill at T 8192 x N 65536, H 64, K
-           2048 with the scores of the Triton tile kernel beside the Gluon sm_90 kernel
-           (``ScoresConfig.prefill_kernel="gluon"``, async wgmma; its default tile and three variants), on the
-           same inputs, both eager: the scores alone into a preallocated [T, N] output and ``index_topk`` end
-           to end; DeepGEMM fp8 logits + torch.topk at the same shape as the anchor (if importable). Checks:
-           Gluon scores vs Triton scores (max error relative to the largest score, -inf masks), the Gluon
-           top-k exact on its own scores. Writes DIR/gluon_scores_<commit>.json (keys env, timing, check).
 
 Every ratio is dsakit / peer from the same run (< 1: dsakit faster). Peak extra memory: max allocated during
 one call above what was allocated before it (dsakit: a call after its cached workspaces were released, so
@@ -59,7 +50,7 @@ from dsakit.ops.indexer.plans import plan_decode_topk
 from dsakit.ops.indexer.select import SelectBuffers, select_topk_stream
 from dsakit.ops.indexer.triton import index_topk_triton, release_workspaces
 
-PREFILL_VARIANTS = ("fp8_overlap", "fp8_unsorted", "bf16", "bf16_overlap", "bf16_unsorted", "fp4", "fp4_bf16q")
+PREFILL_VARIANTS = ("fp8_unsorted", "bf16", "bf16_unsorted", "fp4", "fp4_bf16q")
 
 HEADS = 64
 K = 2048
@@ -91,101 +82,6 @@ def ordered_pool(fmt: KeyFormat, n: int, device: str, seed: int):
     return pool, table, counts
 
 
-# the Gluon prefill kernel's configurations timed by the gluon section (ScoresConfig fields; "gluon" = its
-# default tile: 128 keys, two warpgroups, 4 q buffers; ScoresConfig's GLUON_TILES)
-GLUON_VARIANTS = {
-    "gluon": dict(prefill_kernel="gluon"),
-    "gluon_stages6": dict(prefill_kernel="gluon", prefill_gluon_stages=6),
-    "gluon_block128_warps4": dict(prefill_kernel="gluon", prefill_gluon_warps=4),
-    "gluon_block64_warps4": dict(prefill_kernel="gluon", prefill_block_n=64, prefill_gluon_warps=4),
-    "gluon_block64_warps8": dict(prefill_kernel="gluon", prefill_block_n=64),
-}
-
-
-def gluon_section(out_dir: Path, commit: str, dev: str, dg, runs: int, *, smoke: bool) -> bool:
-    """The bf16 prefill with the Triton tile kernel and the Gluon kernel on the same inputs (see the module
-    docstring) -> whether every check passed. A Gluon variant that cannot run (refused, or failing to compile)
-    is recorded under check["errors"] and left out of the timing; on the CPU (smoke) every Gluon variant is
-    refused by design (no interpreter), which is recorded, not an error."""
-    from dsakit.ops.indexer.scores import index_scores_triton
-
-    t, n, heads, k = (16, 1200, 4, 16) if smoke else (8192, 65536, HEADS, K)
-    rep = 60 if smoke else 300  # ms per do_bench: ~15 calls of an ~18 ms prefill
-    path = out_dir / f"gluon_scores_{commit}.json"
-    fmt = KeyFormat.parse("bf16")
-    pool, table, counts = ordered_pool(fmt, n, dev, seed=9)
-    q, w, _ = make_queries("bf16", t, heads, dev, seed=8)
-    batch = PagedBatch.build(pool, fmt, table, counts, torch.zeros(t, dtype=torch.int32, device=dev))
-    base = TopkConfig.for_device(dev)
-    configs = {"triton": base.scores, **{name: replace(base.scores, **change)
-                                         for name, change in GLUON_VARIANTS.items()}}
-    env = environment(dev, commit)
-    env.update({"T": t, "N": n, "H": heads, "K": k, "D": DIM, "keys": "bf16", "q": "bf16", "runs": runs,
-                "every query sees every entry": True, "timing": "eager, triton.testing.do_bench median, "
-                f"rep {rep} ms", "deep_gemm_version": getattr(dg, "__version__", None)})
-    report = {"env": env, "timing": {}, "check": {"errors": {}}}
-    scores = torch.empty(t, n, dtype=torch.float32, device=dev)
-    want = index_scores_triton(q, w, batch, out=scores, config=base.scores).clone()
-    finite = torch.isfinite(want)
-    largest = float(want[finite].abs().max())
-    ok = True
-    for name, config in configs.items():
-        try:
-            got = index_scores_triton(q, w, batch, out=scores, config=config)
-            selected = index_topk_triton(q, w, batch, k, config=replace(base, scores=config))
-        except Exception as error:  # noqa: BLE001 - recorded per variant; the others still run
-            report["check"]["errors"][name] = f"{type(error).__name__}: {error}"
-            ok = ok and smoke and name != "triton"
-            continue
-        masks_equal = bool(torch.equal(torch.isneginf(got), torch.isneginf(want)))
-        error_rel = float((got[finite] - want[finite]).abs().max()) / largest
-        exact = same_selection(selected, got, k)
-        report["check"][name] = {"max_error_vs_triton_rel": error_rel, "neginf_masks_equal": masks_equal,
-                                 "topk_exact_on_own_scores": exact}
-        ok = ok and masks_equal and error_rel <= 1e-5 and exact["values_equal"]
-    del want
-    for run in range(runs):
-        timing = {}
-        for name, config in configs.items():
-            if name in report["check"]["errors"]:
-                continue
-            tk = replace(base, scores=config)
-            timing[f"scores_{name}_ms"] = median_ms(
-                lambda config=config: index_scores_triton(q, w, batch, out=scores, config=config), dev, rep)
-            timing[f"topk_{name}_ms"] = median_ms(
-                lambda tk=tk: index_topk_triton(q, w, batch, k, config=tk), dev, rep)
-            if name != "triton":
-                timing[f"scores_{name}_vs_triton"] = timing[f"scores_{name}_ms"] / timing["scores_triton_ms"]
-                timing[f"topk_{name}_vs_triton"] = timing[f"topk_{name}_ms"] / timing["topk_triton_ms"]
-        if dg is not None:  # the anchor: DeepGEMM fp8 logits + torch.topk at the same shape (fp8 keys)
-            fp8 = KeyFormat.parse("fp8")
-            fp8_pool, _, _ = ordered_pool(fp8, n, dev, seed=7)
-            q8, w8, qs8 = make_queries("fp8", t, heads, dev, seed=8)
-            kv = fp8_keys_of_pool(fp8_pool, n)
-            ks = torch.zeros(t, dtype=torch.int32, device=dev)
-            ke = torch.full((t,), n, dtype=torch.int32, device=dev)
-            wq = (w8 * qs8).contiguous()
-
-            def dg_logits():
-                return dg.fp8_fp4_mqa_logits((q8, None), kv, wq, ks, ke, clean_logits=False)
-
-            logits = dg_logits()
-            timing["dg_logits_ms"] = median_ms(dg_logits, dev, rep)
-            timing["torch_topk_ms"] = median_ms(lambda: torch.topk(logits, k, dim=1), dev, rep)
-            timing["dg_plus_topk_ms"] = timing["dg_logits_ms"] + timing["torch_topk_ms"]
-            for name in configs:
-                if f"topk_{name}_ms" in timing:
-                    timing[f"topk_{name}_vs_dg_plus_topk"] = timing[f"topk_{name}_ms"] / timing["dg_plus_topk_ms"]
-            del logits, fp8_pool, kv
-        report["timing"][f"run{run + 1}"] = timing
-        print({key: round(v, 4) for key, v in timing.items()}, flush=True)
-        write_json(path, report)
-    write_json(path, report)
-    print(f"gluon section: checks {'passed' if ok else 'FAILED'}; errors {report['check']['errors']}; {path}",
-          flush=True)
-    return ok
-
-
 def main() -> int:
     ap = bench_parser(commit_default=None)
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole matrix (run-to-run spread)")
@@ -215,9 +111,6 @@ def main() -> int:
     decode_b = 2 if args.smoke else 64
     decode_n = [300] if args.smoke else [int(x) for x in args.decode_n.split(",")]
     t_start = time.time()
-    gluon_ok = True
-    if "gluon" in sections:
-        gluon_ok = gluon_section(out_dir, commit, dev, dg, args.runs, smoke=args.smoke)
 
     def bench(fn, graph=False):
         return median_ms(fn, dev, args.rep, graph=graph)
@@ -292,9 +185,8 @@ def main() -> int:
                     row[f"dsakit_{name}_peak_gib"] = peak_extra_bytes(e2e, dev) / 2**30
                     row[f"dsakit_{name}_ms"] = bench(e2e)
                     if name in ("fp8", "bf16"):
-                        # the opt-in overlap of each chunk's select with the next chunk's scores, and the
-                        # unsorted set (what the sparse attention consumes)
-                        for variant, change in (("overlap", dict(overlap=True)), ("unsorted", dict(sort=False))):
+                        # the unsorted set (what the sparse attention consumes)
+                        for variant, change in (("unsorted", dict(sort=False)),):
                             cfg = replace(TopkConfig.for_device(dev), **change)
                             row[f"dsakit_{name}_{variant}_ms"] = bench(
                                 lambda cfg=cfg: index_topk_triton(q, w, batch, k, q_scale=qs, config=cfg))
@@ -408,7 +300,7 @@ def main() -> int:
               + "".join(f" {f} {r[f'dsakit_{f}_ms']:.3f}" for f in ("bf16", "fp4", "fp4_bf16q") if f"dsakit_{f}_ms" in r))
     bad = [r for r in report["prefill"] + report["decode"] if not r["select_check"]["values_equal"]]
     print(f"done in {report['meta']['total_s']:.0f} s; {len(bad)} cases with an inexact select")
-    return 1 if bad or not gluon_ok else 0
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

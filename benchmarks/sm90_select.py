@@ -4,7 +4,7 @@ instructions per streamed entry of the filter loop (warp filter against thread f
     PYTHONPATH=. python3 benchmarks/sm90_select.py --out DIR
 
 For each launch of ``SelectConfig().stream_for`` (warp filter, the default),
-``SelectConfig(stream_filter="thread").stream_for`` and the same with ``stream_register_sort`` at 8192 x 65536,
+``SelectConfig(stream_filter="thread").stream_for`` (both with the register-blocked sort) at 8192 x 65536,
 64 x 65536 and 64 x 131072 (K 2048), compiles the kernels that launch runs with Triton's own compiler (``triton.compile`` with ``GPUTarget("cuda", 90, 32)``;
 16-byte aligned pointers and a row stride that is a multiple of 16, as on the GPU), reads registers and stack
 with the cuobjdump Triton ships, and counts the instructions of the filter's streaming loop (the largest
@@ -129,8 +129,7 @@ def main() -> int:
     args = parser.parse_args()
     rows_out = []
     for rows, width, k in SHAPES:
-        for select in (SelectConfig(), SelectConfig(stream_filter="thread"),
-                       SelectConfig(stream_filter="thread", stream_register_sort=True)):
+        for select in (SelectConfig(), SelectConfig(stream_filter="thread")):
             cfg = select.stream_for(rows, width, k)
             for name, kernel, consts, warps, per_thread in launch_cases(cfg, k):
                 row = {"rows": rows, "N": width, "K": k, "filter": cfg.filter, "register_sort": cfg.register_sort,

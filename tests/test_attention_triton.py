@@ -65,12 +65,12 @@ def assert_flash_close(out, lse, want_out, want_lse, base_out, base_lse):
         assert err_lse <= 2 * base_err_lse + 1e-5, (err_lse, base_err_lse)
 
 
-def run_both(q, pool, indices, fmt, *, num_splits=None, dv_split=1, **kw):
+def run_both(q, pool, indices, fmt, *, num_splits=None, **kw):
     """-> kernel (out, lse), reference (out, lse), bf16 torch (out, lse)."""
     from dsakit.ops.attention.triton import sparse_attention_triton
 
     a = check_sparse_attention_inputs(q, pool, indices, kv_format=fmt, **kw)
-    got = sparse_attention_triton(a, num_splits=num_splits, dv_split=dv_split)
+    got = sparse_attention_triton(a, num_splits=num_splits)
     want = ref.sparse_attention(q, pool, indices, kv_format=fmt, **kw)
     kv, valid = gather_entries(pool, a.kv_format, indices, a.topk_length)
     if a.extra_kv_cache is not None:
@@ -245,11 +245,10 @@ def test_kernel_prefill_cases(fmt_name, hq):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("fmt_name,dv_split", [("bf16", 1), ("fp8", 2)])
-def test_kernel_decode_splits_extra_pool_topk_length(fmt_name, dv_split):
+@pytest.mark.parametrize("fmt_name", ["bf16", "fp8"])
+def test_kernel_decode_splits_extra_pool_topk_length(fmt_name):
     """Three splits merged by the combine kernel; main window + extra (compressed) pool in the other
-    format, both with a per-row valid length; fp32 q gives an fp32 output. dv_split 2: two programs per
-    (query, head block), each owning half of the output dims (both pools' formats in one case)."""
+    format, both with a per-row valid length; fp32 q gives an fp32 output."""
     gen = torch.Generator().manual_seed(3)
     fmt = FORMATS[fmt_name]
     xfmt = FORMATS["fp8" if fmt_name == "bf16" else "bf16"]
@@ -264,7 +263,7 @@ def test_kernel_decode_splits_extra_pool_topk_length(fmt_name, dv_split):
     sink = torch.randn(hq, generator=gen)
     kw = dict(topk_length=length, extra_kv_cache=xpool, extra_kv_format=xfmt, extra_indices=xidx,
               extra_topk_length=xlength, sink=sink, softmax_scale=0.06)
-    (out, lse), want, base = run_both(q, pool, idx, fmt, num_splits=3, dv_split=dv_split, **kw)
+    (out, lse), want, base = run_both(q, pool, idx, fmt, num_splits=3, **kw)
     assert out.dtype == torch.float32
     assert_flash_close(out, lse, *want, *base)
     assert bool(torch.isneginf(lse[2]).all()) and bool((out[2] == 0).all())
@@ -288,7 +287,7 @@ def test_kernel_no_sink_and_public_dispatch():
 def check_kernel_non_finite(name: str, device: str, kernel: str = "triton") -> None:
     """The kernel (one split; two merged by the combine kernel; two output halves) has NaN exactly where the
     reference has, -inf lse where it has, and agrees with it on the other heads within 2e-2 (bf16 operands).
-    ``kernel``: AttentionConfig.kernel ("gluon": the sm_90 kernel, which has no output halves)."""
+    ``kernel``: AttentionConfig.kernel ("gluon": the sm_90 kernel)."""
     from dsakit.ops.attention.triton import sparse_attention_triton
 
     pool = make_pool(AttentionKVFormat.BF16, 1, torch.Generator().manual_seed(7))
@@ -296,9 +295,8 @@ def check_kernel_non_finite(name: str, device: str, kernel: str = "triton") -> N
     want_out, want_lse = ref.sparse_attention(q, pool, idx, kv_format="bf16", sink=sink)
     on = [None if x is None else x.to(device) for x in (q, pool, idx, sink)]
     a = check_sparse_attention_inputs(on[0], on[1], on[2], kv_format="bf16", sink=on[3])
-    for num_splits, dv_split in ((1, 1), (2, 1), (1, 2)):
-        out, lse = (x.cpu() for x in sparse_attention_triton(a, num_splits=num_splits, dv_split=dv_split,
-                                                             kernel=kernel))
+    for num_splits in (1, 2):
+        out, lse = (x.cpu() for x in sparse_attention_triton(a, num_splits=num_splits, kernel=kernel))
         assert_non_finite_as_specified(out, lse, want)
         assert torch.equal(out.isnan(), want_out.isnan()) and torch.equal(lse.isnan(), want_lse.isnan())
         assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
@@ -353,9 +351,9 @@ def test_kernel_on_gpu(fmt_name, hq):
     from dsakit.ops.attention.triton import sparse_attention_triton
 
     ga = check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
-    # num_splits None: automatic, several splits for these few queries; dv_split 2: the two-program form
+    # num_splits None: automatic, several splits for these few queries
     # kernel "triton": the portable kernel also on sm_90, where "auto" would take the Gluon one
-    for cfg in (dict(num_splits=1), dict(), dict(dv_split=2, num_warps=4, block_n=32)):
+    for cfg in (dict(num_splits=1), dict(), dict(num_warps=4, block_n=32)):
         cfg["kernel"] = "triton"
         out, lse = sparse_attention_triton(ga, **cfg)
         assert_flash_close(out, lse, *want, *base)
@@ -370,7 +368,7 @@ def test_attention_config_is_checked_and_is_what_the_launcher_reads():
     from dsakit.ops.attention import ATTENTION_DEFAULTS, AttentionConfig
     from dsakit.ops.attention.triton import sparse_attention_triton
 
-    for bad, match in ((dict(block_n=48), "block_n"), (dict(dv_split=3), "dv_split"),
+    for bad, match in ((dict(block_n=48), "block_n"),
                        (dict(num_stages=0), "num_stages"), (dict(stages={("bf16", 64): 1}), "stages"),
                        (dict(combine_block_h=128), "combine_block_h"), (dict(num_splits=True), "num_splits")):
         with pytest.raises(ValueError, match=match):

@@ -140,6 +140,24 @@ def test_cached_launch_in_row_slices(triton_backend):
     assert torch.equal(out.cpu(), reference_select(masked, 5))
 
 
+def test_cached_launch_picks_its_launch_config_once(triton_backend, monkeypatch):
+    """One cached-buffer launch asks SelectConfig.stream_for once (it used to ask twice: for the row budget
+    and again for the buffers, with different shapes)."""
+    from dsakit.ops.indexer.config import SelectConfig
+    from dsakit.ops.indexer.select import launch_stream_select_cached, release_select_buffers
+
+    calls = []
+    real = SelectConfig.stream_for
+    monkeypatch.setattr(SelectConfig, "stream_for", lambda self, *a: (calls.append(a), real(self, *a))[1])
+    scores = _rows(96).to(_device())
+    counts = torch.full((8,), 96, dtype=torch.int32, device=scores.device)
+    out = torch.empty((8, 5), dtype=torch.int32, device=scores.device)
+    release_select_buffers()
+    launch_stream_select_cached(scores, counts, out, 5, True)
+    assert len(calls) == 1
+    assert torch.equal(out.cpu(), reference_select(scores.cpu(), 5))
+
+
 def test_exact_row_stats_name_the_rows_and_why(triton_backend):
     """exact_row_stats lists the rows that took the exact passes, with each split's counters: the rows with
     fewer than k entries >= the threshold show it, and rows from the other paths are not listed."""
@@ -259,13 +277,8 @@ def test_launch_settings_unchanged_by_the_move_into_select_config():
     assert SelectConfig(algorithm="stream").uses_stream(8192) and not SelectConfig(algorithm="multipass").uses_stream(1)
     for rows in (1, 511, 512, 8192):  # the chunking of index_topk_triton, as it was in its launcher
         for columns in (64, 65536, 262144, 1 << 20):
-            for overlap in (False, True):
-                config = TopkConfig(overlap=overlap, workspace_bytes=256 << 20)
-                plain = max(1, min(rows, (256 << 20) // (4 * columns)))
-                assert config.overlaps(rows, columns) == (overlap and plain < rows)
-                halved = max(1, min(rows, (128 << 20) // (4 * columns)))
-                want = halved if config.overlaps(rows, columns) else plain
-                assert config.chunk_rows(rows, columns, config.overlaps(rows, columns)) == want
+            config = TopkConfig(workspace_bytes=256 << 20)
+            assert config.chunk_rows(rows, columns) == max(1, min(rows, (256 << 20) // (4 * columns)))
     assert select.stream_for(8, 4096, 16).reads_directly(4096)
     assert not select.stream_for(8, 65536, 16).reads_directly(65536)
     with pytest.raises(ValueError, match="stream must be"):

@@ -16,14 +16,6 @@ from .._tuning import gpu_key
 KERNELS = ("auto", "tile", "group")
 DECODE_FP4 = ("blocks", "dequant")
 DECODE_LOADS = ("gather", "tma")
-PREFILL_KERNELS = ("triton", "gluon", "auto")
-# (key tile, warps) of the Gluon prefill kernel, compiled for sm_90 with asynchronous wgmma and no spills at the
-# V4 shape (H 64, tests/test_scores_gluon.py): (128, 8) two warpgroups side by side (128 registers: two programs
-# per SM), the default; (128, 4) one warpgroup on the whole tile (255 registers; it spills at other head counts,
-# with q_scale or with 3 q buffers); (64, 4) and (64, 8) half the key tile (q gathered twice as often)
-GLUON_TILES = ((128, 8), (128, 4), (64, 4), (64, 8))
-GLUON_STAGES = (3, 4, 5, 6)  # q buffers: 32 KB of keys + 16 KB per buffer (<= 128 KB of the 227 KB of an SM)
-GLUON_MAX_BLOCK_T = 64  # the Gluon kernel's query tile (one wgmma M); plans' shorter tiles are padded to it
 
 
 @dataclass(frozen=True)
@@ -103,16 +95,6 @@ class ScoresConfig:
     and GPUs before sm_90 always gather.
     page_term_pages / page_term_warps: page columns per program and warps of the page-term pass of the
     page-centred formats (q . c once per query, head and page, before the scores kernel).
-    prefill_kernel: the kernel of tile plans (prefill) for bf16 keys: "triton" (default: the portable tile
-    kernel) or "gluon" (sm_90 only: the Gluon kernel whose per-head dots are asynchronous wgmma overlapped with
-    the previous head's relu-and-weight epilogue; :func:`dsakit.ops.indexer.scores.choose_prefill_kernel`
-    refuses it with a ValueError where it cannot run: not an sm_90 GPU, no Gluon, the interpreter, other key
-    formats) or "auto" (the Gluon kernel exactly where it can run, the Triton kernel elsewhere: the value a
-    per-GPU table takes once the H200 has timed it). Its key tile is prefill_block_n (64 or 128); "gluon" needs
-    prefill_block_t <= 64 ("auto" runs the Triton kernel on larger tiles);
-    prefill_gluon_warps / prefill_gluon_stages: its warps (one or two warpgroups, :data:`GLUON_TILES`) and q
-    buffers (q of head h + stages - 2 is gathered while head h is scored; 4 buffers and 8 warps: 96 KB of
-    shared memory and 128 registers, two programs per SM).
     formats: the per-format measured defaults (:class:`FormatLaunch`) that fields left at None fall back to.
 
     Every launch setting of the kernels comes from here: :meth:`tile_launch`, :meth:`group_launch`,
@@ -134,9 +116,6 @@ class ScoresConfig:
     prefill_maxnreg: int | None = None
     page_term_pages: int = 64
     page_term_warps: int = 4
-    prefill_kernel: str = "triton"
-    prefill_gluon_warps: int = 8
-    prefill_gluon_stages: int = 4
     formats: tuple[tuple[str, FormatLaunch], ...] = field(default=H200_FORMATS, repr=False)
 
     def __post_init__(self):
@@ -144,12 +123,6 @@ class ScoresConfig:
             raise ValueError(f"kernel must be 'auto', 'tile' or 'group', got {self.kernel!r}")
         if self.decode_fp4 not in DECODE_FP4:
             raise ValueError(f"decode_fp4 must be 'blocks' or 'dequant', got {self.decode_fp4!r}")
-        if self.prefill_kernel not in PREFILL_KERNELS:
-            raise ValueError(f"prefill_kernel must be 'triton', 'gluon' or 'auto', got {self.prefill_kernel!r}")
-        if self.prefill_gluon_stages not in GLUON_STAGES or isinstance(self.prefill_gluon_stages, bool):
-            raise ValueError(f"prefill_gluon_stages must be one of {GLUON_STAGES}, got {self.prefill_gluon_stages!r}")
-        if self.prefill_gluon_warps not in (4, 8) or isinstance(self.prefill_gluon_warps, bool):
-            raise ValueError(f"prefill_gluon_warps must be 4 or 8, got {self.prefill_gluon_warps!r}")
         if self.decode_loads not in DECODE_LOADS:
             raise ValueError(f"decode_loads must be 'gather' or 'tma', got {self.decode_loads!r}")
         bt = self.prefill_block_t
@@ -166,14 +139,6 @@ class ScoresConfig:
                      "page_term_warps"):
             value = getattr(self, name)
             check_int(name, value, 1, message=f"{name} must be a positive int", allow_none=True)
-
-        gluon = self.prefill_kernel
-        if gluon != "triton" and (self.prefill_block_n, self.prefill_gluon_warps) not in GLUON_TILES:
-            raise ValueError(f"prefill_kernel={gluon!r} takes (prefill_block_n, prefill_gluon_warps) in "
-                             f"{GLUON_TILES}, got ({self.prefill_block_n}, {self.prefill_gluon_warps})")
-        if gluon == "gluon" and self.prefill_block_t > GLUON_MAX_BLOCK_T:
-            raise ValueError(f"prefill_kernel='gluon' needs prefill_block_t <= {GLUON_MAX_BLOCK_T} (its query tile), "
-                             f"got {self.prefill_block_t}")
         for name in ("decode_maxnreg", "prefill_maxnreg"):
             reg = getattr(self, name)
             if reg is not None and (isinstance(reg, bool) or not isinstance(reg, int) or not 24 <= reg <= 255
@@ -194,11 +159,6 @@ class ScoresConfig:
         warps = self.prefill_warps or (4 if block_t * bn <= 64 * 128 else 8)
         return Launch(bn, 1, warps, self.prefill_stages or self.format_launch(name).prefill_stages,
                       self.prefill_maxnreg)
-
-    def gluon_launch(self) -> Launch:
-        """The Gluon prefill kernel (``prefill_kernel="gluon"``): BLOCK_N = prefill_block_n, warps =
-        prefill_gluon_warps, stages = prefill_gluon_stages (q buffers; no register cap)."""
-        return Launch(self.prefill_block_n, 1, self.prefill_gluon_warps, self.prefill_gluon_stages)
 
     def group_launch(self, name: str, columns: int, width: int, fp4_blocks: bool) -> Launch:
         """Decode gather kernel for key format ``name``, ``columns`` = queries x heads per program, ``width``
@@ -276,10 +236,6 @@ class ScoresConfig:
 # 128K): prefill (BLOCK_T, BLOCK_N, warps, stages) = (64, 128, 4, 3) was fastest for every format (bf16 keys
 # later measured 0.4-2.3 % faster on 2 stages, FormatLaunch.prefill_stages); decode per format: H200_FORMATS.
 SCORES_DEFAULTS: dict[str, ScoresConfig] = {"H200": ScoresConfig(), "default": ScoresConfig()}
-
-__all__ = ["ScoresConfig", "SCORES_DEFAULTS", "FormatLaunch", "Launch", "H200_FORMATS", "PREFILL_KERNELS",
-           "GLUON_TILES"]
-
 
 # Default fp32 score workspace of the chunked prefill path (bytes). 512 MiB keeps the peak extra memory at
 # T = 8192, N = 262144, K = 2048 under 1 GiB while chunks stay large enough (>= 512 rows at N <= 256K) to
@@ -476,11 +432,6 @@ class SelectConfig:
     # stream_thread_unroll tiles per step for >= 512 rows / fewer
     stream_filter: "str | tuple[str, str]" = ("warp", "thread")
     stream_thread_unroll: tuple[int, int] = (8, 32)
-    # the one-program sort of the k winners (>= 1024 rows; fewer rows use order chunks) with its low strides in
-    # registers (StreamConfig.register_sort): 1,344 instead of 2,496 shuffles, 72 instead of 256 shared-memory
-    # stores per thread in the sm_90 SASS at k 2048; H200, 8192 x 65536 sorted, two rounds each: after the
-    # thread filter 3.62 -> 3.19 ms (312c102), after the warp filter 3.46 -> 3.03 (b1556ae)
-    stream_register_sort: bool = True
     # consecutive entries per group of the threshold sample (StreamConfig.sample_group). Scores come in runs of
     # similar values (a centred page's entries share its centre, neighbouring tokens resemble each other), so a
     # group counts as about one sample entry and the sample's margin holds only with many groups. 8 = one
@@ -500,7 +451,6 @@ class SelectConfig:
                              f"got {self.stream_filter!r}")
         for name in filters:
             check_choice("stream_filter", name, ("warp", "thread"))
-        check_bool("stream_register_sort", self.stream_register_sort)
         check_power_of_two("stream_sample_group", self.stream_sample_group, 1, 32)
         for value in self.stream_thread_unroll:
             check_power_of_two("stream_thread_unroll", value, 1, 64)
@@ -560,7 +510,7 @@ class SelectConfig:
                             num_warps=num_warps, final_warps=self.stream_warps[1],
                             order_warps=self.stream_order_warps[0 if many else 1], bins=self.stream_bins,
                             order_chunks=self.stream_order_chunks[0 if rows >= 1024 else 1],
-                            filter=stream_filter, unroll=unroll, register_sort=self.stream_register_sort,
+                            filter=stream_filter, unroll=unroll, register_sort=True,
                             sample_group=self.stream_sample_group)
 
     def filter_for(self, rows: int) -> str:
@@ -579,18 +529,11 @@ class SelectConfig:
 class TopkConfig:
     """Tuning of ``index_topk`` on Triton: workspace_bytes bounds the fp32 score workspace of the chunked
     path (rows per chunk = workspace_bytes // (4 * W)); sort orders each row by (score desc, index asc)
-    (False: the same set in a deterministic, unspecified order); overlap: on CUDA, when the rows need
-    several chunks, select chunk i on a second (high-priority) stream while chunk i + 1 is scored, ping-ponging
-    two workspaces of workspace_bytes / 2 each (rows per chunk = (workspace_bytes // 2) // (4 * W)), so the
-    score workspace still totals workspace_bytes; the same indices as overlap=False (with sort=False the same
-    set per row, its order may follow the smaller chunks); ignored on one chunk and off CUDA; off by default:
-    on the H200 the scores kernel keeps every SM busy and a select program does not fit beside it, so the
-    two streams ran no faster than one (T 8192 x N 65536: fp8 13.3 vs 13.1 ms, bf16 19.1 vs 18.8 ms);
-    scores / select: the kernels' launch configs."""
+    (False: the same set in a deterministic, unspecified order); scores / select: the kernels' launch
+    configs."""
 
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
     sort: bool = True
-    overlap: bool = False
     scores: ScoresConfig = field(default_factory=ScoresConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
 
@@ -598,19 +541,12 @@ class TopkConfig:
         wb = self.workspace_bytes
         check_int("workspace_bytes", wb, 1, message="workspace_bytes must be a positive int")
         check_bool("sort", self.sort)
-        check_bool("overlap", self.overlap)
         check_instance("scores", self.scores, ScoresConfig)
         check_instance("select", self.select, SelectConfig)
 
-    def overlaps(self, rows: int, columns: int) -> bool:
-        """Whether ``overlap`` applies to ``rows`` query rows over a workspace of ``columns``: they need
-        several chunks (on CUDA; the launcher checks the device)."""
-        return self.overlap and rows_per_chunk(rows, columns, self.workspace_bytes) < rows
-
-    def chunk_rows(self, rows: int, columns: int, overlap: bool) -> int:
-        """Query rows per chunk: the fp32 workspace [chunk, columns] fits workspace_bytes, or half of it for
-        each of the two workspaces of an overlapped launch."""
-        return rows_per_chunk(rows, columns, self.workspace_bytes // 2 if overlap else self.workspace_bytes)
+    def chunk_rows(self, rows: int, columns: int) -> int:
+        """Query rows per chunk: the fp32 workspace [chunk, columns] fits workspace_bytes."""
+        return rows_per_chunk(rows, columns, self.workspace_bytes)
 
     @staticmethod
     def for_device(device: "torch.device | str | None" = None) -> "TopkConfig":
@@ -620,5 +556,6 @@ class TopkConfig:
 
 TOPK_DEFAULTS: dict[str, TopkConfig] = {"H200": TopkConfig(), "default": TopkConfig()}
 
-__all__ = ["TopkConfig", "SelectConfig", "StreamConfig", "TOPK_DEFAULTS", "DEFAULT_WORKSPACE_BYTES",
-           "MAX_SELECT_BLOCK", "MAX_K", "STREAM_MAX_K"]
+__all__ = ["ScoresConfig", "SCORES_DEFAULTS", "FormatLaunch", "Launch", "H200_FORMATS", "TopkConfig",
+           "SelectConfig", "StreamConfig", "TOPK_DEFAULTS", "DEFAULT_WORKSPACE_BYTES", "MAX_SELECT_BLOCK", "MAX_K",
+           "STREAM_MAX_K"]

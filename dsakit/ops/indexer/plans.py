@@ -34,11 +34,12 @@ What one call launches (nothing else touches the GPU, nothing is allocated for b
 
 The plan owns the workspace and the outputs. Memory (bytes, fixed at plan time):
 
-    4 * R * W (scores workspace) + 8 * R * 2048 (candidate buffer) + 4 * R * K (indices)
-    [+ 4 * R * K (slots)] + 8 * R (visible counts, tile rows) + 12 * B (tile plan),  R = B * next_n
-    + the streaming select's buffers for k <= 4096 (``plan.stream.nbytes``, see ``SelectBuffers``)
+    4 * R * W (scores workspace) + 4 * R * K (indices) [+ 4 * R * K (slots)] + 8 * R (visible counts, tile
+    rows) + 12 * B (tile plan),  R = B * next_n
+    + the select's scratch: the streaming select's buffers for k <= 4096 (``plan.stream.nbytes``, see
+      ``SelectBuffers``), else the multi-pass select's candidates, 8 * R * 2048
 
-e.g. B = 64, next_n = 1, W = 128K, K = 2048: 32 MiB + 1 MiB + 0.5 MiB + 9 MiB.
+e.g. B = 64, next_n = 1, W = 128K, K = 2048: 32 MiB + 0.5 MiB + the streaming select's buffers.
 
 Results are the plan's buffers: a later call with the same plan overwrites them (as the static outputs of a
 CUDA graph do); clone them to keep them. Semantics are those of the reference
@@ -70,8 +71,9 @@ class DecodeTopkPlan:
 
     batch B, next_n, num_heads H, max_entries W (workspace columns: the largest entry count a call may have),
     k, fmt, sort. Buffers (all on ``device``, R = B * next_n): workspace fp32 [R, W], visible int32 [R],
-    indices int32 [R, k], slots int32 [R, k] or None, cand_vals fp32 / cand_idx int32 [R, 2048], tiles
-    (scores tile plan). scores / select: kernel launch configs.
+    indices int32 [R, k], slots int32 [R, k] or None, tiles (scores tile plan), the select's scratch: ``stream``
+    (the streaming select's buffers, k <= 4096) or cand_vals fp32 / cand_idx int32 [R, select.cap] (the
+    multi-pass select's candidates; None on the streaming path). scores / select: kernel launch configs.
     """
 
     batch: int
@@ -86,8 +88,8 @@ class DecodeTopkPlan:
     visible: torch.Tensor
     indices: torch.Tensor
     slots: torch.Tensor | None
-    cand_vals: torch.Tensor
-    cand_idx: torch.Tensor
+    cand_vals: torch.Tensor | None
+    cand_idx: torch.Tensor | None
     scores: ScoresConfig
     select: SelectConfig
     stream: SelectBuffers | None = None  # streaming-select scratch (None: the multi-pass select runs)
@@ -103,10 +105,9 @@ class DecodeTopkPlan:
     @property
     def workspace_bytes(self) -> int:
         """Bytes held by the plan (workspace, candidates, outputs, counts, tile plan)."""
-        tensors = [self.workspace, self.visible, self.indices, self.cand_vals, self.cand_idx,
+        tensors = [self.workspace, self.visible, self.indices, self.slots, self.cand_vals, self.cand_idx,
                    self.tiles.rows, self.tiles.tile_seq, self.tiles.tile_start, self.tiles.tile_len]
-        if self.slots is not None:
-            tensors.append(self.slots)
+        tensors = [t for t in tensors if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors) + (self.stream.nbytes if self.stream else 0)
 
 
@@ -134,8 +135,11 @@ def plan_decode_topk(batch: int, next_n: int, max_entries: int, k: int, fmt: "Ke
     select = select or SelectConfig()
     check_instance("select", select, SelectConfig, label="SelectConfig or None")
     rows = batch * next_n
-    per_row = 4 * (max_entries + 1 + k * (2 if return_slots else 1)) + 8 * select.cap
+    stream = select.stream_for(rows, max_entries, k) if select.uses_stream(k) else None
+    scratch = stream.bytes_per_row(k) if stream is not None else 8 * select.cap
+    per_row = 4 * (max_entries + 1 + k * (2 if return_slots else 1)) + scratch
     check_fits(rows * per_row, device, f"a decode plan for {rows:,} rows x max_entries {max_entries:,}")
+    multipass = stream is None
     return DecodeTopkPlan(
         batch=batch, next_n=next_n, num_heads=num_heads, max_entries=max_entries, k=k, fmt=fmt, sort=sort,
         tiles=plan_decode_tiles(batch, next_n, num_heads, device),
@@ -143,11 +147,10 @@ def plan_decode_topk(batch: int, next_n: int, max_entries: int, k: int, fmt: "Ke
         visible=torch.zeros((rows,), dtype=torch.int32, device=device),
         indices=torch.full((rows, k), -1, dtype=torch.int32, device=device),
         slots=torch.full((rows, k), -1, dtype=torch.int32, device=device) if return_slots else None,
-        cand_vals=torch.empty((rows, select.cap), dtype=torch.float32, device=device),
-        cand_idx=torch.empty((rows, select.cap), dtype=torch.int32, device=device),
+        cand_vals=torch.empty((rows, select.cap), dtype=torch.float32, device=device) if multipass else None,
+        cand_idx=torch.empty((rows, select.cap), dtype=torch.int32, device=device) if multipass else None,
         scores=scores or ScoresConfig.for_device(device), select=select,
-        stream=SelectBuffers.allocate(rows, max_entries, k, device, select.stream_for(rows, max_entries, k))
-        if select.uses_stream(k) else None)
+        stream=None if multipass else SelectBuffers.allocate(rows, max_entries, k, device, stream))
 
 
 # Tile plans of batches seen recently, keyed by shape (device, H, kernel choice, queries per sequence), so a

@@ -66,10 +66,10 @@ from ..._memory import check_instance
 from ...batch import PagedBatch, check_batch, check_same_device
 from ...formats import INDEX_HEAD_DIM, key_codec
 from ...formats.codes import KeyCode
-from .._backend import device_capability, gluon_platform_reason, triton_interpreted
+from .._backend import triton_interpreted
 from ._kernels import (_index_scores_group_kernel, _index_scores_group_tma_kernel, _index_scores_tile_kernel,
                        _page_term_group_kernel, _page_term_tile_kernel)
-from .config import GLUON_MAX_BLOCK_T, Launch, ScoresConfig
+from .config import Launch, ScoresConfig
 from .inputs import check_q_inputs, check_q_scale_values, decode_rows
 from .plans import QueryTiles, _group_kernel_fits, plan_batch_tiles, plan_decode_tiles
 
@@ -142,39 +142,6 @@ def _check_page_term_tile(codec, fmt, launch: Launch) -> None:
                          f"{launch.block_n}")
 
 
-def gluon_prefill_unsupported_reason(fmt, device: torch.device, capability: "tuple[int, int] | None",
-                                     importable: bool | None = None) -> str | None:
-    """Why the Gluon prefill kernel cannot run (None: it can) for keys of format ``fmt`` (a KeyFormat) on
-    ``device`` with ``capability`` (the GPU's (major, minor), None off CUDA); ``importable``: None = asked of
-    this Triton (:func:`dsakit.ops._backend.gluon_importable`), only on an sm_90 GPU."""
-    if fmt.name != "bf16":
-        return f"the keys are {fmt.name!r}: the Gluon prefill kernel reads bf16 keys only"
-    return gluon_platform_reason(f"the batch is on {device}", capability, "the Gluon prefill kernel", importable)
-
-
-def choose_prefill_kernel(config: ScoresConfig, fmt, device: torch.device, tile_size: int = GLUON_MAX_BLOCK_T, *,
-                          capability: "tuple[int, int] | None | str" = "detect",
-                          importable: bool | None = None) -> str:
-    """"triton" or "gluon": the kernel of a tile plan (prefill) under ``config.prefill_kernel`` for keys of
-    format ``fmt`` on ``device``, the plan's tiles of ``tile_size`` rows. "triton" is always the portable
-    kernel; "gluon" is the Gluon kernel, or a ValueError naming why it cannot run (no fallback: the switch is
-    an explicit opt-in); "auto" is the Gluon kernel where it can run, the portable one elsewhere.
-    ``capability`` / ``importable`` default to the device's and this Triton's (tests pass them to force the
-    choice)."""
-    if config.prefill_kernel == "triton":
-        return "triton"
-    if capability == "detect":
-        capability = device_capability(torch.device(device))
-    reason = gluon_prefill_unsupported_reason(fmt, torch.device(device), capability, importable)
-    if reason is None and tile_size > GLUON_MAX_BLOCK_T:
-        reason = f"the tile plan has {tile_size}-row query tiles, the Gluon kernel takes <= {GLUON_MAX_BLOCK_T}"
-    if reason is not None and config.prefill_kernel == "auto":
-        return "triton"
-    if reason is not None:
-        raise ValueError(f"prefill_kernel='gluon' cannot run here: {reason}; use prefill_kernel='triton'")
-    return "gluon"
-
-
 def page_term_buffer(kernel: str, rows: int, width: int, num_heads: int, device) -> tuple[torch.Tensor, tuple]:
     """The page-term buffer of a launch: fp32 q . c per (sorted query position s, page column p, head h) for
     ``rows`` queries and the cdiv(width, 64) page columns of ``width`` score columns, with its strides
@@ -194,16 +161,12 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
                         config: ScoresConfig) -> torch.Tensor:
     """Launch the scores kernel for batch rows start .. start + len(q) into out [len(q), W'] (no checks, no
     sync). q from :func:`prepare_q`; ``tiles`` plans exactly these rows. Every launch setting comes from
-    ``config`` (:meth:`ScoresConfig.tile_launch`, ``group_launch``, ``tma_launch``, ``page_term_launch``,
-    ``gluon_launch``); tile plans run the kernel :func:`choose_prefill_kernel` picks (ValueError if
-    ``config.prefill_kernel`` asks for one that cannot run here).
+    ``config`` (:meth:`ScoresConfig.tile_launch`, ``group_launch``, ``tma_launch``, ``page_term_launch``).
 
     Page-centred formats first run the page-term pass: q . c once per (query, head, page) into a buffer of
     :func:`page_term_buffer`, which the scores kernel adds to each entry's logit before the relu."""
     t, num_heads, d = q.shape
     width = out.shape[1]
-    # the prefill kernel is chosen (or refused) first, so a refusal never depends on the batch's contents
-    gluon = tiles.kernel == "tile" and choose_prefill_kernel(config, batch.fmt, out.device, tiles.size) == "gluon"
     if t == 0 or width == 0 or batch.num_seqs == 0:
         return out
     pool, fmt, table = batch.pool, batch.fmt, batch.block_table
@@ -213,10 +176,6 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         return out.fill_(float("-inf"))
     codec = key_codec(fmt)
     name = fmt.name if codec.page_term else fmt.kind
-    if gluon:
-        from .gluon import gluon_q, launch_gluon_tile  # imports Gluon: only where it was found usable
-
-        q = gluon_q(q)
     positions = None if batch.query_positions is None else batch.query_positions[start:start + t]
     fp8_dot = q.dtype in _FP8_Q_DTYPES and codec.fp8_dot
     values_view, scales_view = codec.pool_views(pool)
@@ -270,12 +229,6 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         _index_scores_group_kernel[grid](*args, GROUP=tiles.size, BLOCK_N=launch.block_n,
                                          TILES_PER_PROGRAM=launch.per_program, FP4_BLOCKS=fp4_blocks,
                                          **_launch_options(launch), **common)
-        return out
-    if gluon:  # bf16 keys on sm_90 (choose_prefill_kernel): the Gluon kernel, same arguments and grid
-        launch = config.gluon_launch()
-        grid = (tiles.num_tiles * triton.cdiv(width, launch.block_n),)
-        launch_gluon_tile(args, grid, has_pos=has_pos, has_q_scale=q_scale is not None, num_heads=num_heads,
-                          launch=launch)
         return out
     launch = config.tile_launch(name, tiles.size)
     _check_page_term_tile(codec, fmt, launch)
@@ -369,4 +322,4 @@ def flops(visible_pairs: int, num_heads: int, head_dim: int = INDEX_HEAD_DIM) ->
 
 
 __all__ = ["index_scores_triton", "index_scores_decode", "launch_index_scores", "prepare_q", "page_term_buffer",
-           "choose_prefill_kernel", "gluon_prefill_unsupported_reason", "ScoresConfig", "flops"]
+           "ScoresConfig", "flops"]

@@ -10,9 +10,7 @@ Entry points (the select launchers are in :mod:`dsakit.ops.indexer.select`, the 
   paged batch (a :class:`dsakit.PagedBatch`) fused with the selection, never holding a [T, N] matrix: query
   rows are scored ``rows_per_chunk`` at a time into one fp32 workspace [rows_per_chunk, W] (W =
   batch.max_entries) by the scores kernel and each chunk is selected before the next one overwrites the
-  workspace. On CUDA with several chunks and ``TopkConfig.overlap``
-  (opt-in; measured no faster on the H200) two half-size workspaces alternate: chunk i is selected on a
-  high-priority side stream while chunk i + 1 is scored on the caller's stream, ordered by events only.
+  workspace.
 
 Both select with the streaming select (:func:`select_topk_stream`, :class:`SelectBuffers`; launch settings from
 ``SelectConfig.stream_for``) for k <= 4096 (one pass over the scores in the common case;
@@ -30,16 +28,13 @@ Workspace budget (documented, independent of N for the memory that matters):
     rows_per_chunk = clamp(workspace_bytes // (4 * W'), 1, T)       default workspace_bytes = 512 MiB
     W' = W rounded up to a power of two (the cached workspace serves every W up to it)
     extra memory   = 4 * rows_per_chunk * W' (<= max(workspace_bytes, 4 * W'))      fp32 score workspace
-                   + 8 * rows_per_chunk * SelectConfig.cap (2048)                     candidate buffer
+                   + the select's scratch: the streaming select's SelectBuffers (k <= 4096, bounded by
+                     SelectConfig.cached_bytes) or 8 * rows_per_chunk * SelectConfig.cap (2048) candidates
                    + 4 * T * K (indices) [+ 4 * T * K (slots)] + 4 * T (visible counts)
 
-    overlap (CUDA, rows_per_chunk above < T): rows_per_chunk = clamp((workspace_bytes // 2) // (4 * W'), 1, T)
-    and two such workspaces, 2 * 4 * rows_per_chunk * W' (<= max(workspace_bytes, 8 * W')): the same peak
-    extra memory for the scores, half the rows per select launch (smaller select buffers).
-
-At T = 8192, N = W = 262144 (1M tokens at ratio 4), K = 2048: 512 rows per chunk, 512 MiB workspace + 8 MiB of
-candidates + 64 MiB of indices (measured peak 0.57 GiB on the H200 with overlap=False; with overlap 2 x 256
-rows, the same 512 MiB of workspaces), against 8 GiB for materialized fp32 logits.
+At T = 8192, N = W = 262144 (1M tokens at ratio 4), K = 2048: 512 rows per chunk, 512 MiB workspace + the
+select's scratch + 64 MiB of indices (measured peak 0.57 GiB on the H200), against 8 GiB for materialized
+fp32 logits.
 
 Selection algorithm (one program per row, ``_radix_select_kernel``; keys are order-preserving int32 of the
 fp32 bits: NaN -> INT32_MAX above +inf, -0.0 -> +0.0; candidates are scores > -inf)::
@@ -82,8 +77,6 @@ from .select import SelectBuffers, launch_select, release_select_buffers
 # sees many shapes keeps only the latest few.
 _BUFFERS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _BUFFERS_KEPT = 12
-# Side stream per CUDA device of the overlapped prefill (TopkConfig.overlap).
-_SIDE_STREAMS: "dict[torch.device, torch.cuda.Stream]" = {}
 
 
 def release_workspaces() -> None:
@@ -111,23 +104,6 @@ def launch_visible(batch: PagedBatch, out: torch.Tensor, limit: int, config: Sel
         rows, max(batch.num_seqs, 1), batch.ratio, limit, HAS_POS=positions is not None, BLOCK=block)
 
 
-def _has_streams(device: torch.device) -> bool:
-    """Whether the chunk loop can overlap on ``device`` (CUDA streams; the CPU path stays serial)."""
-    return device.type == "cuda"
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The cached side stream of ``device`` for the overlapped selects, at the highest priority torch offers
-    (lower number = higher priority): a select's CTAs are scheduled as soon as the scores kernel frees SMs."""
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1])
-        _SIDE_STREAMS[device] = stream
-    return stream
-
-
 def _score_chunk(q, weights, batch: PagedBatch, scores: torch.Tensor, tiles: QueryTiles, start: int,
                  q_scale: torch.Tensor | None, config: TopkConfig) -> None:
     """Scores of query rows start .. start + len(scores) into the workspace slice ``scores``."""
@@ -137,57 +113,14 @@ def _score_chunk(q, weights, batch: PagedBatch, scores: torch.Tensor, tiles: Que
 
 
 def _select_chunk(scores: torch.Tensor, batch: PagedBatch, visible: torch.Tensor, indices: torch.Tensor,
-                  slots: torch.Tensor | None, k: int, start: int, config: TopkConfig, cand_vals: torch.Tensor,
-                  cand_idx: torch.Tensor) -> None:
+                  slots: torch.Tensor | None, start: int, config: TopkConfig, cand_vals: torch.Tensor | None,
+                  cand_idx: torch.Tensor | None) -> None:
     """Select the rows start .. start + len(scores) of a chunk's scores into indices (and slots)."""
     stop = start + scores.shape[0]
-    launch_select(scores, visible[start:stop], indices[start:stop], k, config.sort, config=config.select,
+    launch_select(scores, visible[start:stop], indices[start:stop], indices.shape[1], config.sort, config=config.select,
                   slots=None if slots is None else slots[start:stop], seq=batch.query_seq[start:stop],
                   block_table=batch.block_table if slots is not None else None,
                   cand_vals=cand_vals, cand_idx=cand_idx)
-
-
-def _overlapped_chunks(q, weights, batch: PagedBatch, k: int, plans: list[QueryTiles], chunk: int,
-                       workspaces: torch.Tensor, visible: torch.Tensor, indices: torch.Tensor,
-                       slots: torch.Tensor | None, q_scale: torch.Tensor | None, config: TopkConfig,
-                       cand_vals: torch.Tensor, cand_idx: torch.Tensor) -> None:
-    """The chunk loop of :func:`index_topk_triton` with the select of chunk i on the side stream while chunk
-    i + 1 is scored on the caller's stream, into workspaces fp32 [2, chunk, W] used in turn. Only events order
-    the two streams (no host sync, capture-legal: the side stream forks from and joins the capturing stream).
-
-    Lifetimes (no ``record_stream`` needed): the caching allocator hands a freed block out again only to
-    work queued later on the stream that allocated it. Tensors made on ``main`` and used by the selects
-    (outputs, visible counts, workspaces, batch metadata): ``main`` waits for the side stream before this
-    returns, so whatever ``main`` queues after they are freed runs after the selects. Buffers that the
-    streaming select's cache allocates inside the side-stream context belong to the side stream's pool and
-    are used by selects on either stream (serial calls select on ``main``): side work of a call starts after
-    everything ``main`` queued before it (each select waits on an event recorded after its chunk's scores)
-    and ends before anything ``main`` queues after the call, so the uses never overlap, and a block evicted
-    from that cache is reused only by work ordered after them. Inside the loop ``main`` allocates nothing and
-    writes only the workspace the ``free`` events hand back; the selects share the candidate / select
-    buffers but run one after another on the side stream."""
-    device = batch.device
-    t = q.shape[0]
-    main = torch.cuda.current_stream(device)
-    side = _side_stream(device)
-    free: list = [None, None]  # free[b]: recorded on the side stream once the select reading buffer b is done
-    for number, tiles in enumerate(plans):
-        buf = number % 2
-        start = number * chunk
-        stop = min(t, start + chunk)
-        scores = workspaces[buf, : stop - start]
-        if free[buf] is not None:
-            main.wait_event(free[buf])  # the select of chunk number - 2 has read this buffer
-        _score_chunk(q, weights, batch, scores, tiles, start, q_scale, config)
-        ready = torch.cuda.Event()
-        ready.record(main)
-        # also orders the side stream after all earlier work of main (visible counts, q, batch metadata)
-        side.wait_event(ready)
-        with torch.cuda.stream(side):
-            _select_chunk(scores, batch, visible, indices, slots, k, start, config, cand_vals, cand_idx)
-        free[buf] = torch.cuda.Event()
-        free[buf].record(side)
-    main.wait_stream(side)
 
 
 def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int, *,
@@ -200,9 +133,8 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
 
     Returns int32 [T, k] entry indices within each query's sequence (-1 padded), or ``(indices, slots)`` with
     ``return_slots=True`` (slots = page * 64 + entry % 64 via the block table, -1 kept). Never materializes
-    [T, N]: scores go through one cached fp32 workspace, or two half-size ones whose selects overlap the
-    next chunk's scores on CUDA (see the module docstring). config: a :class:`TopkConfig` (workspace bound,
-    sort, overlap, kernel tuning; default: the measured table of the GPU).
+    [T, N]: scores go through one cached fp32 workspace (see the module docstring). config: a
+    :class:`TopkConfig` (workspace bound, sort, kernel tuning; default: the measured table of the GPU).
     """
     check_q_inputs(q, weights, batch, q_scale)
     check_k(k, MAX_K)
@@ -221,29 +153,22 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
         return (indices, slots) if return_slots else indices
 
     columns = workspace_width(width)
-    overlap = config.overlaps(t, columns) and _has_streams(device)
-    chunk = config.chunk_rows(t, columns, overlap)
+    chunk = config.chunk_rows(t, columns)
     plans = plan_chunks(batch, chunk, num_heads, config)
     visible = cached_buffer("visible", (t,), torch.int32, device)
     launch_visible(batch, visible, min(width, batch.block_table.shape[1] * 64), config.select)
-    if overlap:
-        workspaces = cached_buffer("scores2", (2, chunk, columns), torch.float32, device)[:, :, :width]
-    else:
-        workspace = cached_buffer("scores", (chunk, columns), torch.float32, device)[:, :width]
-    cap = config.select.cap
-    cand_vals = cached_buffer("cand_vals", (chunk, cap), torch.float32, device)
-    cand_idx = cached_buffer("cand_idx", (chunk, cap), torch.int32, device)
+    workspace = cached_buffer("scores", (chunk, columns), torch.float32, device)[:, :width]
+    cand_vals = cand_idx = None  # the multi-pass select's candidate buffers (the streaming select has its own)
+    if not config.select.uses_stream(k):
+        cand_vals = cached_buffer("cand_vals", (chunk, config.select.cap), torch.float32, device)
+        cand_idx = cached_buffer("cand_idx", (chunk, config.select.cap), torch.int32, device)
     q = prepare_q(q)
-    if overlap:
-        _overlapped_chunks(q, weights, batch, k, plans, chunk, workspaces, visible, indices, slots, q_scale,
-                           config, cand_vals, cand_idx)
-        return (indices, slots) if return_slots else indices
     for number, tiles in enumerate(plans):
         start = number * chunk
         stop = min(t, start + chunk)
         scores = workspace[: stop - start]
         _score_chunk(q, weights, batch, scores, tiles, start, q_scale, config)
-        _select_chunk(scores, batch, visible, indices, slots, k, start, config, cand_vals, cand_idx)
+        _select_chunk(scores, batch, visible, indices, slots, start, config, cand_vals, cand_idx)
     return (indices, slots) if return_slots else indices
 
 
