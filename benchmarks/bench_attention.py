@@ -15,11 +15,11 @@ Writes DIR/attention_bench.json (after every section, so a timeout keeps what wa
    K = 2048 slots of its sequence), Hq 64 / 128, both caches.
    bytes = T * K * bytes_per_token + q bytes + out bytes (the index reads, 4 B per index, are left out);
    TB/s against the 4.27 TB/s copy ceiling; TFLOP/s by the formula above, since the shape is compute-heavy.
-0. (section "sweep", runs first) pipeline stages, tile size and the two-programs-per-output (dv_split 2,
-   4 warps: two CTAs per SM) form on the prefill at K 2048 for every (format, heads); the fastest is then used by sections 1-3 (without the sweep: the library's DEFAULT_STAGES).
+0. (section "sweep", runs first) pipeline stages and tile size on the prefill at K 2048 for every (format,
+   heads); the fastest is then used by sections 1-3 (without the sweep: the library's DEFAULT_STAGES).
    Every row records its configuration. Sections 0-3 time the portable Triton kernel (kernel "triton").
 4. (section "gluon", sm_90) the Gluon kernels beside the portable one on the same inputs, bf16 KV (three
-   configurations of the bf16 kernel) and fp8-rope-bf16 KV (the fp8 kernel with 2 and 3 raw-byte buffers):
+   configurations of the bf16 kernel; the Gluon kernel reads bf16 pools only):
    prefill T 4096, K 2048, and decode B 64 / 128, next_n 1 / 2, K 2048, Hq 64 / 128; per row the times and
    rates of both, the speedup, the Gluon kernel's full-size check (rule of 1.) and its max difference from the
    portable kernel. Alone (``--sections gluon``) it is meant to take under 3 minutes.
@@ -41,8 +41,7 @@ from dsakit.ops.attention import triton as attn_triton
 
 COPY_CEILING_TBS = 4.27
 COMBOS = [("bf16", 64), ("bf16", 128), ("fp8-rope-bf16", 64), ("fp8-rope-bf16", 128)]
-SWEEP = [dict(num_stages=1), dict(num_stages=2), dict(block_n=32, num_stages=3),
-         dict(dv_split=2, num_warps=4, block_n=32, num_stages=1)]
+SWEEP = [dict(num_stages=1), dict(num_stages=2), dict(block_n=32, num_stages=3)]
 D = 512
 FORMATS = {"bf16": AttentionKVFormat.BF16, "fp8-rope-bf16": AttentionKVFormat.FP8_ROPE_BF16}
 
@@ -231,13 +230,11 @@ def main() -> None:
 
 
 # the Gluon kernel's configurations per KV format. bf16: 64 rows x 2 buffers, 32 rows x 4 (deeper prefetch),
-# and 32 x 4 in the FA3 order (softmax of a tile under the previous tile's PV product). fp8 (32-row tiles, FA3
-# order, the dequantization of the next tile under the wgmma): 2 or 3 buffers of raw bytes
+# and 32 x 4 in the FA3 order (softmax of a tile under the previous tile's PV product)
 GLUON_CONFIGS = {
     "bf16": {"block64x2": dict(gluon_block_n=64, gluon_stages=2, gluon_overlap=False),
              "block32x4": dict(gluon_block_n=32, gluon_stages=4),
              "block32x4_overlap": dict(gluon_block_n=32, gluon_stages=4, gluon_overlap=True)},
-    "fp8-rope-bf16": {"fp8_stages2": dict(gluon_fp8_stages=2), "fp8_stages3": dict(gluon_fp8_stages=3)},
 }
 
 
@@ -268,7 +265,7 @@ def gluon_vs_portable(q, pool, fmt, idx, sink, rows: int, work: float, configs: 
 
 
 def gluon_section(report: dict, path: Path, gen: torch.Generator, rows: int) -> None:
-    """Section 4: the Gluon sm_90 kernels (each of GLUON_CONFIGS) vs the portable kernel, bf16 and fp8 KV,
+    """Section 4: the Gluon sm_90 kernel (each of GLUON_CONFIGS) vs the portable kernel, bf16 KV,
     same inputs per row; rate = TFLOP/s for prefill, TB/s for decode."""
     if torch.cuda.get_device_capability() != attn_triton.GLUON_CAPABILITY or not attn_triton.gluon_importable():
         major, minor = torch.cuda.get_device_capability()

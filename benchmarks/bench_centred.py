@@ -50,13 +50,14 @@ from _common import DIM, bench_parser, environment, make_queries, median_ms, sam
 from dsakit import PagedBatch
 from dsakit.cache import PagedCache
 from dsakit.formats import ENTRIES_PER_PAGE, KeyFormat
-from dsakit.ops import scores as scores_ops
+from dsakit.ops import indexer as scores_ops
 from dsakit.ops import store as store_ops
 from dsakit.presets import get_preset
-from dsakit.ops.scores.config import ScoresConfig
-from dsakit.ops.topk.config import TopkConfig
-from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
-from dsakit.ops.topk.triton import index_topk_triton, release_workspaces
+from dsakit.ops.indexer.config import ScoresConfig
+from dsakit.ops.indexer.config import TopkConfig
+from dsakit.ops.indexer.triton import index_topk_decode
+from dsakit.ops.indexer.plans import plan_decode_topk
+from dsakit.ops.indexer.triton import index_topk_triton, release_workspaces
 
 HEADS = 64
 K = 2048

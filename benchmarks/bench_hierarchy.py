@@ -35,10 +35,11 @@ from bench_peers import fp8_keys, load_peers, ordered_pool
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat, is_centred
-from dsakit.ops.topk import HierarchyConfig
-from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
-from dsakit.ops.topk.hierarchy import hierarchical_topk_triton
-from dsakit.ops.topk.triton import index_topk_triton, release_workspaces
+from dsakit.ops.indexer import HierarchyConfig
+from dsakit.ops.indexer.triton import index_topk_decode
+from dsakit.ops.indexer.plans import plan_decode_topk
+from dsakit.ops.indexer.hierarchy import hierarchical_topk_triton
+from dsakit.ops.indexer.triton import index_topk_triton, release_workspaces
 from dsakit.pool import PageSummaries
 
 HEADS = 64

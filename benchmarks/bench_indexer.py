@@ -56,7 +56,7 @@ the same process: ``bench_peers.py``.
               not tied), which path the rows took (candidate buffer / tie lists / exact fallback), two runs
               bitwise equal;
       time    medians (triton.testing.do_bench) of the streaming select (sorted and unsorted), the multi-pass
-              select of dsakit.ops.topk.triton, torch.topk (sorted) on the same scores; ratios;
+              select of dsakit.ops.indexer.select, torch.topk (sorted) on the same scores; ratios;
       sweep   (optional) launch configurations of the streaming select.
 
       filters (``--filters``, instead of the above) the streaming select with the warp filter (the default)
@@ -96,7 +96,7 @@ the same process: ``bench_peers.py``.
 
     Section ``host`` (``--sections decode,host``, default both): the host cost of the plain public call.
     fp8 keys, bf16 q, the same B / N, K 2048 and 512; the batch is built from host metadata
-    (``PagedBatch.from_host``, no sync, as ``PagedCache.batch`` does). Per case: ``dsakit.ops.topk.index_topk``
+    (``PagedBatch.from_host``, no sync, as ``PagedCache.batch`` does). Per case: ``dsakit.ops.index_topk``
     (cached workspaces and tile plans, fresh outputs per call) against the plan eager and graph; recorded: the
     public call from its second call on raises no device->host sync and allocates no more than its output,
     public and plan results equal bit for bit, ``public_over_plan`` = public / plan eager (target <= 1.2).
@@ -120,17 +120,19 @@ from _common import (DIM, bench_parser, environment, make_queries, median_ms, sa
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.config import ScoresConfig
-from dsakit.ops.scores.deepgemm_compat import fp8_mqa_logits, fp8_paged_mqa_logits
-from dsakit.ops.scores.triton import (flops, index_scores_decode, index_scores_triton, launch_index_scores,
-                                      plan_decode_tiles, plan_query_tiles, prepare_q)
-from dsakit.ops.topk import index_topk
-from dsakit.ops.topk.config import SelectConfig, StreamConfig, TopkConfig
-from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
-from dsakit.ops.topk.reference import select_topk as reference_select
-from dsakit.ops.topk.triton import (DEFAULT_WORKSPACE_BYTES, SelectBuffers, index_topk_triton, launch_select,
-                                    launch_stream_select, rows_per_chunk, select_topk_stream, select_topk_triton,
-                                    workspace_width)
+from dsakit.ops.indexer.config import ScoresConfig
+from dsakit.ops.indexer.deepgemm_compat import fp8_mqa_logits, fp8_paged_mqa_logits
+from dsakit.ops.indexer.scores import flops, index_scores_decode, index_scores_triton, launch_index_scores, prepare_q
+from dsakit.ops.indexer.plans import plan_decode_tiles, plan_query_tiles
+from dsakit.ops.indexer import index_topk
+from dsakit.ops.indexer.config import SelectConfig, StreamConfig, TopkConfig
+from dsakit.ops.indexer.triton import index_topk_decode
+from dsakit.ops.indexer.plans import plan_decode_topk
+from dsakit.ops.indexer.reference import select_topk as reference_select
+from dsakit.ops.indexer.config import DEFAULT_WORKSPACE_BYTES, rows_per_chunk
+from dsakit.ops.indexer.select import SelectBuffers, launch_select, launch_stream_select, select_topk_stream, select_topk_triton
+from dsakit.ops.indexer.triton import index_topk_triton
+from dsakit.ops.indexer.plans import workspace_width
 
 HEADS = 64
 HBM_TB_PER_S = 4.27  # device-to-device copy ceiling (docs/performance.md section 1)
@@ -145,7 +147,7 @@ TIME_GUARD_S = 95  # decode: stop starting new cases after this many seconds (th
 # -- matrix ---------------------------------------------------------------------------------------------------
 
 # Select configuration when the sweep section is skipped: None = the library's tuned defaults
-# (dsakit.ops.topk.config.SelectConfig.resolve), i.e. what a caller gets.
+# (dsakit.ops.indexer.config.SelectConfig.resolve), i.e. what a caller gets.
 LIBRARY_DEFAULTS = {"block": None, "num_warps": None, "bins": None}
 
 
@@ -801,8 +803,8 @@ def filter_variants(rows: int, n: int, k: int) -> list[tuple[str, StreamConfig]]
     kernel (the final kernel's range narrowing is ~1,350 SASS instructions per thread and step at 8 warps, 32
     buffer slots a thread, ~870 at 16: 128 registers instead of 208, two programs per SM), and where one
     program sorts a row (>= 1024 rows) the register-blocked sort (``StreamConfig.register_sort``)."""
-    warp = SelectConfig(stream_filter="warp", stream_register_sort=False).stream_for(rows, n, k)
-    thread = SelectConfig(stream_filter="thread", stream_register_sort=False).stream_for(rows, n, k)
+    warp = dataclasses.replace(SelectConfig(stream_filter="warp").stream_for(rows, n, k), register_sort=False)
+    thread = dataclasses.replace(SelectConfig(stream_filter="thread").stream_for(rows, n, k), register_sort=False)
     out = [("warp", warp), ("thread", thread)]
     for unroll in (thread.unroll // 2, thread.unroll * 2):
         if 1 <= unroll <= 64:

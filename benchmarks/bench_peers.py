@@ -88,9 +88,10 @@ from bench_indexer import make_scores
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
 from dsakit.ops.attention import sparse_attention
-from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
-from dsakit.ops.topk.triton import (SelectBuffers, index_topk_triton, launch_select, release_workspaces,
-                                   select_topk_stream)
+from dsakit.ops.indexer.triton import index_topk_decode
+from dsakit.ops.indexer.plans import plan_decode_topk
+from dsakit.ops.indexer.select import SelectBuffers, launch_select, select_topk_stream
+from dsakit.ops.indexer.triton import index_topk_triton, release_workspaces
 
 HEADS = 64
 K = 2048

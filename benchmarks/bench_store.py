@@ -412,8 +412,7 @@ CENTRED_PAIRS = [("fp8", "fp8-centred"), ("fp4", "fp4-centred")]
 
 # the page-centred store's launch variants timed against each other (StoreConfig fields)
 CENTRED_VARIANTS = {"one_launch": {}, "two_launches": {"page_term_two_launches_from": 1},
-                    "one_launch_64x4": {"page_term_block_n": 64, "page_term_warps": 4},
-                    "early_loads": {"page_term_early_loads": True}}
+                    "one_launch_64x4": {"page_term_block_n": 64, "page_term_warps": 4}}
 
 
 def _launch_v4(fmt, rows, positions, slots, pool, table, w, config=None):
@@ -702,8 +701,7 @@ def main() -> int:
                       f"{r[f'{centred}_over_{plain}_us_cudagraph']:.2f}x   op eager "
                       f"{r[f'{centred}_over_{plain}_op_eager_us']:.2f}x   graph two launches "
                       f"{r[f'{centred}_two_launches_over_{plain}_us_cudagraph']:.2f}x, 64x4 "
-                      f"{r[f'{centred}_one_launch_64x4_over_{plain}_us_cudagraph']:.2f}x, early loads "
-                      f"{r[f'{centred}_early_loads_over_{plain}_us_cudagraph']:.2f}x")
+                      f"{r[f'{centred}_one_launch_64x4_over_{plain}_us_cudagraph']:.2f}x")
     failures = [c for c in result.get("correctness", []) + result.get("centred_check", []) if not c["ok"]]
     print(f"wall {result['wall_s']:.0f} s; check failures: {len(failures)}; section errors: "
           f"{sorted(result.get('errors', {}))}")

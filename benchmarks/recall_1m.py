@@ -31,9 +31,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from dsakit.formats import KeyFormat  # noqa: E402
-from dsakit.ops import scores as scores_ops  # noqa: E402
+from dsakit.ops import indexer as indexer_ops  # noqa: E402
 from dsakit.ops import store as store_ops  # noqa: E402
-from dsakit.ops import topk as topk_ops  # noqa: E402
 from dsakit.recall import report  # noqa: E402
 from dsakit.recall.faults import FAULTS  # noqa: E402
 from dsakit.recall.haystack import StoredHaystack  # noqa: E402
@@ -125,10 +124,10 @@ def main(argv: list[str] | None = None) -> dict:
                         generator=generator_for(args.seed, "timing-q")).to(device)
         w = torch.rand(qpos.numel(), geo.index_heads, generator=generator_for(args.seed, "timing-w")).to(device)
         common = stored.op_kwargs(fmt.name, q, w, qpos)
-        scores_s, _ = _time(lambda: scores_ops.index_scores(**common, backend=args.backend), device, args.repeats)
+        scores_s, _ = _time(lambda: indexer_ops.index_scores(**common, backend=args.backend), device, args.repeats)
         topk_s = {}
         for k in ks:
-            topk_s[str(k)], _ = _time(lambda: topk_ops.index_topk(**common, k=k, backend=args.backend), device,
+            topk_s[str(k)], _ = _time(lambda: indexer_ops.index_topk(**common, k=k, backend=args.backend), device,
                                       args.repeats)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         result["formats"][fmt.name] = {

@@ -16,6 +16,7 @@ import torch
 from dsakit.formats import AttentionKVFormat
 from dsakit.ops.attention import AttentionConfig
 from dsakit.ops.attention import reference as ref
+from dsakit.ops.attention.inputs import check_sparse_attention_inputs
 from dsakit.ops.attention.reference import gather_entries
 
 pytest.importorskip("triton")
@@ -34,7 +35,7 @@ def small_inputs(fmt=BF16, extra_fmt=None, heads=64):
     if extra_fmt is not None:
         kw = dict(extra_kv_cache=make_pool(extra_fmt, 1, gen), extra_kv_format=extra_fmt,
                   extra_indices=torch.zeros(2, 4, dtype=torch.int32))
-    return ref.check_sparse_attention_inputs(torch.randn(2, heads, D), make_pool(fmt, 1, gen),
+    return check_sparse_attention_inputs(torch.randn(2, heads, D), make_pool(fmt, 1, gen),
                                              torch.zeros(2, 8, dtype=torch.int32), kv_format=fmt, **kw)
 
 
@@ -46,28 +47,18 @@ def compiled_not_interpreted(monkeypatch):
 
 def test_auto_picks_gluon_only_where_it_applies(compiled_not_interpreted):
     """kernel "auto": Gluon on sm_90 with Gluon importable and bf16 pools (with or without a bf16 extra pool,
-    64 or 128 heads); fp8 pools (alone or with an fp8 extra pool) only with gluon_fp8 set; the portable kernel
-    for mixed pools, other GPUs, no Gluon, or a CPU tensor."""
+    64 or 128 heads); the portable kernel for fp8 or mixed pools, other GPUs, no Gluon, or a CPU tensor."""
     auto = AttentionConfig()
-    assert auto.kernel == "auto" and not auto.gluon_fp8
-    assert not AttentionConfig.for_device("cpu").gluon_fp8  # off in the shipped tables until the H200 run
+    assert auto.kernel == "auto"
     for a in (small_inputs(), small_inputs(heads=128), small_inputs(extra_fmt=BF16)):
         assert choose_attention_kernel(a, auto, capability=SM90, importable=True) == "gluon"
-    fp8_on = auto.replace(gluon_fp8=True)
-    for a in (small_inputs(FP8), small_inputs(FP8, heads=128), small_inputs(FP8, FP8)):
-        assert choose_attention_kernel(a, auto, capability=SM90, importable=True) == "triton"
-        assert choose_attention_kernel(a, fp8_on, capability=SM90, importable=True) == "gluon"
-        assert choose_attention_kernel(a, fp8_on, capability=(10, 0), importable=True) == "triton"
-    assert choose_attention_kernel(small_inputs(), fp8_on, capability=SM90, importable=True) == "gluon"
     bf16 = small_inputs()
-    for a, capability, importable in ((small_inputs(FP8), SM90, True), (small_inputs(extra_fmt=FP8), SM90, True),
+    for a, capability, importable in ((small_inputs(FP8), SM90, True), (small_inputs(FP8, heads=128), SM90, True),
+                                      (small_inputs(FP8, FP8), SM90, True), (small_inputs(extra_fmt=FP8), SM90, True),
                                       (small_inputs(FP8, BF16), SM90, True), (bf16, (8, 0), True),
                                       (bf16, (10, 0), True), (bf16, (12, 0), True), (bf16, SM90, False),
                                       (bf16, None, True)):
-        for config in (auto, fp8_on):
-            if config is fp8_on and a.kv_format is FP8 and a.extra_kv_format is None:
-                continue  # fp8 alone on sm_90 with the switch on: Gluon (above)
-            assert choose_attention_kernel(a, config, capability=capability, importable=importable) == "triton"
+        assert choose_attention_kernel(a, auto, capability=capability, importable=importable) == "triton"
     assert choose_attention_kernel(bf16, auto) == "triton"  # detected: q is on the CPU
     # "triton" always takes the portable kernel, also where Gluon applies
     assert choose_attention_kernel(bf16, auto.replace(kernel="triton"), capability=SM90, importable=True) == "triton"
@@ -75,11 +66,12 @@ def test_auto_picks_gluon_only_where_it_applies(compiled_not_interpreted):
 
 def test_forced_gluon_names_why_it_cannot_run(compiled_not_interpreted):
     forced = AttentionConfig(kernel="gluon")
-    for a in (small_inputs(), small_inputs(FP8), small_inputs(FP8, FP8)):  # fp8: gluon_fp8 only steers "auto"
-        assert choose_attention_kernel(a, forced, capability=SM90, importable=True) == "gluon"
+    assert choose_attention_kernel(small_inputs(), forced, capability=SM90, importable=True) == "gluon"
     for a, capability, importable, match in (
-            (small_inputs(extra_fmt=FP8), SM90, True, "mixed pools"),
-            (small_inputs(FP8, BF16), SM90, True, "mixed pools"),
+            (small_inputs(FP8), SM90, True, "bf16 pools only"),
+            (small_inputs(FP8, FP8), SM90, True, "bf16 pools only"),
+            (small_inputs(extra_fmt=FP8), SM90, True, "bf16 pools only"),
+            (small_inputs(FP8, BF16), SM90, True, "bf16 pools only"),
             (small_inputs(FP8), (8, 0), True, "sm_80"),
             (small_inputs(), (8, 9), True, "sm_89"),
             (small_inputs(), SM90, False, "no Gluon"),
@@ -108,14 +100,14 @@ def test_gluon_config_fields_are_checked():
                        (dict(gluon_stages=1), "gluon_stages"), (dict(gluon_stages=3), "gluon_stages"),
                        (dict(gluon_block_n=32, gluon_stages=5), "gluon_stages"),
                        (dict(gluon_overlap=True), "gluon_overlap needs gluon_stages >= 3"),
-                       (dict(gluon_overlap=1, gluon_block_n=32, gluon_stages=4), "gluon_overlap must be a bool"),
-                       (dict(gluon_fp8=1), "gluon_fp8 must be a bool"), (dict(gluon_fp8_stages=4), "gluon_fp8_stages"),
-                       (dict(gluon_fp8_stages=1), "gluon_fp8_stages")):
+                       (dict(gluon_overlap=1, gluon_block_n=32, gluon_stages=4), "gluon_overlap must be a bool")):
         with pytest.raises(ValueError, match=match):
             AttentionConfig(**bad)
     assert AttentionConfig(gluon_block_n=32, gluon_stages=4).gluon_stages == 4
     assert AttentionConfig(gluon_block_n=32, gluon_stages=3, gluon_overlap=True).gluon_overlap
-    assert AttentionConfig(gluon_fp8=True, gluon_fp8_stages=3).gluon_fp8_stages == 3
+    for removed in ("gluon_fp8", "gluon_fp8_stages", "dv_split"):  # lost variants: no such field
+        with pytest.raises(TypeError):
+            AttentionConfig(**{removed: 1})
 
 
 class _RecordedLaunch(RecordedLaunch):
@@ -158,7 +150,7 @@ def test_gluon_launch_arguments(monkeypatch, extra):
     if extra:
         kw.update(extra_kv_cache=make_pool(BF16, 2, gen), extra_kv_format="bf16",
                   extra_indices=torch.randint(-1, 128, (3, 40), generator=gen, dtype=torch.int32))
-    a = ref.check_sparse_attention_inputs(torch.randn(3, 128, D, generator=gen), pool,
+    a = check_sparse_attention_inputs(torch.randn(3, 128, D, generator=gen), pool,
                                           torch.randint(0, 192, (3, 200), generator=gen, dtype=torch.int32),
                                           kv_format=BF16, softmax_scale=0.05, **kw)
     out, lse = gluon_launch.sparse_attention_gluon(a, AttentionConfig(num_splits=2))
@@ -181,48 +173,12 @@ def test_gluon_launch_arguments(monkeypatch, extra):
         assert bound["extra_offset"] == 0 and bound["XK"] == 0
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the split merge runs in the interpreter")
-@pytest.mark.parametrize("extra", [False, True])
-def test_gluon_fp8_launch_arguments(monkeypatch, extra):
-    """The fp8 kernel's launch (recorded, not run): the pool passed as uint8 and as bf16 views of one buffer, an
-    fp8 extra pool by its 16 B offset, 32-row tiles for the splits, gluon_fp8_stages raw buffers."""
-    recorder = _RecordedLaunch.install(monkeypatch, "sparse_attention_gluon_fp8_kernel")
-    from dsakit.ops.attention import gluon as gluon_launch
-
-    gen = torch.Generator().manual_seed(5)
-    pool = make_pool(FP8, 3, gen)
-    kw = dict(sink=torch.randn(64, generator=gen))
-    if extra:
-        kw.update(extra_kv_cache=make_pool(FP8, 2, gen), extra_kv_format=FP8,
-                  extra_indices=torch.randint(-1, 128, (2, 40), generator=gen, dtype=torch.int32),
-                  extra_topk_length=torch.tensor([3, 40], dtype=torch.int32))
-    a = ref.check_sparse_attention_inputs(torch.randn(2, 64, D, generator=gen).bfloat16(), pool,
-                                          torch.randint(0, 192, (2, 200), generator=gen, dtype=torch.int32),
-                                          kv_format=FP8, **kw)
-    out, lse = gluon_launch.sparse_attention_gluon(a, AttentionConfig(num_splits=2, gluon_fp8_stages=3))
-    assert out.shape == (2, 64, D) and out.dtype == torch.bfloat16 and bool((out == 0).all())
-    grid, bound = recorder.bound(8)
-    assert grid == (2 * 1 * 2,)
-    assert bound["pool_ptr"].dtype == torch.uint8 and bound["rope_ptr"].dtype == torch.bfloat16
-    assert bound["pool_ptr"].data_ptr() == bound["rope_ptr"].data_ptr() == pool.data_ptr()
-    assert bound["STAGES"] == 3 and bound["NUM_SPLITS"] == 2 and bound["HAS_SINK"] and not bound["HAS_LEN"]
-    assert bound["tiles_per_split"] == 4  # 200 indices = 7 tiles of 32, 4 per split
-    assert bound["HAS_EXTRA"] == extra and bound["HAS_XLEN"] == extra
-    if extra:
-        assert bound["extra_offset"] * 16 == kw["extra_kv_cache"].data_ptr() - pool.data_ptr()
-        assert bound["xtiles_per_split"] == 1 and bound["XK"] == 40  # 40 indices = 2 tiles of 32
-
-
 COMPILE_VARIANTS = {
     "v4-prefill-h128-extra-sink": dict(),
     "decode-h64-splits-fp32q": dict(heads=64, num_splits=4, has_extra=False, has_sink=False, has_len=False,
                                     q_dtype="fp32"),
     "block32-stages4-fp16q": dict(block_n=32, stages=4, q_dtype="fp16"),
     "block32-stages3-overlap": dict(block_n=32, stages=3, overlap=True),
-    "fp8-prefill-h128-extra-sink": dict(fp8=True),
-    "fp8-stages3": dict(fp8=True, stages=3),
-    "fp8-decode-h64-splits-fp32q": dict(fp8=True, heads=64, num_splits=4, has_extra=False, has_sink=False,
-                                        has_len=False, q_dtype="fp32"),
 }
 
 
@@ -233,17 +189,16 @@ compiled_variants = compiled_variants_fixture("dsakit.ops.attention.gluon:compil
 def test_gluon_kernel_compiles_for_sm90(compiled_variants, name):
     """Ahead-of-time compile for GPUTarget("cuda", 90, 32) at the V4 shape (head dim 512): a cubin, async
     wgmma (QK: 512 / 16 k-steps; PV: BLOCK_N / 16 per site) that ptxas keeps asynchronous, 16 B cp.async gathers
-    (fp8: also 8 B ones for the scale bytes), within the 227 KB of an SM, no register spills."""
+    only, within the 227 KB of an SM, no register spills."""
     variant = COMPILE_VARIANTS[name]
     got = compiled_variants[name]
-    fp8 = variant.get("fp8", False)
-    block_n = 32 if fp8 else variant.get("block_n", 64)
+    block_n = variant.get("block_n", 64)
     assert got["cubin"] > 0
-    # the FA3 order (the fp8 kernel's only order) issues the last PV after the loop
-    pv_sites = 2 if variant.get("overlap") or fp8 else 1
+    # the FA3 order issues the last PV after the loop
+    pv_sites = 2 if variant.get("overlap") else 1
     assert got["wgmma"] == D // 16 + pv_sites * block_n // 16
     assert got["wait0"] and got["cp_async_16"] > 0
-    assert (got["cp_async_8"] > 0) == fp8
+    assert got["cp_async_8"] == 0
     assert got["shared"] <= 227 * 1024
     assert_async_and_spill_free(got)
 
@@ -275,14 +230,13 @@ def _case(t, hq, k, *, pages, gen, extra=False, q_dtype=torch.bfloat16, fmt=BF16
 
 def _check_full_size(q, pool, idx, kw, *, sample: int, config: AttentionConfig | None = None):
     """Gluon vs the reference on ``sample`` queries (flash rule: error <= 2 x the bf16 PyTorch error + 1e-5),
-    vs the portable kernel on every query (<= 3 x that bf16 error + 1e-5), empty rows exact, rerun bitwise.
-    fp8 pools: the dequantized values are the reference's exactly (power-of-two scales), so the same rule."""
+    vs the portable kernel on every query (<= 3 x that bf16 error + 1e-5), empty rows exact, rerun bitwise."""
     kw = dict(kw)
     fmt = kw.pop("kv_format")
     cuda = {n: (v.cuda() if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
-    a = ref.check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
+    a = check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
     config = config or AttentionConfig()
-    assert choose_attention_kernel(a, config.replace(kernel="auto", gluon_fp8=True)) == "gluon"
+    assert choose_attention_kernel(a, config.replace(kernel="auto")) == "gluon"
     out, lse = sparse_attention_triton(a, config.replace(kernel="gluon"))
     again = sparse_attention_triton(a, config.replace(kernel="gluon"))
     assert torch.equal(again[0], out) and torch.equal(again[1], lse), "rerun differs"
@@ -313,13 +267,10 @@ def _check_full_size(q, pool, idx, kw, *, sample: int, config: AttentionConfig |
     assert (lse[both] - p_lse[both]).abs().max().item() <= 3 * base_lse_err + 1e-5
 
 
-# (KV format, config): the bf16 kernel's 64-row tile and its FA3-order form; the fp8 kernel with 2 and 3 raw
-# buffers
+# (KV format, config): the bf16 kernel's 64-row tile and its FA3-order form
 FULL_SIZE_CONFIGS = {
     "bf16-block64x2": (BF16, AttentionConfig()),
     "bf16-block32x4-overlap": (BF16, AttentionConfig(gluon_block_n=32, gluon_stages=4, gluon_overlap=True)),
-    "fp8-stages2": (FP8, AttentionConfig()),
-    "fp8-stages3": (FP8, AttentionConfig(gluon_fp8_stages=3)),
 }
 
 
@@ -358,31 +309,18 @@ def test_gluon_extra_pool_splits_and_q_dtypes(q_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_gluon_fp8_extra_pool_and_splits(q_dtype):
-    """Two fp8 pools with their own lengths, few queries (several splits merged by the combine kernel) and one
-    split, q bf16 and fp32."""
-    needs_sm90()
-    gen = torch.Generator().manual_seed(23)
-    case = _case(6, 128, 600, pages=16, gen=gen, extra=True, q_dtype=q_dtype, fmt=FP8)
-    for config in (AttentionConfig(), AttentionConfig(num_splits=1), AttentionConfig(gluon_fp8_stages=3)):
-        _check_full_size(*case, sample=6, config=config)
-
-
-@pytest.mark.gpu
-def test_auto_on_gpu_keeps_fp8_portable_unless_switched_on():
-    """fp8 KV on sm_90: "auto" runs the portable kernel (bitwise the same as asking for it) while gluon_fp8 is
-    off, the Gluon kernel (bitwise the same as kernel "gluon") when it is on."""
+def test_auto_on_gpu_keeps_fp8_portable():
+    """fp8 KV on sm_90: "auto" runs the portable kernel (bitwise the same as asking for it); kernel "gluon"
+    is refused (the Gluon kernel reads bf16 pools only)."""
     needs_sm90()
     gen = torch.Generator().manual_seed(14)
     pool = make_pool(FP8, 8, gen).cuda()
     q = torch.randn(4, 64, D, generator=gen).bfloat16().cuda()
     idx = torch.randint(0, 512, (4, 256), generator=gen, dtype=torch.int32).cuda()
-    a = ref.check_sparse_attention_inputs(q, pool, idx, kv_format=FP8)
+    a = check_sparse_attention_inputs(q, pool, idx, kv_format=FP8)
     assert choose_attention_kernel(a, AttentionConfig()) == "triton"
     auto = sparse_attention_triton(a)
     portable = sparse_attention_triton(a, kernel="triton")
     assert torch.equal(auto[0], portable[0]) and torch.equal(auto[1], portable[1])
-    switched = sparse_attention_triton(a, gluon_fp8=True)
-    forced = sparse_attention_triton(a, kernel="gluon")
-    assert torch.equal(switched[0], forced[0]) and torch.equal(switched[1], forced[1])
+    with pytest.raises(ValueError, match="bf16 pools only"):
+        sparse_attention_triton(a, kernel="gluon")

@@ -16,6 +16,7 @@ import torch
 from dsakit.formats import AttentionKVFormat
 from dsakit.ops.attention import sparse_attention, sparse_attention_dense
 from dsakit.ops.attention import reference as ref
+from dsakit.ops.attention.inputs import check_sparse_attention_inputs
 from dsakit.ops.attention.reference import gather_entries
 
 triton = pytest.importorskip("triton")
@@ -64,12 +65,12 @@ def assert_flash_close(out, lse, want_out, want_lse, base_out, base_lse):
         assert err_lse <= 2 * base_err_lse + 1e-5, (err_lse, base_err_lse)
 
 
-def run_both(q, pool, indices, fmt, *, num_splits=None, dv_split=1, **kw):
+def run_both(q, pool, indices, fmt, *, num_splits=None, **kw):
     """-> kernel (out, lse), reference (out, lse), bf16 torch (out, lse)."""
     from dsakit.ops.attention.triton import sparse_attention_triton
 
-    a = ref.check_sparse_attention_inputs(q, pool, indices, kv_format=fmt, **kw)
-    got = sparse_attention_triton(a, num_splits=num_splits, dv_split=dv_split)
+    a = check_sparse_attention_inputs(q, pool, indices, kv_format=fmt, **kw)
+    got = sparse_attention_triton(a, num_splits=num_splits)
     want = ref.sparse_attention(q, pool, indices, kv_format=fmt, **kw)
     kv, valid = gather_entries(pool, a.kv_format, indices, a.topk_length)
     if a.extra_kv_cache is not None:
@@ -238,17 +239,16 @@ def test_kernel_prefill_cases(fmt_name, hq):
     if hq == 64 and fmt_name == "bf16":
         from dsakit.ops.attention.triton import sparse_attention_triton
 
-        a = ref.check_sparse_attention_inputs(q, pool, idx, kv_format=fmt, sink=sink)
+        a = check_sparse_attention_inputs(q, pool, idx, kv_format=fmt, sink=sink)
         out2, lse2 = sparse_attention_triton(a)  # determinism: a rerun is bitwise equal
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("fmt_name,dv_split", [("bf16", 1), ("fp8", 2)])
-def test_kernel_decode_splits_extra_pool_topk_length(fmt_name, dv_split):
+@pytest.mark.parametrize("fmt_name", ["bf16", "fp8"])
+def test_kernel_decode_splits_extra_pool_topk_length(fmt_name):
     """Three splits merged by the combine kernel; main window + extra (compressed) pool in the other
-    format, both with a per-row valid length; fp32 q gives an fp32 output. dv_split 2: two programs per
-    (query, head block), each owning half of the output dims (both pools' formats in one case)."""
+    format, both with a per-row valid length; fp32 q gives an fp32 output."""
     gen = torch.Generator().manual_seed(3)
     fmt = FORMATS[fmt_name]
     xfmt = FORMATS["fp8" if fmt_name == "bf16" else "bf16"]
@@ -263,7 +263,7 @@ def test_kernel_decode_splits_extra_pool_topk_length(fmt_name, dv_split):
     sink = torch.randn(hq, generator=gen)
     kw = dict(topk_length=length, extra_kv_cache=xpool, extra_kv_format=xfmt, extra_indices=xidx,
               extra_topk_length=xlength, sink=sink, softmax_scale=0.06)
-    (out, lse), want, base = run_both(q, pool, idx, fmt, num_splits=3, dv_split=dv_split, **kw)
+    (out, lse), want, base = run_both(q, pool, idx, fmt, num_splits=3, **kw)
     assert out.dtype == torch.float32
     assert_flash_close(out, lse, *want, *base)
     assert bool(torch.isneginf(lse[2]).all()) and bool((out[2] == 0).all())
@@ -287,17 +287,16 @@ def test_kernel_no_sink_and_public_dispatch():
 def check_kernel_non_finite(name: str, device: str, kernel: str = "triton") -> None:
     """The kernel (one split; two merged by the combine kernel; two output halves) has NaN exactly where the
     reference has, -inf lse where it has, and agrees with it on the other heads within 2e-2 (bf16 operands).
-    ``kernel``: AttentionConfig.kernel ("gluon": the sm_90 kernel, which has no output halves)."""
+    ``kernel``: AttentionConfig.kernel ("gluon": the sm_90 kernel)."""
     from dsakit.ops.attention.triton import sparse_attention_triton
 
     pool = make_pool(AttentionKVFormat.BF16, 1, torch.Generator().manual_seed(7))
     q, sink, idx, want = non_finite_case(name)
     want_out, want_lse = ref.sparse_attention(q, pool, idx, kv_format="bf16", sink=sink)
     on = [None if x is None else x.to(device) for x in (q, pool, idx, sink)]
-    a = ref.check_sparse_attention_inputs(on[0], on[1], on[2], kv_format="bf16", sink=on[3])
-    for num_splits, dv_split in ((1, 1), (2, 1), (1, 2)):
-        out, lse = (x.cpu() for x in sparse_attention_triton(a, num_splits=num_splits, dv_split=dv_split,
-                                                             kernel=kernel))
+    a = check_sparse_attention_inputs(on[0], on[1], on[2], kv_format="bf16", sink=on[3])
+    for num_splits in (1, 2):
+        out, lse = (x.cpu() for x in sparse_attention_triton(a, num_splits=num_splits, kernel=kernel))
         assert_non_finite_as_specified(out, lse, want)
         assert torch.equal(out.isnan(), want_out.isnan()) and torch.equal(lse.isnan(), want_lse.isnan())
         assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
@@ -343,7 +342,7 @@ def test_kernel_on_gpu(fmt_name, hq):
     sink = torch.randn(hq, generator=gen)
     kw = dict(topk_length=length, extra_kv_cache=xpool, extra_kv_format="bf16", extra_indices=xidx, sink=sink)
     want = ref.sparse_attention(q, pool, idx, kv_format=fmt, **kw)
-    a = ref.check_sparse_attention_inputs(q, pool, idx, kv_format=fmt, **kw)
+    a = check_sparse_attention_inputs(q, pool, idx, kv_format=fmt, **kw)
     kv, valid = gather_entries(pool, a.kv_format, idx, length)
     xkv, xvalid = gather_entries(xpool, a.extra_kv_format, xidx, None)
     base = bf16_torch_attention(q.float(), torch.cat([kv, xkv], 1), torch.cat([valid, xvalid], 1), sink,
@@ -351,10 +350,10 @@ def test_kernel_on_gpu(fmt_name, hq):
     cuda = {name: (v.cuda() if isinstance(v, torch.Tensor) else v) for name, v in kw.items()}
     from dsakit.ops.attention.triton import sparse_attention_triton
 
-    ga = ref.check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
-    # num_splits None: automatic, several splits for these few queries; dv_split 2: the two-program form
+    ga = check_sparse_attention_inputs(q.cuda(), pool.cuda(), idx.cuda(), kv_format=fmt, **cuda)
+    # num_splits None: automatic, several splits for these few queries
     # kernel "triton": the portable kernel also on sm_90, where "auto" would take the Gluon one
-    for cfg in (dict(num_splits=1), dict(), dict(dv_split=2, num_warps=4, block_n=32)):
+    for cfg in (dict(num_splits=1), dict(), dict(num_warps=4, block_n=32)):
         cfg["kernel"] = "triton"
         out, lse = sparse_attention_triton(ga, **cfg)
         assert_flash_close(out, lse, *want, *base)
@@ -369,7 +368,7 @@ def test_attention_config_is_checked_and_is_what_the_launcher_reads():
     from dsakit.ops.attention import ATTENTION_DEFAULTS, AttentionConfig
     from dsakit.ops.attention.triton import sparse_attention_triton
 
-    for bad, match in ((dict(block_n=48), "block_n"), (dict(dv_split=3), "dv_split"),
+    for bad, match in ((dict(block_n=48), "block_n"),
                        (dict(num_stages=0), "num_stages"), (dict(stages={("bf16", 64): 1}), "stages"),
                        (dict(combine_block_h=128), "combine_block_h"), (dict(num_splits=True), "num_splits")):
         with pytest.raises(ValueError, match=match):
@@ -390,7 +389,7 @@ def test_attention_config_is_checked_and_is_what_the_launcher_reads():
     pool = make_pool(fmt, 3, gen)
     q = torch.randn(2, 64, D, generator=gen)
     indices = torch.randint(0, 3 * 64, (2, 70), generator=gen, dtype=torch.int32)
-    a = ref.check_sparse_attention_inputs(q, pool, indices, kv_format=fmt)
+    a = check_sparse_attention_inputs(q, pool, indices, kv_format=fmt)
     by_config = sparse_attention_triton(a, AttentionConfig(num_splits=2))
     by_override = sparse_attention_triton(a, num_splits=2)
     assert torch.equal(by_config[0], by_override[0]) and torch.equal(by_config[1], by_override[1])

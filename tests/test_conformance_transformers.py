@@ -28,8 +28,8 @@ configuration = pytest.importorskip("transformers.models.deepseek_v4.configurati
 
 from dsakit.formats import KeyFormat  # noqa: E402
 from dsakit.layers import DSAIndexer, rope_from_transformers  # noqa: E402
-from dsakit.ops.scores.reference import index_scores_dense  # noqa: E402
-from dsakit.ops.topk.reference import select_topk  # noqa: E402
+from dsakit.ops.indexer.reference import index_scores_dense  # noqa: E402
+from dsakit.ops.indexer.reference import select_topk  # noqa: E402
 from dsakit.presets import get_preset  # noqa: E402
 from dsakit.transforms import ROPE_V4, ROPE_V32, apply_rope  # noqa: E402
 

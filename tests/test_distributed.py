@@ -26,7 +26,7 @@ from dsakit import PagedBatch
 from dsakit.cache import PagedCache
 from dsakit.distributed import (ContextParallelPlan, all_gather_entries, all_gather_pages,
                                 context_parallel_index_topk, gather_rows, zigzag_owner, zigzag_ranges)
-from dsakit.ops.topk import index_topk
+from dsakit.ops.indexer import index_topk
 from dsakit.formats import ENTRIES_PER_PAGE, KEY_FORMATS, KeyFormat
 
 SPAWN_TIMEOUT_S = 300  # generous: a healthy run takes well under a minute on 2 busy cores

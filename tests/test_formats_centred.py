@@ -19,11 +19,10 @@ import torch
 from dsakit import PagedBatch
 from dsakit.cache import PagedCache
 from dsakit.formats import CENTRED_KEY_FORMATS, KeyFormat, centre_of, decode_centres, is_centred
-from dsakit.ops import scores as scores_ops
+from dsakit.ops import indexer as indexer_ops
 from dsakit.ops import store as store_ops
 from dsakit.ops.store import StoreConfig
-from dsakit.ops import topk as topk_ops
-from dsakit.ops.scores.reference import index_scores_dense
+from dsakit.ops.indexer.reference import index_scores_dense
 from dsakit.presets import KeyTransform, get_preset
 
 CENTRED = sorted(CENTRED_KEY_FORMATS)
@@ -273,8 +272,8 @@ def test_scores_add_q_dot_centre_before_the_relu(name):
     positions = torch.tensor([10, 63, 64, 100, 149])
     causal = cache.batch([seq], query_lens=[5], query_positions=positions)
     everything = cache.batch([seq], query_lens=[5])
-    prefill = scores_ops.index_scores(q, w, causal, backend="reference")
-    decode = scores_ops.index_scores(q, w, everything, backend="reference")
+    prefill = indexer_ops.index_scores(q, w, causal, backend="reference")
+    decode = indexer_ops.index_scores(q, w, everything, backend="reference")
 
     # by hand: residuals and centres from the page bytes
     pages = cache.pool[cache.block_table([seq])[0].long()]
@@ -290,8 +289,8 @@ def test_scores_add_q_dot_centre_before_the_relu(name):
     # and the dense scores of the dequantized keys agree up to fp32 rounding
     assert torch.allclose(decode, index_scores_dense(q, w, cache.gather(seq)), rtol=1e-4, atol=1e-3)
     for k in (1, 16, 200):
-        top = topk_ops.index_topk(q, w, causal, k, backend="reference")
-        assert torch.equal(top, topk_ops.select_topk(prefill, k, backend="reference"))
+        top = indexer_ops.index_topk(q, w, causal, k, backend="reference")
+        assert torch.equal(top, indexer_ops.select_topk(prefill, k, backend="reference"))
 
 
 def test_centred_keeps_a_needle_that_fp8_loses():
@@ -314,7 +313,7 @@ def test_centred_keeps_a_needle_that_fp8_loses():
         cache = PagedCache(fmt, n // 64)
         seq = cache.add_sequence()
         cache.write(cache.append(seq, n), keys)
-        s = scores_ops.index_scores(q, w, cache.batch([seq]), backend="reference")[0]
+        s = indexer_ops.index_scores(q, w, cache.batch([seq]), backend="reference")[0]
         ranks[name] = int((s > s[needle]).sum())
     assert ranks["bf16"] == 0 and ranks["fp8-centred"] == 0, ranks
     assert ranks["fp8"] > 50, ranks
@@ -413,14 +412,12 @@ def test_triton_store_one_launch_decode_appends_equal_bulk(name, rope_dim, monke
     _store_calls(fmt, two_launches, [(torch.cat(keys), torch.cat(positions), torch.cat(slots))], transform, table,
                  weight, launcher=True, config=StoreConfig(page_term_two_launches_from=1))
     assert torch.equal(bulk.cpu(), two_launches.cpu())
-    chunked, early = fresh(), fresh()  # early: the pool reads issued before entry 0's row is known
+    chunked = fresh()
     for i in range(3):
         for lo, hi in ((0, 1), (1, 30), (30, lengths[i])):
             _store_calls(fmt, chunked, [(keys[i][lo:hi], positions[i][lo:hi], slots[i][lo:hi])], transform, table,
                          weight)
-            _store_calls(fmt, early, [(keys[i][lo:hi], positions[i][lo:hi], slots[i][lo:hi])], transform, table,
-                         weight, launcher=True, config=StoreConfig(page_term_early_loads=True))
-    assert torch.equal(chunked.cpu(), early.cpu())
+    assert torch.equal(chunked.cpu(), bulk.cpu())
     appended = fresh()
     counter = _LaunchCounter(store_triton._store_index_keys_kernel if rope_dim == 64
                              else store_triton._store_index_keys_generic_kernel)
@@ -530,17 +527,17 @@ def test_triton_scores_and_topk_match_reference(name):
     positions = torch.tensor([149, 100, 39, 64])
     batch = PagedBatch.build(cache.pool.to(DEVICE), fmt, cache.block_table([a, b]).to(DEVICE),
                              cache.entry_counts([a, b]).to(DEVICE), query_seq.to(DEVICE), positions.to(DEVICE))
-    ref = scores_ops.index_scores(q, w, batch, backend="reference")
-    from dsakit.ops.scores.config import ScoresConfig
-    from dsakit.ops.scores.triton import index_scores_triton
+    ref = indexer_ops.index_scores(q, w, batch, backend="reference")
+    from dsakit.ops.indexer.config import ScoresConfig
+    from dsakit.ops.indexer.scores import index_scores_triton
 
     for kernel in ("tile", "group"):
         out = index_scores_triton(q.to(DEVICE), w.to(DEVICE), batch, config=ScoresConfig(kernel=kernel)).cpu()
         assert torch.equal(torch.isinf(out), torch.isinf(ref)), kernel
         finite = torch.isfinite(ref)
         assert float((out - ref).abs()[finite].max()) <= 1e-5 * float(ref[finite].abs().max()), kernel
-    top = topk_ops.index_topk(q.to(DEVICE), w.to(DEVICE), batch, 32, backend="triton").cpu()
-    assert torch.equal(top, topk_ops.select_topk(ref, 32, backend="reference"))
+    top = indexer_ops.index_topk(q.to(DEVICE), w.to(DEVICE), batch, 32, backend="triton").cpu()
+    assert torch.equal(top, indexer_ops.select_topk(ref, 32, backend="reference"))
 
 
 @pytest.mark.skipif(not TRITON_OK, reason="Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device")
@@ -548,8 +545,8 @@ def test_triton_scores_and_topk_match_reference(name):
 def test_triton_decode_scores_wide_groups_and_fp8_queries(name):
     """Decode (group kernel) at 4 queries x 32 heads per program, where the centred formats' key tile is one
     page by default, and with an explicit two-page tile; bf16 and fp8 queries, against the reference."""
-    from dsakit.ops.scores.config import ScoresConfig
-    from dsakit.ops.scores.triton import index_scores_triton
+    from dsakit.ops.indexer.config import ScoresConfig
+    from dsakit.ops.indexer.scores import index_scores_triton
 
     fmt = KeyFormat.parse(name)
     g = torch.Generator().manual_seed(20)
@@ -563,7 +560,7 @@ def test_triton_decode_scores_wide_groups_and_fp8_queries(name):
                              torch.tensor([199, 150, 70, 3], device=DEVICE))
     for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         qd = q.to(q_dtype)
-        ref = scores_ops.index_scores(qd.float(), w, batch, backend="reference")
+        ref = indexer_ops.index_scores(qd.float(), w, batch, backend="reference")
         finite = torch.isfinite(ref)
         for block_n in (None, 128):
             config = ScoresConfig(kernel="group", decode_block_n=block_n)
@@ -614,12 +611,12 @@ def test_lab_horizon_patch_equals_storing_the_haystack_with_the_needle():
     q = prepare_queries(torch.cat(q_pre), qpos.expand(3), table, tr.rope_layout, tr.rope_dim, tr.hadamard)
     w = torch.cat(w)
     fmt = KeyFormat.FP8_CENTRED
-    scores = scores_ops.index_scores_dense(q, w, probe.keys(fmt)[:n])
+    scores = indexer_ops.index_scores_dense(q, w, probe.keys(fmt)[:n])
     probe._patch_pages(fmt, scores, q, w, needles, n)
     for i, nd in enumerate(needles):
         keys = sub.keys.clone()
         keys[nd.entries] = nd.keys
-        truth = scores_ops.index_scores_dense(q[i:i + 1], w[i:i + 1], probe._stored(fmt, keys, torch.arange(n) * 4))
+        truth = indexer_ops.index_scores_dense(q[i:i + 1], w[i:i + 1], probe._stored(fmt, keys, torch.arange(n) * 4))
         torch.testing.assert_close(scores[i:i + 1], truth, rtol=1e-5, atol=1e-5)
     assert lab_settings.ALL_FORMATS[-2:] == ("fp8-centred", "fp4-centred")
 
@@ -652,8 +649,8 @@ def test_triton_scores_when_the_page_term_dominates(name):
     term added after the relu, scaled with the residual, dropped or rounded below fp32 shows at once, and the
     order within a page (set by the residuals alone) must survive it. Every kernel path: prefill tile (one- and
     two-page key tiles), decode gather (fp4 blocks and dequantized), decode page copies; bf16 and fp8 q."""
-    from dsakit.ops.scores.config import ScoresConfig
-    from dsakit.ops.scores.triton import index_scores_triton
+    from dsakit.ops.indexer.config import ScoresConfig
+    from dsakit.ops.indexer.scores import index_scores_triton
 
     fmt = KeyFormat.parse(name)
     g = torch.Generator().manual_seed(30)
@@ -674,21 +671,21 @@ def test_triton_scores_when_the_page_term_dominates(name):
                ScoresConfig(kernel="group")]  # page copies where the format and q allow them
     for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         qd = q.to(q_dtype)
-        ref = scores_ops.index_scores(qd.float(), w, batch, backend="reference")
+        ref = indexer_ops.index_scores(qd.float(), w, batch, backend="reference")
         finite = torch.isfinite(ref)
-        expected = topk_ops.select_topk(ref, 48, backend="reference").sort(dim=1).values
+        expected = indexer_ops.select_topk(ref, 48, backend="reference").sort(dim=1).values
         for config in configs:
             out = index_scores_triton(qd.to(DEVICE), w.to(DEVICE), batch, config=config).cpu()
             assert torch.equal(torch.isinf(out), torch.isinf(ref)), (q_dtype, config)
             assert float((out - ref).abs()[finite].max()) <= 1e-5 * float(ref[finite].abs().max()), (q_dtype, config)
-            top = topk_ops.select_topk(out, 48, backend="reference").sort(dim=1).values
+            top = indexer_ops.select_topk(out, 48, backend="reference").sort(dim=1).values
             assert torch.equal(top, expected), (q_dtype, config)  # the same set: the residuals' order survives
 
 
 @pytest.mark.skipif(not TRITON_OK, reason="Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device")
 @pytest.mark.parametrize("name", CENTRED)
 def test_deepgemm_style_paged_logits_of_centred_pools(name):
-    """dsakit.ops.scores.centred_paged_mqa_logits takes DeepGEMM's paged-logits arguments with a centred pool
+    """dsakit.ops.indexer.centred_paged_mqa_logits takes DeepGEMM's paged-logits arguments with a centred pool
     viewed as [pages, 64, 1, bytes per entry]: the logits of the decoded keys (centre + residual) under
     DeepGEMM's visibility rule (context_lens [B]: query i of sequence b sees context_lens[b] - next_n + i + 1
     entries), -inf elsewhere; the positional DeepGEMM-order variant gives the same."""
@@ -706,7 +703,7 @@ def test_deepgemm_style_paged_logits_of_centred_pools(name):
     context_lens = cache.entry_counts(seqs)
     entry_bytes = fmt.page_bytes // 64
     kv_cache = cache.pool.view(-1, 64, 1, entry_bytes)
-    logits = scores_ops.centred_paged_mqa_logits(q.to(DEVICE), kv_cache.to(DEVICE), w.to(DEVICE),
+    logits = indexer_ops.centred_paged_mqa_logits(q.to(DEVICE), kv_cache.to(DEVICE), w.to(DEVICE),
                                                  context_lens.to(DEVICE), table.to(DEVICE), max_len).cpu()
     keys = fmt.dequantize_pages(cache.pool)  # [pages * 64, 128]: centre + residual per slot
     expect = torch.full((b * next_n, max_len), float("-inf"))
@@ -719,11 +716,11 @@ def test_deepgemm_style_paged_logits_of_centred_pools(name):
     assert torch.equal(torch.isinf(logits), torch.isinf(expect))
     finite = torch.isfinite(expect)
     assert float((logits - expect).abs()[finite].max()) <= 1e-5 * float(expect[finite].abs().max())
-    same = scores_ops.deepgemm_centred_paged_mqa_logits(q.to(DEVICE), kv_cache.to(DEVICE), w.to(DEVICE),
+    same = indexer_ops.deepgemm_centred_paged_mqa_logits(q.to(DEVICE), kv_cache.to(DEVICE), w.to(DEVICE),
                                                        context_lens.to(DEVICE), table.to(DEVICE), None, max_len)
     assert torch.equal(same.cpu(), logits)
     with pytest.raises(ValueError, match=r"kv_cache must be \[pages, 64, 1, 136\] or \[pages, 64, 1, 72\]"):
-        scores_ops.centred_paged_mqa_logits(q, cache.pool.view(-1, 64, 1, 8, entry_bytes // 8)[..., 0],
+        indexer_ops.centred_paged_mqa_logits(q, cache.pool.view(-1, 64, 1, 8, entry_bytes // 8)[..., 0],
                                             w, context_lens, table, max_len)
     with pytest.raises(ValueError, match="float8_e4m3fn or bfloat16"):
-        scores_ops.centred_paged_mqa_logits(q.float(), kv_cache, w, context_lens, table, max_len)
+        indexer_ops.centred_paged_mqa_logits(q.float(), kv_cache, w, context_lens, table, max_len)

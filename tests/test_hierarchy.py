@@ -12,8 +12,8 @@ import torch
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.topk import HierarchyConfig, hierarchical_topk, index_topk
-from dsakit.ops.topk.reference import forced_pages, page_score_bounds
+from dsakit.ops.indexer import HierarchyConfig, hierarchical_topk, index_topk
+from dsakit.ops.indexer.reference import forced_pages, page_score_bounds
 from dsakit.pool import PageSummaries, dequantize_entries, summarize_pages
 
 FORMATS = ["bf16", "fp8", "fp4", "fp8-centred", "fp4-centred"]
@@ -147,7 +147,7 @@ def test_device_path_matches_the_reference(triton_backend, device, fmt_name):
     assert torch.equal((got >= 0).sum(1), (ref >= 0).sum(1))
     for row in range(got.shape[0]):  # the same set up to rounding-order swaps at the k-th score (none here)
         assert set(got[row].tolist()) == set(ref[row].tolist()), row
-    from dsakit.ops.topk.reference import topk_to_slots
+    from dsakit.ops.indexer.reference import topk_to_slots
     assert torch.equal(slots, topk_to_slots(got, batch.block_table.cpu(), batch.query_seq.cpu()))
 
 

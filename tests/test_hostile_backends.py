@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from dsakit import PagedBatch, PagedCache
 from dsakit.formats import AttentionKVFormat, KeyFormat
-from dsakit.ops.scores import index_scores
+from dsakit.ops.indexer import index_scores
 from dsakit.ops.store import store_attention_kv, store_index_keys
-from dsakit.ops.topk import index_topk
-from dsakit.ops.topk.config import MAX_K
+from dsakit.ops.indexer import index_topk
+from dsakit.ops.indexer.config import MAX_K
 from dsakit.presets import KeyTransform
 from dsakit.transforms import ROPE_V4, RopeConfig
 

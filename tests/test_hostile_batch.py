@@ -11,8 +11,8 @@ import torch
 from dsakit.batch import PagedBatch
 from dsakit.cache import PagedCache
 from dsakit.formats import KeyFormat
-from dsakit.ops.topk import index_topk, index_topk_reference
-from dsakit.ops.topk.triton import TopkConfig
+from dsakit.ops.indexer import index_topk, index_topk_reference
+from dsakit.ops.indexer.config import TopkConfig
 
 #: the Triton top-k runs on a GPU, or on the CPU under the interpreter
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -65,7 +65,7 @@ def test_unchecked_batch_slots_come_from_the_block_table():
 @pytest.mark.skipif(not TRITON, reason="the Triton top-k needs a GPU or TRITON_INTERPRET=1")
 def test_unchecked_batch_decode_plan_slots_come_from_the_block_table():
     """index_topk_decode with a return-slots plan on an unchecked batch of query_seq [0, 40] (B = 2)."""
-    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+    from dsakit.ops.indexer import index_topk_decode, plan_decode_topk
 
     cache = _two_sequences(device=DEVICE)
     g = torch.Generator().manual_seed(7)

@@ -170,9 +170,9 @@ def _backends():
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.float64])
 def test_integer_or_bool_weights_are_refused_by_every_backend(dtype):
-    from dsakit.ops.scores import index_scores
-    from dsakit.ops.scores.reference import index_scores_dense
-    from dsakit.ops.topk import index_topk
+    from dsakit.ops.indexer import index_scores
+    from dsakit.ops.indexer.reference import index_scores_dense
+    from dsakit.ops.indexer import index_topk
 
     cache, seq = _small_batch()
     batch = cache.batch([seq])
@@ -188,7 +188,7 @@ def test_integer_or_bool_weights_are_refused_by_every_backend(dtype):
 
 @pytest.mark.parametrize("k", [True, False, 0, 2.0, 16385])
 def test_k_is_checked_alike(k):
-    from dsakit.ops.topk import index_topk, select_topk
+    from dsakit.ops.indexer import index_topk, select_topk
 
     cache, seq = _small_batch()
     batch = cache.batch([seq])
@@ -223,7 +223,7 @@ def test_attention_kv_rope_table_of_width_zero_is_refused_by_every_backend():
 
 def test_a_block_table_row_listing_a_page_twice_is_refused_naming_row_and_page():
     from dsakit import PagedBatch
-    from dsakit.ops.topk import index_topk
+    from dsakit.ops.indexer import index_topk
 
     cache, seq = _small_batch()
     table = cache.block_table([seq])  # sequence 0 holds 70 entries on two pages
@@ -287,7 +287,7 @@ def test_a_cache_or_decode_plan_that_cannot_fit_is_refused_naming_the_size():
     from conftest import triton_runnable
 
     if triton_runnable()[0]:
-        from dsakit.ops.topk.decode import plan_decode_topk
+        from dsakit.ops.indexer.plans import plan_decode_topk
 
         with pytest.raises(ValueError, match=r"max_entries 10,000,000,000,000 needs"):
             plan_decode_topk(1, 1, 10 ** 13, 64, "bf16", "cpu")

@@ -90,13 +90,13 @@ def test_captured_topk_beyond_the_entries_runs_as_the_entry_count(monkeypatch):
     from dsakit.recall import captured as captured_module
 
     cap = _planted()
-    select = captured_module.topk_ops.select_topk
+    select = captured_module.indexer_ops.select_topk
 
     def bounded_select(scores, k, **kwargs):  # a [T, 10**9] buffer would take the process down
         assert k <= scores.shape[1], f"select_topk asked for k={k} over {scores.shape[1]} entries"
         return select(scores, k, **kwargs)
 
-    monkeypatch.setattr(captured_module.topk_ops, "select_topk", bounded_select)
+    monkeypatch.setattr(captured_module.indexer_ops, "select_topk", bounded_select)
     assert run_captured(cap, ["bf16"], [10 ** 9])[0]["found"]
     huge, exact = run_captured(cap, ["bf16"], [10 ** 6, 200])  # [T, k] buffers stay small either way
     assert huge["index_topk"] == 10 ** 6 and exact["index_topk"] == 200
@@ -148,7 +148,7 @@ def test_float_needle_entries_in_a_file_are_refused(tmp_path):
 
 
 def test_topk_beyond_what_the_ops_select_is_refused_up_front():
-    from dsakit.ops.topk.config import MAX_K
+    from dsakit.ops.indexer.config import MAX_K
     from dsakit.recall.settings import RecallSettings
 
     with pytest.raises(ValueError, match="topks"):

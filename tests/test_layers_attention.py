@@ -263,13 +263,13 @@ def test_slot_sets_follow_the_block_tables(layer_type):
 def test_layer_stores_make_no_host_value_checks(triton_backend, device, monkeypatch):
     """The layer's stores go to the kernels without the public store ops' host-side slot / position checks
     (a device sync each on a GPU): the cache made the slots. The checks are replaced by a failure here."""
-    import dsakit.ops.store as store_ops
+    import dsakit.ops.store.inputs as store_inputs
 
     def refuse(*args, **kwargs):
         raise AssertionError("host-side value check in the layer's store path")
 
-    monkeypatch.setattr(store_ops, "check_slots", refuse)
-    monkeypatch.setattr(store_ops, "check_rope_positions", refuse)
+    monkeypatch.setattr(store_inputs, "check_slots", refuse)
+    monkeypatch.setattr(store_inputs, "check_rope_positions", refuse)
     layer = random_layer("csa", triton_backend, device)
     cache = layer.new_cache(16, device=device)
     seq = cache.add_sequence()

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dsakit.ops.scores import index_scores_dense
-from dsakit.ops.topk import select_topk
+from dsakit.ops.indexer import index_scores_dense
+from dsakit.ops.indexer import select_topk
 from dsakit.recall.captured import CapturedTensors, capture_deepseek_v4_indexer, load_captured, run_captured, save_captured
 
 

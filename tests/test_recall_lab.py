@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsakit.ops.compress import compress_projected
-from dsakit.ops.scores import index_scores_dense
+from dsakit.ops.indexer import index_scores_dense
 from dsakit.recall import haystack, horizon, report, settings as lab_settings
 from dsakit.recall.faults import FAULTS, decode_fp8_entries, parse_faults
 from dsakit.recall import RecallSettings, recall_horizon, run_faults, run_sweep

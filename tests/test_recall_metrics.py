@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsakit.ops.topk import select_topk
+from dsakit.ops.indexer import select_topk
 from dsakit.recall import metrics
 
 

@@ -20,9 +20,9 @@ from dsakit.formats import AttentionKVFormat, KeyFormat
 from dsakit.ops.attention.reference import sparse_attention_dense, window_topk_indices
 from dsakit.ops.compress.reference import compress, compress_projected
 from dsakit import PagedBatch
-from dsakit.ops.scores.reference import index_scores, index_scores_dense
+from dsakit.ops.indexer.reference import index_scores, index_scores_dense
 from dsakit.ops.store.reference import prepare_index_keys, store_attention_kv, store_index_keys
-from dsakit.ops.topk.reference import index_topk, select_topk, topk_to_slots
+from dsakit.ops.indexer.reference import index_topk, select_topk, topk_to_slots
 from dsakit.presets import KeyTransform
 from dsakit.transforms import RopeConfig, RopeLayout
 
@@ -672,7 +672,7 @@ def test_indexer_topk_cuda_matches_reference(key_format):
     q, w = ix.queries(q_latent, positions), ix.weights(hidden)
     scores = index_scores_dense(q, w, keys, positions, 4)
     assert_topk_sets_equal_up_to_ties(ref, scores, 64, eps=1e-5 * float(scores[torch.isfinite(scores)].abs().max()))
-    # the Triton scores kernel rounds fp32 queries to bf16 for the tensor-core dot (dsakit/ops/scores/triton.py):
+    # the Triton scores kernel rounds fp32 queries to bf16 for the tensor-core dot (dsakit/ops/indexer/scores.py):
     # compare it with the reference run on those rounded queries, tightly
     scores_q16 = index_scores_dense(q.bfloat16().float(), w, keys, positions, 4)
     eps = 1e-4 * float(scores_q16[torch.isfinite(scores_q16)].abs().max())

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from dsakit import PagedBatch
 from dsakit.cache import PagedCache
 from dsakit.formats import KeyFormat, key_codec
-from dsakit.ops.scores import ScoresConfig, index_scores
-from dsakit.ops.scores.reference import index_scores as _reference_scores
-from dsakit.ops.scores.reference import index_scores_dense
+from dsakit.ops.indexer import ScoresConfig, index_scores
+from dsakit.ops.indexer.reference import index_scores as _reference_scores
+from dsakit.ops.indexer.reference import index_scores_dense
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
@@ -39,9 +39,15 @@ def tight_rtol(fmt_name: str, q_dtype: torch.dtype, device: str) -> float:
 
 
 def _triton():
-    from dsakit.ops.scores import triton as scores_triton
+    from dsakit.ops.indexer import scores as scores_triton
 
     return scores_triton
+
+
+def _plans():
+    from dsakit.ops.indexer import plans
+
+    return plans
 
 
 def make_cache(fmt: str, lengths: list[int], device: str, pages_extra: int = 2):
@@ -392,7 +398,7 @@ def deepgemm_semantics(q, kv_cache, weights, context_lens, block_table, max_len)
 
 @pytest.mark.parametrize("lens_2d", [False, True], ids=["context_lens-B", "context_lens-B-next_n"])
 def test_deepgemm_paged_logits(lens_2d, device):
-    from dsakit.ops.scores.deepgemm_compat import deepgemm_fp8_paged_mqa_logits, fp8_paged_mqa_logits
+    from dsakit.ops.indexer.deepgemm_compat import deepgemm_fp8_paged_mqa_logits, fp8_paged_mqa_logits
 
     lengths = [3, 64, 150]
     fmt, pool, table, counts, _ = make_cache("fp8", lengths, device)
@@ -462,22 +468,21 @@ def test_validation_errors(device):
 def test_decode_tile_plan_equals_general_plan_without_sync(next_n, h, device, monkeypatch):
     """plan_decode_tiles builds, from the shape alone, the plan plan_query_tiles builds with a host sync, also
     when a sequence needs several tiles (next_n > 64: it used to fall back to plan_query_tiles and sync)."""
-    scores_triton = _triton()
     b = 3
     query_seq = torch.arange(b, dtype=torch.int32, device=device).repeat_interleave(next_n)
-    general = scores_triton.plan_query_tiles(query_seq, b, h)
+    general = _plans().plan_query_tiles(query_seq, b, h)
 
     def no_sync(*args, **kwargs):
         raise AssertionError("plan_decode_tiles called plan_query_tiles (a host sync)")
 
-    monkeypatch.setattr(scores_triton, "plan_query_tiles", no_sync)
-    decode = scores_triton.plan_decode_tiles(b, next_n, h, device)
+    monkeypatch.setattr(_plans(), "plan_query_tiles", no_sync)
+    decode = _plans().plan_decode_tiles(b, next_n, h, device)
     assert (decode.kernel, decode.size, decode.num_tiles) == (general.kernel, general.size, general.num_tiles)
     for name in ("rows", "tile_seq", "tile_start", "tile_len"):
         got, want = getattr(decode, name), getattr(general, name)
         assert got.dtype == torch.int32 and torch.equal(got.cpu(), want.cpu()), name
     with pytest.raises(ValueError, match="next_n must be an int >= 1"):
-        scores_triton.plan_decode_tiles(b, 0, h, device)
+        _plans().plan_decode_tiles(b, 0, h, device)
 
 
 def test_reused_tile_plan_and_decode_plan(device):
@@ -489,8 +494,8 @@ def test_reused_tile_plan_and_decode_plan(device):
     w = torch.rand(b * next_n, h, device=device)
     query_seq = torch.arange(b, dtype=torch.int32, device=device).repeat_interleave(next_n)
     positions = (counts.long().repeat_interleave(next_n) - 1).to(torch.int32)
-    general = scores_triton.plan_query_tiles(query_seq, b, h)
-    decode = scores_triton.plan_decode_tiles(b, next_n, h, device)
+    general = _plans().plan_query_tiles(query_seq, b, h)
+    decode = _plans().plan_decode_tiles(b, next_n, h, device)
     assert general.kernel == decode.kernel == "group" and general.size == decode.size == 2
     for name in ("rows", "tile_seq", "tile_start", "tile_len"):
         assert torch.equal(getattr(general, name).cpu(), getattr(decode, name).cpu()), name
@@ -501,22 +506,22 @@ def test_reused_tile_plan_and_decode_plan(device):
                            positions.cpu(), 1)
     assert_scores_match(first, ref)
     # a tile-kernel plan for the same queries gives the same scores
-    tile_plan = scores_triton.plan_query_tiles(query_seq, b, h, kernel="tile")
+    tile_plan = _plans().plan_query_tiles(query_seq, b, h, kernel="tile")
     assert tile_plan.kernel == "tile" and tile_plan.size == 16
     assert_scores_match(run_kernel(q, w, pool, fmt, table, counts, query_seq, positions, 1, tiles=tile_plan), ref)
     with pytest.raises(ValueError, match="QueryTiles plan"):
         run_kernel(q[:3], w[:3], pool, fmt, table, counts, query_seq[:3], positions[:3], 1, tiles=general)
     with pytest.raises(ValueError, match="block_t"):
-        scores_triton.plan_query_tiles(query_seq, b, h, kernel="tile", block_t=24)
+        _plans().plan_query_tiles(query_seq, b, h, kernel="tile", block_t=24)
     # out-of-range sequence ids are named (a negative one used to escape as bincount's RuntimeError)
     for bad_value in (-1, b):
         bad_seq = query_seq.clone()
         bad_seq[1] = bad_value
         with pytest.raises(ValueError, match="query_seq values must be in"):
-            scores_triton.plan_query_tiles(bad_seq, b, h)
+            _plans().plan_query_tiles(bad_seq, b, h)
     with pytest.raises(ValueError, match="query_seq values must be in"):
-        scores_triton.plan_query_tiles(query_seq, 0, h)
-    empty = scores_triton.plan_query_tiles(query_seq[:0], 0, h)
+        _plans().plan_query_tiles(query_seq, 0, h)
+    empty = _plans().plan_query_tiles(query_seq[:0], 0, h)
     assert empty.num_tiles == 0 and empty.num_queries == 0
 
 
@@ -535,7 +540,7 @@ def test_unvalidated_bad_input_stays_in_bounds(device):
     bad_counts = torch.tensor([100, 500], dtype=torch.int32, device=device)  # 500 > block table width x 64
     ws = torch.full((t + 2, 600), float("nan"), device=device)
     for kernel in ("tile", "group"):
-        plan = scores_triton.plan_query_tiles(query_seq, 2, h, kernel=kernel)
+        plan = _plans().plan_query_tiles(query_seq, 2, h, kernel=kernel)
         ws.fill_(float("nan"))
         out = scores_kernel(q, w, pool, fmt, bad_table, bad_counts, query_seq, None, 1,
                                                 out=ws[:, :512], tiles=plan, validate=False)
@@ -558,7 +563,7 @@ def test_decode_wrapper_unvalidated_matches(device):
 
 
 def test_deepgemm_non_paged_logits(device):
-    from dsakit.ops.scores.deepgemm_compat import fp8_mqa_logits
+    from dsakit.ops.indexer.deepgemm_compat import fp8_mqa_logits
 
     t, h, n = 7, 16, 150
     q = torch.randn(t, h, 128).to(torch.float8_e4m3fn)
@@ -593,7 +598,7 @@ def test_largest_int32_position_sees_every_entry(device):
                            positions.cpu(), 1)
     assert torch.isfinite(ref[0]).all()
     for kernel in ("tile", "group"):
-        plan = scores_triton.plan_query_tiles(query_seq, 2, h, kernel=kernel)
+        plan = _plans().plan_query_tiles(query_seq, 2, h, kernel=kernel)
         out = run_kernel(q, w, pool, fmt, table, counts, query_seq, positions, 1, tiles=plan)
         assert_scores_match(out, ref)
 
@@ -614,7 +619,7 @@ def test_unvalidated_counts_without_pages_stay_in_bounds(device):
                                         torch.zeros(1, 0, dtype=torch.int32, device=device))}
     for name, (pool, table) in cases.items():
         for kernel in ("tile", "group"):
-            plan = scores_triton.plan_query_tiles(query_seq, 1, h, kernel=kernel)
+            plan = _plans().plan_query_tiles(query_seq, 1, h, kernel=kernel)
             out = torch.full((t + 1, 48), float("nan"), device=device)
             result = scores_kernel(q, w, pool, fmt, table, counts, query_seq, None, 1,
                                                        out=out[:, :40], tiles=plan, validate=False)
@@ -626,7 +631,7 @@ def test_unvalidated_counts_without_pages_stay_in_bounds(device):
 
 def test_maxnreg_validated_and_result_unchanged(triton_backend):
     """A register cap changes only how many programs share an SM, never the scores."""
-    from dsakit.ops.scores.config import ScoresConfig
+    from dsakit.ops.indexer.config import ScoresConfig
 
     for bad in (20, 65, 256, True, 64.0):
         with pytest.raises(ValueError, match="decode_maxnreg.*got"):
@@ -659,7 +664,7 @@ def test_maxnreg_validated_and_result_unchanged(triton_backend):
 def test_decode_launch_defaults(monkeypatch, fmt_name, next_n, expected):
     """The decode kernel's launch choices follow the documented per-format defaults (a launch recorder stands
     in for the kernel, so this checks the policy without running it)."""
-    from dsakit.ops.scores import triton as scores_triton
+    from dsakit.ops.indexer import scores as scores_triton
 
     launches = []
 
@@ -697,7 +702,7 @@ def test_decode_launch_defaults(monkeypatch, fmt_name, next_n, expected):
 ])
 def test_prefill_launch_stages(monkeypatch, fmt_name, config, stages):
     """The tile kernel's pipeline stages: ScoresConfig.prefill_stages, or the key format's measured default."""
-    from dsakit.ops.scores import triton as scores_triton
+    from dsakit.ops.indexer import scores as scores_triton
 
     launches = []
 
@@ -719,7 +724,7 @@ def test_prefill_launch_stages(monkeypatch, fmt_name, config, stages):
 def test_decode_tma_launch_defaults(monkeypatch, next_n, device):
     """fp8 keys with e4m3 queries take the page-copy kernel by default (32 pages per program, 5 stages at every
     next_n); decode_loads="gather" and bf16 queries take the gather kernel."""
-    from dsakit.ops.scores import triton as scores_triton
+    from dsakit.ops.indexer import scores as scores_triton
 
     if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("bulk tensor copies need sm_90+")
@@ -857,7 +862,7 @@ def test_resolved_launch_settings_equal_the_launcher_before(overrides):
     """ScoresConfig.tile_launch / group_launch / tma_launch resolve, for every plain format, query tile and
     width, the same block, tiles per program, warps, stages and register cap as the launcher derived before the
     settings moved into the config object (the H200 table and explicit overrides)."""
-    from dsakit.ops.scores.config import ScoresConfig
+    from dsakit.ops.indexer.config import ScoresConfig
 
     config = ScoresConfig(**overrides)
     for fmt_name in ("bf16", "fp8", "fp4"):
@@ -882,7 +887,7 @@ def test_centred_page_copy_register_caps():
     H200): fp8-centred capped at 96 registers with its page terms loaded in the page's own iteration,
     fp4-centred at 168 with them one page ahead; an explicit cap wins; wider programs and plain fp8 stay
     uncapped."""
-    from dsakit.ops.scores.config import ScoresConfig
+    from dsakit.ops.indexer.config import ScoresConfig
 
     config = ScoresConfig()
     assert config.tma_launch(False, 64, 1 << 16, page_term=True).maxnreg == 96

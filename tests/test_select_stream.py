@@ -1,4 +1,4 @@
-"""Streaming exact top-k (``select_topk_stream`` of dsakit.ops.topk.triton) against the reference ``select_topk``.
+"""Streaming exact top-k (``select_topk_stream`` of dsakit.ops.indexer.select) against the reference ``select_topk``.
 
 The select is exact, so on identical scores it must reproduce the reference bit for bit: same sets, same
 order, same -1 padding. Tiny launch configurations (32-entry buffers and samples, 64-entry tiles) make rows
@@ -12,19 +12,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsakit.ops.topk.reference import select_topk as reference_select
+from dsakit.ops.indexer.reference import select_topk as reference_select
 
 TINY = dict(cap=64, lanes=4, v=8, tie_cap=16, sample=32, num_warps=4, final_warps=4, order_warps=4, bins=32)
 
 
 def _config(splits: int = 1):
-    from dsakit.ops.topk.config import StreamConfig
+    from dsakit.ops.indexer.config import StreamConfig
 
     return StreamConfig(splits=splits, **TINY)
 
 
 def _run(scores, k, splits=1, **kw):
-    from dsakit.ops.topk.triton import SelectBuffers, select_topk_stream
+    from dsakit.ops.indexer.select import SelectBuffers, select_topk_stream
 
     buffers = SelectBuffers.allocate(scores.shape[0], scores.shape[1], k, scores.device,
                                      _config(splits))
@@ -80,9 +80,9 @@ def test_stream_select_counts_unsorted_and_deterministic(triton_backend):
 def test_relu_zero_rows_same_set_on_every_backend(triton_backend):
     """Rows made mostly of exact zeros: every run and every backend selects the reference's set (the
     positive entries, then the lowest-index zeros), in the same order."""
-    from dsakit.ops.topk import select_topk
-    from dsakit.ops.topk.config import SelectConfig
-    from dsakit.ops.topk.triton import select_topk_triton
+    from dsakit.ops.indexer import select_topk
+    from dsakit.ops.indexer.config import SelectConfig
+    from dsakit.ops.indexer.select import select_topk_triton
 
     torch.manual_seed(3)
     scores = torch.relu(torch.randn(4, 300) - 1.8).to(_device())
@@ -99,8 +99,8 @@ def test_relu_zero_rows_same_set_on_every_backend(triton_backend):
 
 
 def test_stream_select_rejects_bad_input(triton_backend):
-    from dsakit.ops.topk.config import STREAM_MAX_K, StreamConfig
-    from dsakit.ops.topk.triton import select_topk_stream
+    from dsakit.ops.indexer.config import STREAM_MAX_K, StreamConfig
+    from dsakit.ops.indexer.select import select_topk_stream
 
     scores = torch.randn(2, 64, device=_device())
     with pytest.raises(ValueError, match="k must be"):
@@ -118,7 +118,7 @@ def test_stream_select_rejects_bad_input(triton_backend):
 def test_default_config_tie_lists_reach_the_second_tile():
     """Every lane's tie list reaches its second tile (tie_cap >= 2 v), so a relu row of zeros is completed
     from the tie lists instead of the exact whole-row passes; every lane holds >= 64 candidates."""
-    from dsakit.ops.topk.config import SelectConfig
+    from dsakit.ops.indexer.config import SelectConfig
 
     for rows, width, k in [(64, 131072, 2048), (256, 131072, 2048), (64, 65536, 512), (8192, 65536, 2048)]:
         cfg = SelectConfig(stream_filter="warp").stream_for(rows, width, k)
@@ -127,7 +127,7 @@ def test_default_config_tie_lists_reach_the_second_tile():
 
 def test_cached_launch_in_row_slices(triton_backend):
     """A cached-buffer launch bounded to a few rows selects in consecutive row slices: same result."""
-    from dsakit.ops.topk._select_stream import launch_stream_select_cached, release_select_buffers
+    from dsakit.ops.indexer.select import launch_stream_select_cached, release_select_buffers
 
     scores = _rows(96).to(_device())
     counts = torch.tensor([96, 50, 96, 96, 3, 96, 96, 96], dtype=torch.int32, device=scores.device)
@@ -140,10 +140,28 @@ def test_cached_launch_in_row_slices(triton_backend):
     assert torch.equal(out.cpu(), reference_select(masked, 5))
 
 
+def test_cached_launch_picks_its_launch_config_once(triton_backend, monkeypatch):
+    """One cached-buffer launch asks SelectConfig.stream_for once (it used to ask twice: for the row budget
+    and again for the buffers, with different shapes)."""
+    from dsakit.ops.indexer.config import SelectConfig
+    from dsakit.ops.indexer.select import launch_stream_select_cached, release_select_buffers
+
+    calls = []
+    real = SelectConfig.stream_for
+    monkeypatch.setattr(SelectConfig, "stream_for", lambda self, *a: (calls.append(a), real(self, *a))[1])
+    scores = _rows(96).to(_device())
+    counts = torch.full((8,), 96, dtype=torch.int32, device=scores.device)
+    out = torch.empty((8, 5), dtype=torch.int32, device=scores.device)
+    release_select_buffers()
+    launch_stream_select_cached(scores, counts, out, 5, True)
+    assert len(calls) == 1
+    assert torch.equal(out.cpu(), reference_select(scores.cpu(), 5))
+
+
 def test_exact_row_stats_name_the_rows_and_why(triton_backend):
     """exact_row_stats lists the rows that took the exact passes, with each split's counters: the rows with
     fewer than k entries >= the threshold show it, and rows from the other paths are not listed."""
-    from dsakit.ops.topk.triton import SelectBuffers, select_topk_stream
+    from dsakit.ops.indexer.select import SelectBuffers, select_topk_stream
 
     scores = _rows(256).to(_device())
     buffers = SelectBuffers.allocate(8, 256, 12, scores.device, _config(2))
@@ -166,7 +184,7 @@ def test_chunked_order_equals_single_program_sort(triton_backend, chunks):
     chunks), rows with fewer candidates than k (-1 padding), ties, and the global slots of a paged batch."""
     from dataclasses import replace
 
-    from dsakit.ops.topk.triton import SelectBuffers, launch_stream_select
+    from dsakit.ops.indexer.select import SelectBuffers, launch_stream_select
 
     scores = _rows(256).to(_device())
     counts = torch.tensor([256, 200, 7, 0, 33, 256, 255, 64], dtype=torch.int32, device=scores.device)
@@ -194,7 +212,7 @@ def test_chunked_order_equals_single_program_sort(triton_backend, chunks):
 def test_rows_that_fit_the_buffer_are_read_directly(triton_backend, monkeypatch):
     """Rows no wider than the candidate buffer skip the filter (the final kernel reads the scores): same
     result as the reference on every rule row, with counts, k above the candidates (-1 padding) and ties."""
-    from dsakit.ops.topk import _select_stream
+    from dsakit.ops.indexer import select as _select_stream
 
     filters = []
     real_filter = _select_stream._launch_filter
@@ -240,7 +258,7 @@ def _launch_rule_before_the_move(rows: int, width: int, k: int) -> dict:
 
 
 def test_launch_settings_unchanged_by_the_move_into_select_config():
-    from dsakit.ops.topk.config import SelectConfig, TopkConfig
+    from dsakit.ops.indexer.config import SelectConfig, TopkConfig
 
     select = SelectConfig()
     assert TopkConfig.for_device("cpu").select == select == SelectConfig.for_device(None)
@@ -259,13 +277,8 @@ def test_launch_settings_unchanged_by_the_move_into_select_config():
     assert SelectConfig(algorithm="stream").uses_stream(8192) and not SelectConfig(algorithm="multipass").uses_stream(1)
     for rows in (1, 511, 512, 8192):  # the chunking of index_topk_triton, as it was in its launcher
         for columns in (64, 65536, 262144, 1 << 20):
-            for overlap in (False, True):
-                config = TopkConfig(overlap=overlap, workspace_bytes=256 << 20)
-                plain = max(1, min(rows, (256 << 20) // (4 * columns)))
-                assert config.overlaps(rows, columns) == (overlap and plain < rows)
-                halved = max(1, min(rows, (128 << 20) // (4 * columns)))
-                want = halved if config.overlaps(rows, columns) else plain
-                assert config.chunk_rows(rows, columns, config.overlaps(rows, columns)) == want
+            config = TopkConfig(workspace_bytes=256 << 20)
+            assert config.chunk_rows(rows, columns) == max(1, min(rows, (256 << 20) // (4 * columns)))
     assert select.stream_for(8, 4096, 16).reads_directly(4096)
     assert not select.stream_for(8, 65536, 16).reads_directly(65536)
     with pytest.raises(ValueError, match="stream must be"):
@@ -280,8 +293,8 @@ THREAD = dict(TINY, v=1, unroll=4, filter="thread")
 
 
 def _thread_run(scores, k, splits=1, **kw):
-    from dsakit.ops.topk.config import StreamConfig
-    from dsakit.ops.topk.triton import SelectBuffers, select_topk_stream
+    from dsakit.ops.indexer.config import StreamConfig
+    from dsakit.ops.indexer.select import SelectBuffers, select_topk_stream
 
     config = StreamConfig(splits=splits, **THREAD)
     buffers = SelectBuffers.allocate(scores.shape[0], scores.shape[1], k, scores.device, config)
@@ -340,7 +353,7 @@ def test_thread_filter_launch_rule():
     for fewer (the H200's measurement), a pair picks per row count, and the configs validate."""
     from dataclasses import replace
 
-    from dsakit.ops.topk.config import SelectConfig, StreamConfig
+    from dsakit.ops.indexer.config import SelectConfig, StreamConfig
 
     assert SelectConfig().stream_for(64, 131072, 2048).filter == "thread"
     assert SelectConfig().stream_for(511, 131072, 2048).filter == "thread"
@@ -369,8 +382,8 @@ def test_thread_filter_launch_rule():
 def test_thread_filter_through_select_config(triton_backend):
     """A SelectConfig carrying a thread-filter launch reaches it through the public launcher (cached buffers,
     consecutive row slices under a small budget): the reference's result."""
-    from dsakit.ops.topk.config import SelectConfig, StreamConfig
-    from dsakit.ops.topk.triton import select_topk_triton
+    from dsakit.ops.indexer.config import SelectConfig, StreamConfig
+    from dsakit.ops.indexer.select import select_topk_triton
 
     scores = _rows(160).to(_device())
     select = SelectConfig(algorithm="stream", stream=StreamConfig(splits=2, **THREAD), cached_bytes=1)
@@ -384,8 +397,8 @@ def test_register_sort_equals_the_plain_sort(triton_backend):
     of 512 = cap entries: the final kernel reads them directly (the filters are tested above)."""
     from dataclasses import replace
 
-    from dsakit.ops.topk.config import StreamConfig
-    from dsakit.ops.topk.triton import SelectBuffers, launch_stream_select
+    from dsakit.ops.indexer.config import StreamConfig
+    from dsakit.ops.indexer.select import SelectBuffers, launch_stream_select
 
     scores = _rows(512).to(_device())
     scores[0, 3:400] = 1.25  # ties at the k-th score
@@ -418,8 +431,8 @@ def test_sample_groups_keep_page_clustered_rows_off_the_exact_path(triton_backen
     the exact top-k; the decode launch rule of 64 rows (4 split programs, thread filter) at 32768 x k 1024."""
     import dataclasses
 
-    from dsakit.ops.topk.config import SelectConfig
-    from dsakit.ops.topk.triton import SelectBuffers, launch_stream_select
+    from dsakit.ops.indexer.config import SelectConfig
+    from dsakit.ops.indexer.select import SelectBuffers, launch_stream_select
 
     n, k = 32768, 1024
     gen = torch.Generator().manual_seed(1)
@@ -440,7 +453,7 @@ def test_sample_groups_keep_page_clustered_rows_off_the_exact_path(triton_backen
 
 
 def test_sample_group_is_validated():
-    from dsakit.ops.topk.config import SelectConfig, StreamConfig
+    from dsakit.ops.indexer.config import SelectConfig, StreamConfig
 
     for bad in (0, 3, 64):
         with pytest.raises(ValueError, match="sample_group"):

@@ -72,7 +72,7 @@ def test_reference_store_checks_slots_once(monkeypatch):
         return real(*args, **kwargs)
 
     import dsakit.ops.store as store_op
-    monkeypatch.setattr(store_op, "check_slots", counting)
+    monkeypatch.setattr(store_op.inputs, "check_slots", counting)
     monkeypatch.setattr(dsakit.pool, "check_slots", counting)
     monkeypatch.setattr(store_op.reference, "check_slots", counting)
     keys, positions, slots, pool, table = _inputs(20, 128, 64, 1, KeyFormat.FP8.page_bytes)

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.reference import index_scores as _reference_scores
-from dsakit.ops.topk import SelectConfig, TopkConfig, index_topk, select_topk
-from dsakit.ops.topk.reference import select_topk as reference_select
-from dsakit.ops.topk.reference import topk_to_slots
+from dsakit.ops.indexer.reference import index_scores as _reference_scores
+from dsakit.ops.indexer import SelectConfig, TopkConfig, index_topk, select_topk
+from dsakit.ops.indexer.reference import select_topk as reference_select
+from dsakit.ops.indexer.reference import topk_to_slots
 
 SMALL_BLOCK = 128  # tile of the streaming passes in tests: N of a few hundred spans several tiles
 # A 32-entry candidate buffer and 32 buckets make small rows go through the range-narrowing passes, the
@@ -30,12 +30,12 @@ SMALL_BLOCK = 128  # tile of the streaming passes in tests: N of a few hundred s
 SMALL_CAP, SMALL_BINS = 32, 32
 
 # Tolerance on scores for the composed path (Triton scores vs reference scores, same inputs): fp32
-# accumulation order and the bf16 rounding of q (see dsakit.ops.scores.triton).
+# accumulation order and the bf16 rounding of q (see dsakit.ops.indexer.scores).
 SCORE_TOL = {"bf16": 2e-2, "fp8": 2e-2, "fp4": 2e-2}
 
 
 def _select(scores, k, *, row_counts=None, sort=True, **kw):
-    from dsakit.ops.topk.triton import select_topk_triton
+    from dsakit.ops.indexer.select import select_topk_triton
 
     kw = {"block": SMALL_BLOCK, "cap": SMALL_CAP, "bins": SMALL_BINS, "algorithm": "multipass", **kw}
     return select_topk_triton(scores, k, row_counts=row_counts, sort=sort, config=SelectConfig(**kw))
@@ -167,7 +167,7 @@ def test_select_property(triton_backend, data):
 
 
 def test_select_rejects_bad_input(triton_backend):
-    from dsakit.ops.topk.triton import select_topk_triton
+    from dsakit.ops.indexer.select import select_topk_triton
 
     scores = torch.randn(2, 10, device=_device(triton_backend))
     with pytest.raises(ValueError, match="k must be"):
@@ -281,7 +281,7 @@ def test_index_topk_triton_rejects_bad_input(triton_backend):
         index_topk(*args, 4, backend="triton", config={"workspace_bytes": 10})
     with pytest.raises(ValueError, match="q has 1 rows but the batch has 2"):
         index_topk(args[0][:1], args[1][:1], args[2], 4, backend="triton")
-    from dsakit.ops.topk.triton import index_topk_triton
+    from dsakit.ops.indexer.triton import index_topk_triton
 
     with pytest.raises(ValueError, match="q_scale"):
         index_topk_triton(*args, 4, q_scale=-torch.ones(2, 4, device=device))
@@ -290,191 +290,8 @@ def test_index_topk_triton_rejects_bad_input(triton_backend):
         batch_of(pool.to(device), fmt, bad_table, counts.to(device), seq.to(device))  # refused when built
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Overlapped prefill (TopkConfig.overlap): the select of chunk i on a side stream while chunk i + 1 is scored
-# ---------------------------------------------------------------------------------------------------------
-
-
-def test_topk_config_overlap_must_be_bool():
-    assert TopkConfig().overlap is False and TopkConfig(overlap=True).overlap is True
-    for bad in ("yes", 1, None):
-        with pytest.raises(ValueError, match=f"overlap must be a bool, got {bad!r}"):
-            TopkConfig(overlap=bad)
-
-
-def _overlap_inputs(device, fmt_name="fp8"):
-    """13 query rows over a 150-entry widest sequence (W' = 256): a 3-row budget makes 5 serial chunks."""
-    fmt = KeyFormat.parse(fmt_name)
-    q, w, pool, table, counts, seq, pos = _ragged_batch(fmt, [150, 0, 70, 3], [5, 2, 4, 2])
-    batch = batch_of(pool.to(device), fmt, table.to(device), counts.to(device), seq.to(device), pos.to(device), 4)
-    return q.to(device), w.to(device), batch, table, seq
-
-
-def test_index_topk_overlap_off_cuda_is_the_serial_path(triton_backend, monkeypatch):
-    """Off CUDA overlap=True takes the serial loop (no stream is touched) and gives overlap=False's output."""
-    from dsakit.ops.topk import triton as topk_triton
-
-    device = _device(triton_backend)
-    if device != "cpu":
-        pytest.skip("checks the CPU path")
-
-    def no_streams(*args, **kwargs):
-        raise AssertionError("the CPU path must not use streams")
-
-    monkeypatch.setattr(topk_triton, "_overlapped_chunks", no_streams)
-    q, w, batch, table, seq = _overlap_inputs(device)
-    budget = 3 * 4 * 256
-    serial = topk_triton.index_topk_triton(q, w, batch, 24, return_slots=True,
-                                           config=TopkConfig(workspace_bytes=budget, overlap=False))
-    overlap = topk_triton.index_topk_triton(q, w, batch, 24, return_slots=True,
-                                            config=TopkConfig(workspace_bytes=budget, overlap=True))
-    assert torch.equal(overlap[0], serial[0]) and torch.equal(overlap[1], serial[1])
-    assert torch.equal(serial[1], topk_to_slots(serial[0], table, seq))
-
-
-class _FakeEvent:
-    made = 0
-
-    def __init__(self, log):
-        self.log, self.name = log, f"e{_FakeEvent.made}"
-        _FakeEvent.made += 1
-
-    def record(self, stream):
-        self.log.append(("record", stream.name, self.name))
-
-
-class _FakeStream:
-    def __init__(self, name, log):
-        self.name, self.log = name, log
-
-    def wait_event(self, event):
-        self.log.append(("wait", self.name, event.name))
-
-    def wait_stream(self, other):
-        self.log.append(("join", self.name, other.name))
-
-
-def test_index_topk_overlap_protocol_with_fake_streams(triton_backend, monkeypatch):
-    """The overlapped loop, run on the CPU with recording stand-ins for the CUDA streams and events: the
-    same output as the serial loop, scores on the caller's stream, selects on the side stream, the two
-    workspaces in turn, and exactly the event protocol (select i waits for scores i; scores i >= 2 wait for
-    select i - 2, the last reader of their buffer; the caller's stream joins the side stream at the end)."""
-    import contextlib
-
-    from dsakit.ops.topk import triton as topk_triton
-
-    device = _device(triton_backend)
-    if device != "cpu":
-        pytest.skip("the real streams run in the GPU test")
-    log: list = []
-    main, side = _FakeStream("main", log), _FakeStream("side", log)
-    current = ["main"]
-
-    @contextlib.contextmanager
-    def on_stream(stream):
-        before, current[0] = current[0], stream.name
-        try:
-            yield
-        finally:
-            current[0] = before
-
-    real_scores, real_select = topk_triton.launch_index_scores, topk_triton.launch_select
-
-    def scores(q, weights, batch, out, tiles, *, start, **kw):
-        log.append(("scores", current[0], start, out.data_ptr()))
-        return real_scores(q, weights, batch, out, tiles, start=start, **kw)
-
-    def select(scores_, counts, out, *args, **kw):
-        log.append(("select", current[0], scores_.data_ptr()))
-        return real_select(scores_, counts, out, *args, **kw)
-
-    _FakeEvent.made = 0
-    monkeypatch.setattr(topk_triton, "_has_streams", lambda device: True)
-    monkeypatch.setattr(topk_triton, "_side_stream", lambda device: side)
-    monkeypatch.setattr(topk_triton, "launch_index_scores", scores)
-    monkeypatch.setattr(topk_triton, "launch_select", select)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: _FakeEvent(log))
-    monkeypatch.setattr(torch.cuda, "stream", on_stream)
-    q, w, batch, table, seq = _overlap_inputs(device)
-    # 3 rows serial -> 1 row per chunk overlapped (budget // 2 holds one 256-column row): 13 chunks
-    budget = 3 * 4 * 256
-    got = topk_triton.index_topk_triton(q, w, batch, 24, return_slots=True,
-                                        config=TopkConfig(workspace_bytes=budget, overlap=True))
-    chunks = q.shape[0]
-    assert sum(entry[0] == "scores" for entry in log) == chunks
-    ptrs = [entry[3] for entry in log if entry[0] == "scores"]
-    assert ptrs[0] != ptrs[1] and all(p == ptrs[i % 2] for i, p in enumerate(ptrs))
-    expected = []
-    for i in range(chunks):
-        ready, free = f"e{2 * i}", f"e{2 * i + 1}"
-        if i >= 2:
-            expected.append(("wait", "main", f"e{2 * (i - 2) + 1}"))
-        expected += [("scores", "main", i, ptrs[i % 2]), ("record", "main", ready), ("wait", "side", ready),
-                     ("select", "side", ptrs[i % 2]), ("record", "side", free)]
-    expected.append(("join", "main", "side"))
-    assert log == expected
-    log.clear()
-    serial = topk_triton.index_topk_triton(q, w, batch, 24, return_slots=True,
-                                           config=TopkConfig(workspace_bytes=budget, overlap=False))
-    assert not any(entry[0] in ("wait", "record", "join") for entry in log)  # the serial loop uses no stream
-    assert torch.equal(got[0], serial[0]) and torch.equal(got[1], serial[1])
-    assert torch.equal(got[1], topk_to_slots(got[0], table, seq))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams, sync debug mode and graphs need CUDA")
-@pytest.mark.parametrize("fmt_name", ["fp8", "bf16"])
-def test_index_topk_overlap_cuda_matches_serial_without_sync_and_under_graph_capture(fmt_name):
-    """On CUDA with many chunks, overlap=True gives overlap=False's indices and slots bit for bit; a second
-    call makes no device->host sync; a captured call replays to the same result, and to a fresh eager call's
-    after the inputs change in place."""
-    from dsakit.ops.topk.triton import index_topk_triton
-
-    torch.manual_seed(11)
-    fmt = KeyFormat.parse(fmt_name)
-    q, w, pool, table, counts, seq, pos = _ragged_batch(fmt, [700, 0, 300, 64, 1000], [40, 3, 20, 5, 60])
-    batch = batch_of(pool.cuda(), fmt, table.cuda(), counts.cuda(), seq.cuda(), pos.cuda(), 4)
-    q, w = q.cuda().to(torch.bfloat16), w.cuda()
-    k = 64
-    budget = 8 * 4 * 1024  # W' = 1024: 8 rows per serial chunk, 4 per overlapped one, 32 chunks of 128 rows
-    serial_config = TopkConfig(workspace_bytes=budget, overlap=False)
-    config = TopkConfig(workspace_bytes=budget, overlap=True)
-    for return_slots in (False, True):
-        serial = index_topk_triton(q, w, batch, k, return_slots=return_slots, config=serial_config)
-        got = index_topk_triton(q, w, batch, k, return_slots=return_slots, config=config)
-        if return_slots:
-            assert torch.equal(got[1], serial[1])
-            assert torch.equal(got[1].cpu(), topk_to_slots(got[0].cpu(), table, seq))
-            got, serial = got[0], serial[0]
-        assert torch.equal(got, serial)
-    ref_scores = reference_scores(q.float(), w, pool, fmt, table, counts, seq, pos, 4)
-    _check_against_reference(got.cpu(), ref_scores, k, SCORE_TOL[fmt.kind])
-
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        again = index_topk_triton(q, w, batch, k, config=config)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert torch.equal(again, got)
-
-    torch.cuda.synchronize()  # the calls above filled every cache: the capture allocates only its output
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = index_topk_triton(q, w, batch, k, config=config)
-    captured.fill_(-7)
-    graph.replay()
-    assert torch.equal(captured, got)
-    q.copy_(torch.randn(q.shape, device="cuda").to(torch.bfloat16))
-    w.copy_(torch.rand(w.shape, device="cuda") + 0.1)
-    graph.replay()
-    fresh = index_topk_triton(q, w, batch, k, config=serial_config)
-    assert not torch.equal(fresh, got) and torch.equal(captured, fresh)
-
-
 # --------------------------------------------------------------------------------------------------
-# Decode plan path (dsakit.ops.topk.decode): sync-free, preallocated, CUDA-graph-capturable
+# Decode plan path (dsakit.ops.indexer.plans): sync-free, preallocated, CUDA-graph-capturable
 # --------------------------------------------------------------------------------------------------
 
 DECODE_HEADS = 16  # the smallest H the decode group kernel takes (the real decode kernel, not the tile one)
@@ -521,7 +338,7 @@ def _decode_batch_of(device, pool, fmt, table, counts, next_n, positions=None, r
 
 @pytest.mark.parametrize("fmt_name,next_n", [("bf16", 1), ("fp8", 2), ("fp4", 1)])
 def test_decode_plan_matches_reference(triton_backend, fmt_name, next_n):
-    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+    from dsakit.ops.indexer import index_topk_decode, plan_decode_topk
 
     fmt = KeyFormat.parse(fmt_name)
     device = _device(triton_backend)
@@ -548,16 +365,42 @@ def test_decode_plan_matches_reference(triton_backend, fmt_name, next_n):
     assert bool((got[:next_n] == -1).all())  # the empty sequence selects nothing
 
 
+def test_candidate_buffers_only_on_the_multipass_path(triton_backend):
+    """The multi-pass select's candidate buffers are allocated only when that select runs: not by the
+    streaming path of index_topk_triton (k <= 4096) nor by a streaming decode plan."""
+    from dsakit.ops.indexer import plan_decode_topk
+    from dsakit.ops.indexer import triton as topk_triton
+
+    fmt = KeyFormat.parse("bf16")
+    device = _device(triton_backend)
+    q, w, pool, table, cnt, pos = _decode_batch(fmt, [40, 70], 1, max_pages=2, seed=3)
+    batch = _decode_batch_of(device, pool, fmt, table, cnt, 1, pos, 4)
+    q, w = _on(device, q.reshape(2, DECODE_HEADS, 128), w.reshape(2, DECODE_HEADS))
+    for algorithm, has_candidates in (("auto", False), ("multipass", True)):
+        topk_triton.release_workspaces()
+        config = TopkConfig(select=SelectConfig(algorithm=algorithm))
+        streamed = topk_triton.index_topk_triton(q, w, batch, 8, config=config)
+        roles = {key[0] for key in topk_triton._BUFFERS}
+        assert ("cand_vals" in roles) == has_candidates and ("cand_idx" in roles) == has_candidates, roles
+        plan = plan_decode_topk(2, 1, 128, 8, fmt, device, num_heads=DECODE_HEADS,
+                                select=SelectConfig(algorithm=algorithm))
+        assert (plan.cand_vals is not None) == has_candidates and (plan.stream is None) == has_candidates
+        if algorithm == "auto":
+            first = streamed.cpu()
+    assert torch.equal(streamed.cpu(), first)  # the same selection either way
+
+
 def test_decode_plan_reuse_two_batches_and_no_positions(triton_backend):
-    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+    from dsakit.ops.indexer import index_topk_decode, plan_decode_topk
 
     fmt = KeyFormat.parse("fp8")
     device = _device(triton_backend)
     k = 16
     plan = plan_decode_topk(3, 2, 128, k, fmt, device, num_heads=DECODE_HEADS)
-    # the memory formula of the docs: 4 R W + 8 R 2048 + 4 R K + 8 R + 12 B bytes (R = B * next_n = 6) + the
-    # streaming select's buffers
-    assert plan.workspace_bytes == 4 * 6 * 128 + 8 * 6 * 2048 + 4 * 6 * k + 8 * 6 + 12 * 3 + plan.stream.nbytes
+    # the memory formula of the docs: 4 R W + 4 R K + 8 R + 12 B bytes (R = B * next_n = 6) + the streaming
+    # select's buffers (no multi-pass candidate buffers on the streaming path)
+    assert plan.cand_vals is None and plan.cand_idx is None
+    assert plan.workspace_bytes == 4 * 6 * 128 + 4 * 6 * k + 8 * 6 + 12 * 3 + plan.stream.nbytes
     results = []
     for seed, counts in ((2, [100, 3, 128]), (3, [40, 128, 0])):  # same shape, different values and lengths
         q, w, pool, table, cnt, _ = _decode_batch(fmt, counts, 2, max_pages=2, seed=seed, ratio=1)
@@ -575,7 +418,7 @@ def test_decode_plan_reuse_two_batches_and_no_positions(triton_backend):
 def test_decode_plan_bad_values_stay_in_bounds(triton_backend):
     """An unchecked batch (validate=False) with counts beyond the workspace and page ids outside the pool: no
     crash, -1 padding kept, every index inside the workspace; a validated batch names the bad value."""
-    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+    from dsakit.ops.indexer import index_topk_decode, plan_decode_topk
 
     fmt = KeyFormat.parse("bf16")
     device = _device(triton_backend)
@@ -600,7 +443,7 @@ def test_decode_plan_bad_values_stay_in_bounds(triton_backend):
 
 
 def test_decode_plan_rejects_bad_input(triton_backend):
-    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+    from dsakit.ops.indexer import index_topk_decode, plan_decode_topk
 
     fmt = KeyFormat.parse("bf16")
     device = _device(triton_backend)
@@ -637,7 +480,7 @@ def test_decode_plan_rejects_bad_input(triton_backend):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
 def test_decode_plan_cuda_graph_replay():
-    from dsakit.ops.topk import index_topk_decode, plan_decode_topk
+    from dsakit.ops.indexer import index_topk_decode, plan_decode_topk
 
     fmt = KeyFormat.parse("fp8")
     k = 32

@@ -27,8 +27,9 @@ from bench_centred import PLAIN, centred_pool
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.triton import index_scores_triton
-from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
+from dsakit.ops.indexer.scores import index_scores_triton
+from dsakit.ops.indexer.triton import index_topk_decode
+from dsakit.ops.indexer.plans import plan_decode_topk
 
 
 def main() -> int:

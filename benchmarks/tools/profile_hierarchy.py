@@ -18,8 +18,8 @@ from bench_hierarchy import device_summaries  # noqa: E402
 
 from dsakit import PagedBatch  # noqa: E402
 from dsakit.formats import KeyFormat  # noqa: E402
-from dsakit.ops.topk import HierarchyConfig  # noqa: E402
-from dsakit.ops.topk.hierarchy import hierarchical_topk_triton  # noqa: E402
+from dsakit.ops.indexer import HierarchyConfig  # noqa: E402
+from dsakit.ops.indexer.hierarchy import hierarchical_topk_triton  # noqa: E402
 
 
 def main() -> int:

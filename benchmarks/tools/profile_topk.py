@@ -4,7 +4,7 @@ path) or prefill (T queries x N entries of one sequence, the chunked ``index_top
     ncu --clock-control none -k regex:"_index_scores|_filter|_final|_order" -c 8 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
         python3 benchmarks/tools/profile_topk.py [--mode decode|prefill] [--n 131072] [--format fp8] \
-            [--prefill-kernel triton|gluon] [--stream-filter warp|thread]
+            [--stream-filter warp|thread]
 
 q is fp8 e4m3 for fp8 / fp4 keys and bf16 for bf16 keys (the benchmarks' convention). Warm-up calls compile
 the kernels first; the profiled launches are those of the last call (``-c`` bounds how many ncu records).
@@ -23,9 +23,10 @@ from _common import make_queries, timing_pool
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.topk.decode import index_topk_decode, plan_decode_topk
-from dsakit.ops.topk.config import TopkConfig
-from dsakit.ops.topk.triton import index_topk_triton
+from dsakit.ops.indexer.triton import index_topk_decode
+from dsakit.ops.indexer.plans import plan_decode_topk
+from dsakit.ops.indexer.config import TopkConfig
+from dsakit.ops.indexer.triton import index_topk_triton
 
 
 def main() -> int:
@@ -36,8 +37,6 @@ def main() -> int:
     ap.add_argument("--t", type=int, default=1024, help="prefill: queries (one workspace chunk by default)")
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--format", default="fp8")
-    ap.add_argument("--prefill-kernel", default=None, choices=("triton", "gluon", "auto"),
-                    help="prefill: ScoresConfig.prefill_kernel (default: the GPU's table)")
     ap.add_argument("--stream-filter", default=None, choices=("warp", "thread"),
                     help="SelectConfig.stream_filter (default: the GPU's table)")
     args = ap.parse_args()
@@ -58,8 +57,6 @@ def main() -> int:
         q, w, qs = make_queries(q_kind, args.t, 64, "cuda", seed=12)
         batch = PagedBatch.build(pool, fmt, table, counts, torch.zeros(args.t, device="cuda", dtype=torch.int32))
         config = TopkConfig.for_device("cuda")
-        if args.prefill_kernel is not None:
-            config = replace(config, scores=replace(config.scores, prefill_kernel=args.prefill_kernel))
         if args.stream_filter is not None:
             config = replace(config, select=replace(config.select, stream_filter=args.stream_filter))
         call = lambda: index_topk_triton(q, w, batch, args.k, q_scale=qs, config=config)  # noqa: E731

@@ -4,7 +4,7 @@ come in runs of similar values, by sample layout (CPU only, no GPU, seconds).
 Rows: each 64-entry page carries an offset drawn with standard deviation ``sigma`` (in units of the entries'
 own spread), like the page term of the centred formats or the locality of neighbouring tokens:
 ``score = sigma * N(0, 1)[page] + N(0, 1)[entry]``. For each launch shape the script reproduces, in torch,
-what decides the path in the kernels (``dsakit/ops/topk/_select_kernels.py``): the sample positions of
+what decides the path in the kernels (``dsakit/ops/indexer/_select_kernels.py``): the sample positions of
 ``_sample_threshold`` for a sample group size, the sample rank m + MARGIN sqrt(m) + 2, the candidates above the
 threshold, and each lane's count against its buffer (split s streams the tiles s, s + splits, ... of
 lanes * v entries; lane l owns entries l * v .. l * v + v - 1 of each tile). A row takes the exact passes when a lane overflows or fewer than k entries pass.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dsakit.ops.topk.config import SelectConfig, StreamConfig
+from dsakit.ops.indexer.config import SelectConfig, StreamConfig
 
 SIGMAS = (0.0, 0.5, 1.0, 3.0)
 # (name, rows of the launch, entries per row, k, filter of the launch)
@@ -93,7 +93,7 @@ def emulate(rows: int) -> list[dict]:
 
 def check(rows: int) -> bool:
     """The real select (interpreter) against the emulation: decode-like launch, sigma 3, groups of 8 and 32."""
-    from dsakit.ops.topk.triton import SelectBuffers, launch_stream_select
+    from dsakit.ops.indexer.select import SelectBuffers, launch_stream_select
 
     n, k, ok = 65536, 2048, True
     scores = clustered_rows(rows, n, 3.0, seed=30)

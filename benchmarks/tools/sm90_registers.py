@@ -4,7 +4,7 @@
 
 Compiles ``_index_scores_group_kernel`` (decode) and ``_index_scores_tile_kernel`` (prefill) ahead of time for
 sm_90a with Triton's own compiler and the ptxas it ships (no CUDA device or driver needed), with the
-launch settings that :class:`dsakit.ops.scores.config.ScoresConfig` resolves for the launcher (tile sizes,
+launch settings that :class:`dsakit.ops.indexer.config.ScoresConfig` resolves for the launcher (tile sizes,
 warps, stages), and
 records per case the registers per thread, the spill bytes and whether ptxas serialized the wgmma pipeline
 for lack of registers. A case that ptxas refuses (register allocation failed) is recorded as an error and the
@@ -36,8 +36,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from dsakit.formats.codes import KEY_CODECS, KeyCode  # noqa: E402
-from dsakit.ops.scores import index_scores_kernels  # noqa: E402
-from dsakit.ops.scores.config import ScoresConfig  # noqa: E402
+from dsakit.ops.indexer import index_scores_kernels  # noqa: E402
+from dsakit.ops.indexer.config import ScoresConfig  # noqa: E402
 
 INT_ARGS = ("width", "ratio", "num_pages", "num_seqs", "max_pages", "stride_qt", "stride_qh", "stride_wt",
             "stride_wh", "stride_st", "stride_sh", "stride_bt", "stride_out", "stride_ps", "stride_pp", "stride_ph")

@@ -4,7 +4,7 @@ instructions per streamed entry of the filter loop (warp filter against thread f
     PYTHONPATH=. python3 benchmarks/tools/sm90_select.py --out DIR
 
 For each launch of ``SelectConfig().stream_for`` (warp filter, the default),
-``SelectConfig(stream_filter="thread").stream_for`` and the same with ``stream_register_sort`` at 8192 x 65536,
+``SelectConfig(stream_filter="thread").stream_for`` (both with the register-blocked sort) at 8192 x 65536,
 64 x 65536 and 64 x 131072 (K 2048), compiles the kernels the public launcher ``launch_stream_select`` launches for it (recorded on
 meta tensors, nothing runs) with Triton's own compiler (``triton.compile`` with ``GPUTarget("cuda", 90, 32)``;
 16-byte aligned pointers and a row stride that is a multiple of 16, as on the GPU), reads registers and stack
@@ -35,8 +35,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from dsakit.ops.topk.config import SelectConfig, StreamConfig  # noqa: E402
-from dsakit.ops.topk.triton import SelectBuffers, launch_stream_select  # noqa: E402
+from dsakit.ops.indexer.config import SelectConfig, StreamConfig  # noqa: E402
+from dsakit.ops.indexer.select import SelectBuffers, launch_stream_select  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SHAPES = [(8192, 65536, 2048), (64, 65536, 2048), (64, 131072, 2048)]
@@ -131,8 +131,7 @@ def main() -> int:
     args = parser.parse_args()
     rows_out = []
     for rows, width, k in SHAPES:
-        for select in (SelectConfig(), SelectConfig(stream_filter="thread"),
-                       SelectConfig(stream_filter="thread", stream_register_sort=True)):
+        for select in (SelectConfig(), SelectConfig(stream_filter="thread")):  # both with the register sort
             cfg = select.stream_for(rows, width, k)
             for name, kernel, consts, warps, per_thread in launch_cases(cfg, rows, width, k):
                 row = {"rows": rows, "N": width, "K": k, "filter": cfg.filter, "register_sort": cfg.register_sort,

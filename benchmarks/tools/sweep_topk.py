@@ -30,10 +30,12 @@ from bench_indexer import make_scores
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat
-from dsakit.ops.scores.config import ScoresConfig
-from dsakit.ops.scores.triton import launch_index_scores, plan_decode_tiles, prepare_q
-from dsakit.ops.topk.config import SelectConfig, StreamConfig, TopkConfig
-from dsakit.ops.topk.triton import SelectBuffers, index_topk_triton, launch_stream_select
+from dsakit.ops.indexer.config import ScoresConfig
+from dsakit.ops.indexer.scores import launch_index_scores, prepare_q
+from dsakit.ops.indexer.plans import plan_decode_tiles
+from dsakit.ops.indexer.config import SelectConfig, StreamConfig, TopkConfig
+from dsakit.ops.indexer.select import SelectBuffers, launch_stream_select
+from dsakit.ops.indexer.triton import index_topk_triton
 
 HEADS = 64
 

@@ -23,6 +23,6 @@ def select_queries(batch: PagedBatch, rows: torch.Tensor) -> PagedBatch:
 def index_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, k: int, *, backend: str = "auto",
                return_slots: bool = False):
     """The ordinary single-device top-k of ``batch``'s queries: int32 [T, k] (and slots with return_slots)."""
-    from ..ops.topk import index_topk as op
+    from ..ops.indexer import index_topk as op
 
     return op(q, weights, batch, k, backend=backend, return_slots=return_slots)

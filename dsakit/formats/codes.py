@@ -26,7 +26,7 @@ class KeyCode(IntEnum):
 @dataclass(frozen=True)
 class KeyCodec:
     """Kernel-side description of a key encoding: layout and semantics only (launch tuning lives in the ops'
-    config objects, e.g. :class:`dsakit.ops.scores.config.ScoresConfig`).
+    config objects, e.g. :class:`dsakit.ops.indexer.config.ScoresConfig`).
 
     code: the KeyCode the codec functions switch on. fp8_dot: the stored values can feed fp8 tensor cores as
     they are (the per-entry scale is then applied per score column). page_term: the format keeps a side value

@@ -46,7 +46,7 @@ from .._memory import check_int, check_tensor
 from ..cache import PagedCache
 from ..formats import ATTENTION_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ..ops import attention as attention_ops
-from ..ops import topk as topk_ops
+from ..ops import indexer as indexer_ops
 from ..ops._backend import resolve_backend
 from ..ops.store import AttentionKVStore, IndexKeyStore, store_checked
 from ..transforms import ROPE_V4
@@ -114,7 +114,7 @@ def _topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedCache, seq: int, k
     """index_topk for the queries of one sequence -> int32 [T, k] entry indices (-1 padded), on q's device.
     The batch comes from the cache's host metadata (no device sync)."""
     batch = cache.batch([seq], query_lens=[q.shape[0]], query_positions=positions, ratio=ratio)
-    return topk_ops.index_topk(q, weights, batch, k, backend=backend).to(q.device)
+    return indexer_ops.index_topk(q, weights, batch, k, backend=backend).to(q.device)
 
 
 def _config_property(name: str, doc: str) -> property:

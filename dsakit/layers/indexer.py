@@ -20,7 +20,7 @@ N = S // ratio compressed entries, K top-k. Pipeline::
     c       = compress(hidden, wkv, wgate, ape, ratio)          (pre-norm entries)              [N, D]
     k[j]    = hadamard(rope_V4(RMSNorm(c[j]) * norm_weight, position 4j))   -> quantized to a   [N, D]
               PagedCache of the chosen key format by dsakit.ops.store.store_index_keys
-    top-k   = dsakit.ops.topk.index_topk(q, w, cache.batch(...), k), entry j visible to t iff j < (pos_t + 1) // 4
+    top-k   = dsakit.ops.indexer.index_topk(q, w, cache.batch(...), k), entry j visible to t iff j < (pos_t + 1) // 4
 
 (wq_b = q_b_proj.weight, weights_proj = scorer.weights_proj.weight, wkv / wgate = kv_proj / gate_proj.weight,
 ape = position_bias, norm_weight = kv_norm.weight: the names of the formulas are properties of the module.)
@@ -43,9 +43,9 @@ from .._memory import INDEX_DTYPES, check_float, check_instance, check_int, chec
 from ..cache import PagedCache
 from ..formats import INDEX_HEAD_DIM, KeyFormat
 from ..ops.compress import compress
-from ..ops.scores import index_scores_dense
+from ..ops.indexer import index_scores_dense
 from ..ops.store import prepare_index_keys, store_index_keys
-from ..ops.topk import index_topk
+from ..ops.indexer import index_topk
 from ..presets import DSAPreset, get_preset
 from ..transforms import RopeConfig, apply_rope, hadamard_matrix, hadamard_transform
 from .from_transformers import indexer_arguments_from_transformers, rope_from_transformers
@@ -265,10 +265,10 @@ class V4Indexer(V4Compressor):
         """Prefill top-k of one sequence: hidden [S, hidden], q_latent [S, q_lora_rank] -> int32 [S, K] entry indices.
 
         Keys are stored with ``store_index_keys`` into a fresh PagedCache of ``key_format`` and selected with
-        ``index_topk`` (rules of dsakit.ops.topk: descending score, ties to the lower index, -1 padding once
+        ``index_topk`` (rules of dsakit.ops.indexer: descending score, ties to the lower index, -1 padding once
         the visible entries are used up). ``positions`` defaults to 0..S-1; ``k`` to the preset's index_topk.
         ``device`` (default: hidden's) holds the cache; on CUDA ``backend="auto"`` runs the Triton kernels,
-        whose scores kernel rounds the fp32 queries to bf16 for its tensor-core dot (see dsakit.ops.scores).
+        whose scores kernel rounds the fp32 queries to bf16 for its tensor-core dot (see dsakit.ops.indexer).
         """
         _check_rows(hidden, self.hidden_size, "hidden")
         _check_rows(q_latent, self.q_lora_rank, "q_latent")

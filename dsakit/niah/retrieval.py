@@ -21,7 +21,7 @@ model's do. The procedure, for one prompt of S tokens:
    with its component along mu removed (the question asks for content, not for "any text"); then
    q = c + ``query_common_share`` * |c| * mu/|mu|, a positive share of mu so that relu(q . k) passes every
    entry; rope at the last prompt position, Hadamard; one head, weight 1. Selection with
-   :func:`dsakit.ops.topk.index_topk` (k = ``topk``, ratio r, causal, reference backend).
+   :func:`dsakit.ops.indexer.index_topk` (k = ``topk``, ratio r, causal, reference backend).
 6. Reading: each selected entry is read together with the ``read_ahead_tokens`` tokens that follow it (a
    fact's value follows its key in text, and a sliding window would see it). The answer is every distinct
    code (``WORD-1234-WORD``) found in the read text, in rank order of the entries, joined by ", ";
@@ -96,7 +96,7 @@ class RetrievalConfig:
         for name, low in (("topk", 1), ("compress_ratio", 1), ("read_ahead_tokens", 0), ("max_context", 1),
                           ("embed_seed", 0)):
             check_int(name, getattr(self, name), low)
-        from ..ops.topk.config import MAX_K
+        from ..ops.indexer.config import MAX_K
 
         if self.topk > MAX_K:
             raise ValueError(f"topk must be <= {MAX_K} (what the top-k ops select at most), got {self.topk}")
@@ -262,6 +262,6 @@ class RetrievalModel:
 
 
 def _index_topk():
-    from ..ops.topk import index_topk
+    from ..ops.indexer import index_topk
 
     return index_topk

@@ -31,10 +31,9 @@ from ..batch import visible_counts
 from ..cache import PagedCache
 from .._memory import check_choice, check_instance, check_int, check_int_list, check_tensor
 from ..formats import KeyFormat
-from ..ops import scores as scores_ops
-from ..ops import topk as topk_ops
+from ..ops import indexer as indexer_ops
 from ..ops import resolve_backend
-from ..ops.topk.config import MAX_K
+from ..ops.indexer.config import MAX_K
 from ..transforms import hadamard_transform
 from . import metrics
 
@@ -173,7 +172,7 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
         q, k = hadamard_transform(q), hadamard_transform(k)
     t, n = q.shape[0], k.shape[0]
     pos = captured.query_positions
-    exact_scores = scores_ops.index_scores_dense(q, captured.weights, k, pos, captured.ratio)
+    exact_scores = indexer_ops.index_scores_dense(q, captured.weights, k, pos, captured.ratio)
     counts = visible_counts(torch.full((t,), n), pos, captured.ratio) if pos is not None else torch.full((t,), n)
     needle = captured.needle_entries
     records = []
@@ -185,14 +184,14 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
         common = dict(q=q.to(device), weights=captured.weights.to(device),
                       batch=cache.batch([seq], query_lens=[t], query_positions=None if pos is None else pos.to(device),
                                         ratio=captured.ratio))
-        scores = scores_ops.index_scores(**common, backend=backend).float().cpu()
+        scores = indexer_ops.index_scores(**common, backend=backend).float().cpu()
         for kk in topks:
             k_run = min(kk, n)
-            exact_topk = topk_ops.select_topk(exact_scores, k_run)
+            exact_topk = indexer_ops.select_topk(exact_scores, k_run)
             if resolve_backend(backend, cache.pool) == "reference":
-                topk = topk_ops.select_topk(scores, k_run)
+                topk = indexer_ops.select_topk(scores, k_run)
             else:
-                topk = topk_ops.index_topk(**common, k=k_run, backend=backend).cpu()
+                topk = indexer_ops.index_topk(**common, k=k_run, backend=backend).cpu()
             rec = {"kind": "run", "source": source, "fault": "none", "format": fmt.name, "index_topk": kk,
                    "context_tokens": n * captured.ratio, "entries": n, "query_tokens": t, "depth": None,
                    "set_recall": metrics.set_recall(topk, exact_topk),

@@ -25,11 +25,10 @@ import torch
 from ..cache import PagedCache
 from ..pool import read_centres, read_entries
 from ..formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
-from ..ops import scores as scores_ops
+from ..ops import indexer as indexer_ops
 from ..ops import store as store_ops
-from ..ops import topk as topk_ops
 from ..ops._backend import resolve_backend
-from ..ops.scores.reference import visible_counts
+from ..ops.indexer.reference import visible_counts
 from ..presets import KeyTransform
 from ..transforms import RopeLayout
 from . import metrics
@@ -134,15 +133,15 @@ class StoredHaystack:
                 keys = KeyFormat.parse(cache.fmt.kind).dequantize(values, scales)
             if is_centred(cache.fmt) and self.fault.centre:
                 keys = keys + read_centres(cache.pool, cache.fmt, slots)  # the fault is in the residual's decoding
-            scores = scores_ops.index_scores_dense(q, weights, keys, op_positions, self.config.ratio)
-            return scores, {k: topk_ops.select_topk(scores, k) for k in ks}
+            scores = indexer_ops.index_scores_dense(q, weights, keys, op_positions, self.config.ratio)
+            return scores, {k: indexer_ops.select_topk(scores, k) for k in ks}
         common = self.op_kwargs(fmt_name, q, weights, op_positions)
-        scores = scores_ops.index_scores(**common, backend=self.backend).float().cpu()
+        scores = indexer_ops.index_scores(**common, backend=self.backend).float().cpu()
         if resolve_backend(self.backend, cache.pool) == "reference":
             # index_topk's reference is select_topk(index_scores(...)): reuse the scores instead of a second pass
-            topk = {k: topk_ops.select_topk(scores, k) for k in ks}
+            topk = {k: indexer_ops.select_topk(scores, k) for k in ks}
         else:
-            topk = {k: topk_ops.index_topk(**common, k=k, backend=self.backend).cpu() for k in ks}
+            topk = {k: indexer_ops.index_topk(**common, k=k, backend=self.backend).cpu() for k in ks}
         return scores, topk
 
     def run_depth(self, depth: float, generator: torch.Generator, ks: Sequence[int]) -> list[dict]:
@@ -165,8 +164,8 @@ class StoredHaystack:
         exact_keys[needle.entries] = store_ops.prepare_index_keys(
             keys=needle.keys, positions=needle.entries * ratio, rope_cos_sin=self.table,
             norm_weight=hay.norm_weight, transform=tr)
-        exact_scores = scores_ops.index_scores_dense(q_exact, weights, exact_keys, qpos, ratio)
-        exact_topk = {k: topk_ops.select_topk(exact_scores, k) for k in ks}
+        exact_scores = indexer_ops.index_scores_dense(q_exact, weights, exact_keys, qpos, ratio)
+        exact_topk = {k: indexer_ops.select_topk(exact_scores, k) for k in ks}
         exact_rank = metrics.needle_rank(exact_scores[-1], needle.entries)
         op_positions = qpos + self.fault.visibility_shift * ratio
         records = []

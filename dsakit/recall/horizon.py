@@ -17,7 +17,7 @@ import torch
 
 from ..cache import PagedCache
 from ..formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
-from ..ops import scores as scores_ops
+from ..ops import indexer as indexer_ops
 from ..ops import store as store_ops
 from . import metrics
 from .haystack import pages_for, needle_rows, with_needle
@@ -112,7 +112,7 @@ class HorizonHaystack:
                                    norm_weight=self.haystack.norm_weight.to(self.device),
                                    transform=self.haystack.config.geometry.key_transform, backend=self.backend)
         stored = cache.read(slots_all.to(self.device))
-        patch = scores_ops.index_scores_dense(q, w, stored)  # [trials, all rows]
+        patch = indexer_ops.index_scores_dense(q, w, stored)  # [trials, all rows]
         first = 0
         for i, (rows, _) in enumerate(blocks):
             scores[i, rows] = patch[i, first: first + rows.numel()]
@@ -147,13 +147,13 @@ class HorizonHaystack:
         out: dict[str, list[int | None]] = {}
         for name in formats:
             fmt = KeyFormat.parse(name)
-            scores = scores_ops.index_scores_dense(q, w, self.keys(fmt)[:n])  # [trials, n]
+            scores = indexer_ops.index_scores_dense(q, w, self.keys(fmt)[:n])  # [trials, n]
             if is_centred(fmt):
                 self._patch_pages(fmt, scores, q, w, needles, n)
             else:
                 stored_rows = self._stored(fmt, needle_keys, needle_positions)
                 # every trial against every trial's needle rows [trials, rows]; each keeps its own
-                needle_scores = scores_ops.index_scores_dense(q, w, stored_rows)
+                needle_scores = indexer_ops.index_scores_dense(q, w, stored_rows)
                 for i, nd in enumerate(needles):
                     scores[i, nd.entries] = needle_scores[i, bounds[i]:bounds[i + 1]]
             out[fmt.name] = [metrics.needle_rank(scores[i], nd.entries) for i, nd in enumerate(needles)]

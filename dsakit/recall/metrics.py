@@ -1,6 +1,6 @@
 """Per-run metrics of the recall lab, computed from score rows and top-k index sets.
 
-Ranking follows the top-k rules of :mod:`dsakit.ops.topk.reference`: NaN ranks above every number,
+Ranking follows the top-k rules of :mod:`dsakit.ops.indexer.reference`: NaN ranks above every number,
 then descending score, equal scores go to the lower index first; -inf (invisible) entries are never
 candidates. So ``needle_rank(scores, needle) < k`` exactly when the reference top-k of that row holds a
 needle entry.

@@ -17,7 +17,7 @@ import torch
 from .._memory import check_choice, check_instance, check_int, check_int_list, is_int
 from ..formats import KeyFormat
 from ..ops._backend import resolve_backend, triton_available
-from ..ops.topk.config import MAX_K
+from ..ops.indexer.config import MAX_K
 from .faults import FAULTS
 from .synthetic import SyntheticConfig
 

@@ -31,7 +31,7 @@ import typer
 from .._memory import check_choice, check_int
 from ..formats import AttentionKVFormat, KeyFormat
 from ..ops._backend import BACKENDS
-from ..ops.topk.config import MAX_K
+from ..ops.indexer.config import MAX_K
 from .chat import chat_messages, render_chat
 from .http import CompletionHTTPServer, RequestError, check_loopback
 from .limits import MemoryModel, ServerLimits, cache_bytes_per_token, derive_limits

@@ -22,7 +22,7 @@ import typer
 
 from .._memory import check_choice
 from ..niah.retrieval import RetrievalConfig, RetrievalModel, SimpleTokenizer, question_paragraph
-from ..ops.topk.config import MAX_K
+from ..ops.indexer.config import MAX_K
 from .chat import chat_messages, render_chat
 from .http import CompletionHTTPServer, FaultConfig, RequestError, check_loopback
 from .service import REASONING_MODES, Completion, CompletionService, check_cancelled, never_cancelled

@@ -14,10 +14,11 @@ from ...formats import AttentionKVFormat
 from .._backend import resolve_backend
 from . import reference
 from .config import ATTENTION_DEFAULTS, TRITON_HEADS, AttentionConfig
-from .reference import check_sparse_attention_inputs, sparse_attention_dense, window_topk_indices
+from .inputs import SparseAttentionInputs, check_sparse_attention_inputs
+from .reference import sparse_attention_dense, window_topk_indices
 
 __all__ = ["sparse_attention", "sparse_attention_dense", "window_topk_indices", "AttentionConfig",
-           "ATTENTION_DEFAULTS", "TRITON_HEADS"]
+           "ATTENTION_DEFAULTS", "TRITON_HEADS", "SparseAttentionInputs", "check_sparse_attention_inputs"]
 
 
 def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, *,

@@ -143,51 +143,6 @@ def _attend_tile(q, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, n0, end, sc
 
 
 @triton.jit
-def _attend_range_half(q_a, q_b, dv, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, start, end, scale_log2,
-                       FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-                       INTERPRET: tl.constexpr, INTERP_TILES: tl.constexpr):
-    """_attend_range for a program owning output dims [256 dv, 256 dv + 256) (DV_SPLIT = 2): the scores use
-    all 512 dims (q_a / q_b: dims 0..255 / 256..511, the same order in both halves, so both compute identical
-    scores), the accumulator acc [BLOCK_H, 256] only this half."""
-    if INTERPRET:
-        for i in range(INTERP_TILES):
-            acc, m_i, l_i = _attend_tile_half(q_a, q_b, dv, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr,
-                                              start + i * BLOCK_N, end, scale_log2, FP8, PAGE_BYTES, BLOCK_N, True)
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile_half(q_a, q_b, dv, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, n0,
-                                              end, scale_log2, FP8, PAGE_BYTES, BLOCK_N, False)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _attend_tile_half(q_a, q_b, dv, acc, m_i, l_i, pool_ptr, num_slots, idx_row_ptr, n0, end, scale_log2,
-                      FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    slot, valid = _tile_slots(idx_row_ptr, n0, end, num_slots, BLOCK_N)
-    kv_a = _load_kv_cols(pool_ptr, slot, valid, 0, 256, FP8, PAGE_BYTES, BLOCK_N)
-    kv_b = _load_kv_cols(pool_ptr, slot, valid, 256, 256, FP8, PAGE_BYTES, BLOCK_N)
-    s = _dot(q_a, tl.trans(kv_a), INTERPRET) + _dot(q_b, tl.trans(kv_b), INTERPRET)
-    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_use[:, None])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    kv_mine = tl.where(dv == 0, kv_a, kv_b)
-    acc = acc * alpha[:, None] + _dot(_round_bf16(p, INTERPRET), kv_mine, INTERPRET)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _store_lse(ptrs, lse, dv, DV_SPLIT: tl.constexpr):
-    """The LSE is the same in every output half: only half 0 writes it."""
-    if DV_SPLIT == 1:
-        tl.store(ptrs, lse)
-    else:
-        tl.store(ptrs, lse, mask=tl.full(lse.shape, 0, tl.int32) == dv)
-
-
-@triton.jit
 def _sparse_attention_kernel(
     q_ptr, stride_qt, stride_qh,  # q [T, HQ, 512]
     pool_ptr, num_slots, idx_ptr, stride_it, K, len_ptr,  # main pool uint8, indices int32 [T, K], len [T]
@@ -198,56 +153,39 @@ def _sparse_attention_kernel(
     HQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FP8: tl.constexpr, PAGE_BYTES: tl.constexpr, XFP8: tl.constexpr, XPAGE_BYTES: tl.constexpr,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_XLEN: tl.constexpr, HAS_SINK: tl.constexpr,
-    DV_SPLIT: tl.constexpr, INTERPRET: tl.constexpr, INTERP_TILES: tl.constexpr, INTERP_XTILES: tl.constexpr,
+    INTERPRET: tl.constexpr, INTERP_TILES: tl.constexpr, INTERP_XTILES: tl.constexpr,
 ):
     HB: tl.constexpr = HQ // BLOCK_H
-    DV: tl.constexpr = 512 // DV_SPLIT  # output dims owned by this program
     pid = tl.program_id(0)
-    # the output halves and head blocks of one query are neighbours: they share the gathered rows in L2
-    dv = pid % DV_SPLIT
-    rest = pid // DV_SPLIT
-    hb = rest % HB
-    rest = rest // HB
+    # the head blocks of one query are neighbours: they share the gathered rows in L2
+    hb = pid % HB
+    rest = pid // HB
     split = rest % NUM_SPLITS
     t = (rest // NUM_SPLITS).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = dv * DV + tl.arange(0, DV)
+    offs_d = tl.arange(0, 512)
     q_rows = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
-    if DV_SPLIT == 1:
-        q = _round_bf16(tl.load(q_rows + offs_d[None, :]).to(tl.float32), INTERPRET)
-    else:
-        q_a = _round_bf16(tl.load(q_rows + tl.arange(0, 256)[None, :]).to(tl.float32), INTERPRET)
-        q_b = _round_bf16(tl.load(q_rows + 256 + tl.arange(0, 256)[None, :]).to(tl.float32), INTERPRET)
+    q = _round_bf16(tl.load(q_rows + offs_d[None, :]).to(tl.float32), INTERPRET)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, DV], tl.float32)
+    acc = tl.zeros([BLOCK_H, 512], tl.float32)
 
     length = K
     if HAS_LEN:
         length = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), K)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, length)
-    if DV_SPLIT == 1:
-        acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, pool_ptr, num_slots, idx_ptr + t * stride_it, start, end,
-                                      scale_log2, FP8, PAGE_BYTES, BLOCK_N, INTERPRET, INTERP_TILES)
-    else:
-        acc, m_i, l_i = _attend_range_half(q_a, q_b, dv, acc, m_i, l_i, pool_ptr, num_slots,
-                                           idx_ptr + t * stride_it, start, end, scale_log2, FP8, PAGE_BYTES,
-                                           BLOCK_N, INTERPRET, INTERP_TILES)
+    acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, pool_ptr, num_slots, idx_ptr + t * stride_it, start, end,
+                                  scale_log2, FP8, PAGE_BYTES, BLOCK_N, INTERPRET, INTERP_TILES)
     if HAS_EXTRA:
         xlength = XK
         if HAS_XLEN:
             xlength = tl.minimum(tl.maximum(tl.load(xlen_ptr + t), 0), XK)
         xstart = split * xtiles_per_split * BLOCK_N
         xend = tl.minimum(xstart + xtiles_per_split * BLOCK_N, xlength)
-        if DV_SPLIT == 1:
-            acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, xpool_ptr, x_num_slots, xidx_ptr + t * stride_xt,
-                                          xstart, xend, scale_log2, XFP8, XPAGE_BYTES, BLOCK_N, INTERPRET,
-                                          INTERP_XTILES)
-        else:
-            acc, m_i, l_i = _attend_range_half(q_a, q_b, dv, acc, m_i, l_i, xpool_ptr, x_num_slots,
-                                               xidx_ptr + t * stride_xt, xstart, xend, scale_log2, XFP8,
-                                               XPAGE_BYTES, BLOCK_N, INTERPRET, INTERP_XTILES)
+        acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, xpool_ptr, x_num_slots, xidx_ptr + t * stride_xt,
+                                      xstart, xend, scale_log2, XFP8, XPAGE_BYTES, BLOCK_N, INTERPRET,
+                                      INTERP_XTILES)
 
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
     lse2 = m_use + tl.log2(l_i)  # -inf for an empty index set
@@ -261,12 +199,12 @@ def _sparse_attention_kernel(
             out = _round_bf16(out, True)
         row = t * HQ + offs_h
         tl.store(out_ptr + row[:, None] * 512 + offs_d[None, :], out.to(out_ptr.dtype.element_ty))
-        _store_lse(lse_ptr + row, lse2 * 0.6931471805599453, dv, DV_SPLIT)
+        tl.store(lse_ptr + row, lse2 * 0.6931471805599453)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         row = (split * T + t) * HQ + offs_h
         tl.store(out_ptr + row[:, None] * 512 + offs_d[None, :], out)
-        _store_lse(lse_ptr + row, lse2, dv, DV_SPLIT)
+        tl.store(lse_ptr + row, lse2)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import torch
 
 from ._kernels import _sparse_attention_combine_kernel
 from .config import TRITON_HEADS, AttentionConfig
-from .reference import SparseAttentionInputs
+from .inputs import SparseAttentionInputs
 
 LOG2E = 1.4426950408889634
 

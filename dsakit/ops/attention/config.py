@@ -30,24 +30,18 @@ class AttentionConfig:
     """Tuning of :func:`dsakit.ops.attention.triton.sparse_attention_triton`.
 
     block_n: gathered KV rows per tile. num_warps: warps of the main kernel (one program holds a [64, 512]
-    fp32 accumulator, so 8 is the only count without heavy spills at dv_split 1). stages: pipeline stages
+    fp32 accumulator, so 8 is the only count without heavy spills). stages: pipeline stages
     per (main-pool format kind, Hq); num_stages, when set, overrides the table for every case.
     num_splits: splits of each query's index set (None = :meth:`splits_for`: enough (query, head block,
     split) programs to fill the SMs about once; decode only, prefill fills them with queries).
-    dv_split: 1, or 2 (experimental, not the default, not yet timed on a GPU): two programs per (query, head
-    block), each owning 256 of the 512 output dims (half the accumulator, so with num_warps 4 and block_n 32
-    two programs fit on an SM and can hide each other's gathers), both computing the full q . kv.
     combine_block_h / combine_warps: heads per program and warps of the split-merging kernel.
     kernel: "auto" (the Gluon sm_90 kernel where it applies, else the portable kernel), "triton" (always the
     portable kernel) or "gluon" (ValueError naming the reason where it does not apply). The fields above
     are the portable kernel's; the Gluon kernel reads gluon_block_n (gathered rows per tile and the N of the
     QK wgmma; 64 or 32), gluon_stages (shared-memory buffers of gathered tiles, >= 2), gluon_overlap
-    (experimental, off: FA3 order, the softmax of a tile under the previous tile's PV product; needs
-    gluon_stages >= 3), num_splits and combine_*. gluon_fp8: "auto" also takes the Gluon kernel for
-    fp8-rope-bf16 pools (off: not yet timed on the H200; kernel "gluon" runs it regardless); that kernel
-    gathers 32-row tiles of raw bytes into gluon_fp8_stages buffers (2 or 3: q 64 KB + three bf16 tiles
-    96 KB + 20.25 KB per buffer within the 227 KB of an sm_90 SM) and ignores gluon_block_n / gluon_stages /
-    gluon_overlap (it always runs the overlapped order).
+    (FA3 order: the softmax of a tile under the previous tile's PV product; needs gluon_stages >= 3; off in
+    the class default, on in the H200 table below, which measured it fastest), num_splits and combine_*.
+    The Gluon kernel reads bf16 pools only (fp8-rope-bf16 pools run the portable kernel).
     """
 
     block_n: int = 64
@@ -55,15 +49,12 @@ class AttentionConfig:
     stages: dict = field(default_factory=lambda: _stages_table(1, 2, 1, 1))
     num_stages: int | None = None
     num_splits: int | None = None
-    dv_split: int = 1
     combine_block_h: int = 16
     combine_warps: int = 4
     kernel: str = "auto"
     gluon_block_n: int = 64
     gluon_stages: int = 2
     gluon_overlap: bool = False
-    gluon_fp8: bool = False
-    gluon_fp8_stages: int = 2
 
     def __post_init__(self):
         for name in ("block_n", "num_warps", "combine_block_h", "combine_warps"):
@@ -72,16 +63,12 @@ class AttentionConfig:
         for name in ("num_stages", "num_splits"):
             value = getattr(self, name)
             check_int(name, value, 1, message=f"{name} must be a positive int or None", allow_none=True)
-        check_choice("dv_split", check_int("dv_split", self.dv_split), (1, 2))
         check_choice("kernel", self.kernel, ATTENTION_KERNELS)
         # q (64 KB) + gluon_stages tiles of gluon_block_n x 1 KB must fit the 227 KB of an sm_90 SM
         check_choice("gluon_block_n", check_int("gluon_block_n", self.gluon_block_n), (32, 64))
         check_int("gluon_stages", self.gluon_stages, 2, (227 - 64 - 4) // self.gluon_block_n)
         if not isinstance(self.gluon_overlap, bool):
             raise ValueError(f"gluon_overlap must be a bool, got {self.gluon_overlap!r}")
-        if not isinstance(self.gluon_fp8, bool):
-            raise ValueError(f"gluon_fp8 must be a bool, got {self.gluon_fp8!r}")
-        check_choice("gluon_fp8_stages", check_int("gluon_fp8_stages", self.gluon_fp8_stages), (2, 3))
         if self.gluon_overlap and self.gluon_stages < 3:
             raise ValueError(f"gluon_overlap needs gluon_stages >= 3 (so gluon_block_n 32), got {self.gluon_stages}")
         if HEAD_BLOCK % self.combine_block_h:

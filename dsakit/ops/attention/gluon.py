@@ -1,9 +1,9 @@
 """Launch code of the Gluon sparse-attention kernel for sm_90 (``_gluon_kernels.py``).
 
 Chosen by :func:`dsakit.ops.attention.triton.choose_attention_kernel` (``AttentionConfig.kernel``); it takes
-the inputs the portable kernel takes (q [T, Hq, 512] with Hq in {64, 128}, one or two pools, both bf16 or both
-fp8-rope-bf16, top-k indices, ``topk_length``, sink, softmax scale) with the same work split and the same split
-merging (``_launch.merge_splits``). Importing this module imports Gluon.
+the inputs the portable kernel takes (q [T, Hq, 512] with Hq in {64, 128}, one or two bf16 pools, top-k
+indices, ``topk_length``, sink, softmax scale) with the same work split and the same split merging
+(``_launch.merge_splits``). Importing this module imports Gluon.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from ...pool import num_slots
-from ._gluon_kernels import (GLUON_FP8_BLOCK_N, GLUON_HEAD_BLOCK, GLUON_NUM_WARPS, sparse_attention_gluon_fp8_kernel,
-                             sparse_attention_gluon_kernel)
+from ._gluon_kernels import GLUON_HEAD_BLOCK, GLUON_NUM_WARPS, sparse_attention_gluon_kernel
 from .config import AttentionConfig
-from .reference import SparseAttentionInputs
+from .inputs import SparseAttentionInputs
 from ._launch import LOG2E, merge_splits, plan_launch
 
 __all__ = ["sparse_attention_gluon", "compile_gluon_kernel"]
@@ -25,7 +24,6 @@ __all__ = ["sparse_attention_gluon", "compile_gluon_kernel"]
 _ALIGN = 16  # bytes: pool bases (dsakit.pool.check_pool) and the unit of the extra pool's offset
 HEAD_BLOCK = int(GLUON_HEAD_BLOCK)  # heads per program
 NUM_WARPS = int(GLUON_NUM_WARPS)  # two warpgroups
-FP8_BLOCK_N = int(GLUON_FP8_BLOCK_N)  # rows per tile of the fp8 kernel
 
 
 def _bf16_elements(fmt) -> int:
@@ -41,10 +39,8 @@ def _extra_offset(a: SparseAttentionInputs) -> int:
 
 
 def sparse_attention_gluon(a: SparseAttentionInputs, config: AttentionConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked inputs (bf16 pools, or fp8-rope-bf16 pools, on an sm_90 GPU) -> (out [T, Hq, 512] in q.dtype,
-    lse fp32 [T, Hq])."""
-    fp8 = a.kv_format.kind != "bf16"
-    block_n = FP8_BLOCK_N if fp8 else config.gluon_block_n
+    """Checked inputs (bf16 pools on an sm_90 GPU) -> (out [T, Hq, 512] in q.dtype, lse fp32 [T, Hq])."""
+    block_n = config.gluon_block_n
     plan = plan_launch(a, config, block_n)
     if plan.t == 0:
         return plan.out, plan.lse
@@ -59,33 +55,26 @@ def sparse_attention_gluon(a: SparseAttentionInputs, config: AttentionConfig) ->
                  HAS_XLEN=a.extra_topk_length is not None, HAS_SINK=plan.sink is not None, num_warps=NUM_WARPS)
     main_args = (plan.q, plan.q.stride(0), plan.q.stride(1))
     index_args = (num_slots(a.kv_cache), plan.indices, plan.indices.stride(0), plan.k, plan.topk_length)
-    if fp8:
-        # the pool's bytes as uint8 (e4m3 values, scales) and as bf16 (rope dims): one allocation, two views
-        sparse_attention_gluon_fp8_kernel[grid](
-            *main_args, a.kv_cache.view(torch.uint8), a.kv_cache.view(torch.bfloat16), *index_args, *extra_args,
-            STAGES=config.gluon_fp8_stages, **flags)
-    else:
-        sparse_attention_gluon_kernel[grid](
-            *main_args, a.kv_cache.view(torch.bfloat16), *index_args, *extra_args,
-            BLOCK_N=block_n, STAGES=config.gluon_stages, PAGE_ELEMS=_bf16_elements(fmt),
-            XPAGE_ELEMS=_bf16_elements(xfmt), OVERLAP=config.gluon_overlap, **flags)
+    sparse_attention_gluon_kernel[grid](
+        *main_args, a.kv_cache.view(torch.bfloat16), *index_args, *extra_args,
+        BLOCK_N=block_n, STAGES=config.gluon_stages, PAGE_ELEMS=_bf16_elements(fmt),
+        XPAGE_ELEMS=_bf16_elements(xfmt), OVERLAP=config.gluon_overlap, **flags)
     return merge_splits(plan, config, interp=False)
 
 
 def compile_gluon_kernel(*, heads: int = 128, block_n: int = 64, stages: int = 2, overlap: bool = False,
-                         num_splits: int = 1, fp8: bool = False,
+                         num_splits: int = 1,
                          q_dtype: str = "bf16", has_len: bool = True, has_extra: bool = True,
                          has_sink: bool = True, target: GPUTarget | None = None):
     """Compile the Gluon kernel ahead of time (no GPU needed) -> triton's CompiledKernel (asm: ttgir, ptx,
-    cubin; metadata.shared bytes). ``fp8``: the fp8-rope-bf16 kernel (its tiles are 32 rows: ``block_n`` and
-    ``overlap`` do not apply; ``stages`` = raw-byte buffers). ``target`` default: sm_90
+    cubin; metadata.shared bytes). ``target`` default: sm_90
     (``GPUTarget("cuda", 90, 32)``). Pointer arguments are declared 16 B aligned and integers int32, as Triton
     specializes them at launch for the usual sizes (the kernel widens what can exceed int32 before it
     multiplies)."""
     from ...formats import AttentionKVFormat
 
     out_dtype = q_dtype if num_splits == 1 else "fp32"
-    pool_args = {"pool_ptr": "*u8", "rope_ptr": "*bf16"} if fp8 else {"pool_ptr": "*bf16"}
+    pool_args = {"pool_ptr": "*bf16"}
     signature = {
         "q_ptr": f"*{q_dtype}", "stride_qt": "i32", "stride_qh": "i32", **pool_args,
         "num_slots": "i32", "idx_ptr": "*i32", "stride_it": "i32", "K": "i32",
@@ -95,11 +84,9 @@ def compile_gluon_kernel(*, heads: int = 128, block_n: int = 64, stages: int = 2
     }
     constexprs = {"HQ": heads, "STAGES": stages, "NUM_SPLITS": num_splits, "HAS_LEN": has_len,
                   "HAS_EXTRA": has_extra, "HAS_XLEN": has_extra and has_len, "HAS_SINK": has_sink}
-    kernel = sparse_attention_gluon_fp8_kernel
-    if not fp8:
-        page_elems = _bf16_elements(AttentionKVFormat.BF16)
-        constexprs.update(BLOCK_N=block_n, PAGE_ELEMS=page_elems, XPAGE_ELEMS=page_elems, OVERLAP=overlap)
-        kernel = sparse_attention_gluon_kernel
+    page_elems = _bf16_elements(AttentionKVFormat.BF16)
+    constexprs.update(BLOCK_N=block_n, PAGE_ELEMS=page_elems, XPAGE_ELEMS=page_elems, OVERLAP=overlap)
+    kernel = sparse_attention_gluon_kernel
     signature.update({name: "constexpr" for name in constexprs})
     names = kernel.arg_names
     attrs = {(names.index(n),): [["tt.divisibility", _ALIGN]] for n, ty in signature.items() if ty.startswith("*")}

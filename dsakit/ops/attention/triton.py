@@ -20,7 +20,7 @@ from .._backend import device_capability as _device_capability
 from ._kernels import _sparse_attention_kernel
 from ._launch import LOG2E, choose_num_splits, merge_splits, plan_launch
 from .config import ATTENTION_DEFAULTS, ATTENTION_KERNELS, HEAD_BLOCK, TRITON_HEADS, AttentionConfig
-from .reference import SparseAttentionInputs
+from .inputs import SparseAttentionInputs
 
 BLOCK_H = HEAD_BLOCK
 # the H200 stage table (read it from AttentionConfig.for_device(device).stages; kept for the benchmarks)
@@ -41,11 +41,9 @@ def gluon_unsupported_reason(a: SparseAttentionInputs, capability: tuple[int, in
     if reason is not None:
         return reason
     kinds = {a.kv_format.kind} | ({a.extra_kv_format.kind} if a.extra_kv_format is not None else set())
-    if not kinds <= {"bf16", "fp8-rope-bf16"}:
-        return f"kv_format {a.kv_format.name!r}: the Gluon kernels read bf16 and fp8-rope-bf16 pools"
-    if len(kinds) > 1:
-        return (f"kv_format is {a.kv_format.name!r} and extra_kv_format {a.extra_kv_format.name!r}: the Gluon "
-                f"kernels take two pools of one format (mixed pools run the portable kernel)")
+    if kinds != {"bf16"}:
+        names = sorted({a.kv_format.name} | ({a.extra_kv_format.name} if a.extra_kv_format is not None else set()))
+        return f"kv_format {', '.join(names)}: the Gluon kernel reads bf16 pools only"
     if a.q.shape[1] not in TRITON_HEADS:
         return f"Hq = {a.q.shape[1]}, the Gluon kernel takes Hq in {TRITON_HEADS}"
     return None
@@ -56,12 +54,11 @@ def choose_attention_kernel(a: SparseAttentionInputs, config: AttentionConfig,
                             importable: bool | None = None) -> str:
     """"gluon" or "triton" (portable) for checked inputs ``a`` under ``config.kernel``.
 
-    "auto" takes Gluon exactly where :func:`gluon_unsupported_reason` finds nothing against it and, for fp8
-    pools, ``config.gluon_fp8`` is set (off until the H200 has timed the fp8 kernel); the portable kernel
-    otherwise (mixed pools, other GPUs, the CPU interpreter); "gluon" takes Gluon wherever it can run (fp8
-    pools too) and raises ValueError with the reason instead of falling back; "triton" is always the portable
-    kernel. ``capability`` and ``importable`` default to the device's and this Triton's (tests pass them to
-    force the choice)."""
+    "auto" takes Gluon exactly where :func:`gluon_unsupported_reason` finds nothing against it (bf16 pools on
+    an sm_90 GPU); the portable kernel otherwise (fp8 or mixed pools, other GPUs, the CPU interpreter); "gluon"
+    takes Gluon wherever it can run and raises ValueError with the reason instead of falling back; "triton" is
+    always the portable kernel. ``capability`` and ``importable`` default to the device's and this Triton's
+    (tests pass them to force the choice)."""
     kernel = config.kernel
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"config.kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
@@ -71,7 +68,7 @@ def choose_attention_kernel(a: SparseAttentionInputs, config: AttentionConfig,
         capability = _device_capability(a.q.device)
     reason = gluon_unsupported_reason(a, capability, importable)
     if reason is None:
-        return "gluon" if kernel == "gluon" or config.gluon_fp8 or not _is_fp8(a.kv_format) else "triton"
+        return "gluon"
     if kernel == "gluon":
         raise ValueError(f"kernel='gluon' cannot run these inputs: {reason}; use kernel='auto' or 'triton'")
     return "triton"
@@ -82,7 +79,7 @@ def sparse_attention_triton(a: SparseAttentionInputs, config: AttentionConfig | 
     """Checked inputs -> (out [T, Hq, 512] in q.dtype, lse fp32 [T, Hq]).
 
     Every launch setting comes from ``config`` (default: :meth:`AttentionConfig.for_device` of q's device);
-    ``overrides`` (block_n, num_warps, num_stages, num_splits, dv_split, ...: fields of AttentionConfig) replace
+    ``overrides`` (block_n, num_warps, num_stages, num_splits, ...: fields of AttentionConfig) replace
     single settings of it, for benchmarks and tests."""
     if config is None:
         config = AttentionConfig.for_device(a.q.device)
@@ -99,7 +96,7 @@ def sparse_attention_triton(a: SparseAttentionInputs, config: AttentionConfig | 
         return plan.out, plan.lse
     fmt, xfmt = a.kv_format, a.extra_kv_format or a.kv_format
     interp = triton_interpreted() and not plan.q.is_cuda
-    grid = (plan.t * (plan.hq // BLOCK_H) * plan.num_splits * config.dv_split,)
+    grid = (plan.t * (plan.hq // BLOCK_H) * plan.num_splits,)
     has_extra = a.extra_kv_cache is not None
     _sparse_attention_kernel[grid](
         plan.q, plan.q.stride(0), plan.q.stride(1),
@@ -112,7 +109,7 @@ def sparse_attention_triton(a: SparseAttentionInputs, config: AttentionConfig | 
         FP8=_is_fp8(fmt), PAGE_BYTES=fmt.page_bytes, XFP8=_is_fp8(xfmt), XPAGE_BYTES=xfmt.page_bytes,
         HAS_LEN=a.topk_length is not None, HAS_EXTRA=has_extra, HAS_XLEN=a.extra_topk_length is not None,
         HAS_SINK=plan.sink is not None,
-        DV_SPLIT=config.dv_split, INTERPRET=interp, INTERP_TILES=plan.tiles_per_split if interp else 0,
+        INTERPRET=interp, INTERP_TILES=plan.tiles_per_split if interp else 0,
         INTERP_XTILES=plan.xtiles_per_split if interp else 0,
         num_warps=config.num_warps, num_stages=config.stages_for(fmt.kind, plan.hq),
     )

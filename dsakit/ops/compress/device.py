@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..._memory import check_instance, check_int, check_ratio, check_same_device, is_int
-from .reference import check_hidden, check_projected
+from .inputs import check_hidden, check_projected
 
 __all__ = ["CompressorState", "compress_step", "compress_device", "pool_blocks"]
 

@@ -498,15 +498,14 @@ def _store_index_keys_kernel(
         HADAMARD: tl.constexpr, CODE: tl.constexpr, UE8M0: tl.constexpr, FP4_RNE: tl.constexpr,
         VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PAGE_BYTES: tl.constexpr, PAGE_STEP: tl.constexpr,
         D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
-        SUMMARY: tl.constexpr, EARLY_LOADS: tl.constexpr = False):
+        SUMMARY: tl.constexpr):
     """Index keys with rope_dim 64: x [2, BLOCK_N, 8, 8] (half, row, piece, e), two lanes per row.
 
     Per-row values (slot, position, validity) are kept as [1, BLOCK_N, 1, 1] tensors from the start:
     1-D row vectors used in several layouts trip a Triton 3.6 layout pass (RemoveLayoutConversions).
     PAGE_STEP (formats with a per-page side value: the page-centred keys; the PAGE_* constants): in one launch,
     rows at entry 0 of a page make and write their page's side value and the others code against it (see
-    ``_page_sources``), or the same in two launches (side values, then entries). EARLY_LOADS
-    (``StoreConfig.page_term_early_loads``): a page-term row's pool reads do not wait for where its entry 0 is.
+    ``_page_sources``), or the same in two launches (side values, then entries).
     D / PAGE: the format's dims and entries per page (the tile is built for 128 dims). SUMMARY: as in the
     generic kernel (the page summaries of a store with at most one row per page, in this launch).
     """
@@ -534,25 +533,14 @@ def _store_index_keys_kernel(
         store_key_halves(x, pool_ptr, page_base, value_base, scale_base, cols, half, live, CODE, UE8M0, FP4_RNE,
                          NATIVE, BLOCK_N)
     else:  # as in the generic kernel
-        if EARLY_LOADS:  # entry 0's scale word and the centre of every row at entry > 0, issued with the row
-            # slots of _page_sources instead of after them (in bounds whatever they say: the row is live)
-            later = live & (entry > 0)
-            started = key_page_started(pool_ptr, page_base, later, CODE, 128)
-            stored = load_key_page_value(pool_ptr, page_base, cols, later, CODE)
         src, src_pos, in_call, from_pool = _page_sources(rows, slot, entry, live, slots_ptr, positions_ptr, n_rows,
                                                          num_slots, max_position)
-        if EARLY_LOADS:
-            live = live & (~from_pool | started)
-        else:
-            live = live & (~from_pool | key_page_started(pool_ptr, page_base, from_pool, CODE, 128))
+        live = live & (~from_pool | key_page_started(pool_ptr, page_base, from_pool, CODE, 128))
         if PAGE_STEP == PAGE_ENTRIES:
             from_pool = live & (entry > 0)
         first = entry == 0
-        if EARLY_LOADS:
-            value = tl.where(first, key_page_value(x, CODE, NATIVE), tl.where(from_pool & live, stored, 0))
-        else:
-            value = tl.where(first, key_page_value(x, CODE, NATIVE),
-                             load_key_page_value(pool_ptr, page_base, cols, from_pool & live, CODE))
+        value = tl.where(first, key_page_value(x, CODE, NATIVE),
+                         load_key_page_value(pool_ptr, page_base, cols, from_pool & live, CODE))
         if PAGE_STEP == PAGE_ONE_LAUNCH:
             need = in_call & live
             if tl.max(need.to(tl.int32)) > 0:  # bulk stores: entry 0's key again, the same arithmetic and layout

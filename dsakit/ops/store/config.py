@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._memory import check_bool, check_choice, check_int, check_power_of_two
+from ..._memory import check_choice, check_int, check_power_of_two
 from .._tuning import gpu_key
 
 
@@ -25,10 +25,7 @@ class StoreConfig:
     always the generic one (tests and benchmarks compare the two).
     page_term_two_launches_from: a page-centred store of at least this many rows takes two launches (the
     pages' centres, then the entries) instead of one (entry 0's row transformed again by the programs that
-    need its centre); 0 = always one launch. page_term_early_loads: the fast kernel reads entry 0's scale word
-    and the centre from the pool for every row at entry > 0 at once, instead of after finding whether entry 0
-    is in the call (two dependent DRAM round trips fewer in a decode append, 256 bytes more per row of a bulk
-    store; not measured yet, hence off).
+    need its centre); 0 = always one launch.
     summary_*: rows per program and warps of the page-summary launch that follows a store whose pages may get
     several rows (each program walks the entries of the pages its rows end; few rows per program, since a
     program iterates over the longest of its pages for all its rows; not measured yet).
@@ -46,7 +43,6 @@ class StoreConfig:
     index_kernel: str = "auto"
     attention_kernel: str = "auto"
     page_term_two_launches_from: int = 0
-    page_term_early_loads: bool = False
     summary_block_n: int = 4
     summary_warps: int = 1
 
@@ -54,8 +50,6 @@ class StoreConfig:
         for name, value in self.__dict__.items():
             if name in ("index_kernel", "attention_kernel"):
                 check_choice(name, value, KERNELS)
-            elif name == "page_term_early_loads":
-                check_bool(name, value)
             elif name == "page_term_two_launches_from":
                 check_int(name, value, 0, message=f"{name} must be an int >= 0 (0 = never)")
             else:

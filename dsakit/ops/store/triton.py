@@ -149,8 +149,7 @@ def launch_store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: 
     for step in steps:
         if fast:
             _store_index_keys_kernel[(triton.cdiv(n, block_n),)](
-                *args, NATIVE=_native_casts(pool), BLOCK_N=block_n, num_warps=warps, PAGE_STEP=step,
-                EARLY_LOADS=config.page_term_early_loads and codec.page_term, **common)
+                *args, NATIVE=_native_casts(pool), BLOCK_N=block_n, num_warps=warps, PAGE_STEP=step, **common)
         else:
             _store_index_keys_generic_kernel[(triton.cdiv(n, block_n),)](
                 *args, ROPE_DIM=table.shape[1], BLOCK_N=block_n, num_warps=warps, PAGE_STEP=step, **common)

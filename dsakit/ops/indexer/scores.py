@@ -1,6 +1,6 @@
 """Triton kernels for the lightning-indexer scores, reading keys straight from the paged cache.
 
-Same math and masking as :func:`dsakit.ops.scores.reference.index_scores` (the spec)::
+Same math and masking as :func:`dsakit.ops.indexer.reference.index_scores` (the spec)::
 
     S[t, j] = sum_h w[t, h] * q_scale[t, h] * relu(q[t, h, :] . k[j, :])       fp32 accumulation
     entry j visible to query t  iff  j < entry_counts[seq(t)] and j < (pos[t] + 1) // ratio
@@ -52,27 +52,26 @@ that knows its queries per sequence on the host (every validated batch) gets its
 device->host sync, cached by shape; :func:`plan_query_tiles` builds one from a device ``query_seq`` with one
 sync. The kernels clamp every page id and block-table column, so even an unchecked batch
 (``PagedBatch.build(validate=False)``) never causes an out-of-bounds access. Kernels: ``_kernels.py``;
-tuning: :class:`dsakit.ops.scores.config.ScoresConfig`.
+tuning: :class:`dsakit.ops.indexer.config.ScoresConfig`.
 """
 
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import triton
 
-from ..._memory import INDEX_DTYPES, check_choice, check_instance, check_int, check_power_of_two, check_tensor
-from ...batch import PagedBatch, check_batch, check_batch_queries, check_same_device, upload
-from ...formats import INDEX_HEAD_DIM, KeyFormat, key_codec
-from .._backend import device_capability, gluon_platform_reason, triton_interpreted
+from ..._memory import check_instance
+from ...batch import PagedBatch, check_batch, check_same_device
+from ...formats import INDEX_HEAD_DIM, key_codec
 from ...formats.codes import KeyCode
+from .._backend import triton_interpreted
 from ._kernels import (_index_scores_group_kernel, _index_scores_group_tma_kernel, _index_scores_tile_kernel,
                        _page_term_group_kernel, _page_term_tile_kernel)
-from .config import GLUON_MAX_BLOCK_T, Launch, ScoresConfig
+from .config import Launch, ScoresConfig
+from .inputs import check_q_inputs, check_q_scale_values, decode_rows
+from .plans import QueryTiles, _group_kernel_fits, plan_batch_tiles, plan_decode_tiles
 
 try:  # host-side tensor descriptors (bulk copies) arrived in triton 3.3; older versions gather
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -80,186 +79,10 @@ except ImportError:  # pragma: no cover - the pinned triton has it
     TensorDescriptor = None
 
 _FP8_Q_DTYPES = (torch.float8_e4m3fn,)
-# Tile plans of batches seen recently, keyed by shape (device, H, kernel choice, queries per sequence), so a
-# steady-state call neither syncs nor uploads a plan.
-_TILE_CACHE: "OrderedDict[tuple, QueryTiles]" = OrderedDict()
-_TILE_CACHE_SIZE = 32
 
 # --------------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------------
-
-
-GROUP_MAX_QUERIES = 4  # the decode kernel handles up to 4 queries of one sequence per program
-
-
-@dataclass(frozen=True)
-class QueryTiles:
-    """How the queries of a batch are cut into kernel tiles (a reusable plan; see :func:`plan_query_tiles`).
-
-    Queries are stably sorted by sequence and cut into tiles of at most ``size`` rows that never mix
-    sequences. ``kernel`` is "tile" (prefill: BLOCK_T = size) or "group" (decode: GROUP = size).
-    rows int32 [T]: original row of each sorted position; tile_seq / tile_start / tile_len int32 [num_tiles].
-    """
-
-    kernel: str
-    size: int
-    rows: torch.Tensor
-    tile_seq: torch.Tensor
-    tile_start: torch.Tensor
-    tile_len: torch.Tensor
-
-    @property
-    def num_tiles(self) -> int:
-        return int(self.tile_seq.shape[0])
-
-    @property
-    def num_queries(self) -> int:
-        return int(self.rows.shape[0])
-
-
-def _group_kernel_fits(num_heads: int, max_per_sequence: int) -> bool:
-    heads_ok = num_heads >= 16 and num_heads & (num_heads - 1) == 0
-    return heads_ok and max_per_sequence <= GROUP_MAX_QUERIES and max_per_sequence * num_heads <= 256
-
-
-def _tile_size(kernel: str, max_per_sequence: int, block_t: int | None, cap: int = 64) -> int:
-    if kernel == "group":
-        return max(1, triton.next_power_of_2(max(1, max_per_sequence)))
-    return block_t or max(16, min(cap, triton.next_power_of_2(max(1, max_per_sequence))))
-
-
-def _tiles_from_counts(per_seq: torch.Tensor, rows: torch.Tensor, num_tiles: int, kernel: str,
-                       size: int) -> QueryTiles:
-    device = per_seq.device
-    num_seqs = per_seq.shape[0]
-    tiles_per_seq = (per_seq + size - 1) // size
-    tile_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), tiles_per_seq, output_size=num_tiles)
-    seq_first_row = torch.cumsum(per_seq, 0) - per_seq
-    seq_first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
-    tile_in_seq = torch.arange(num_tiles, device=device) - seq_first_tile[tile_seq]
-    tile_start = seq_first_row[tile_seq] + tile_in_seq * size
-    tile_len = torch.clamp(per_seq[tile_seq] - tile_in_seq * size, max=size)
-    return QueryTiles(kernel, size, rows.to(torch.int32), tile_seq.to(torch.int32), tile_start.to(torch.int32),
-                      tile_len.to(torch.int32))
-
-
-def plan_query_tiles(query_seq: torch.Tensor, num_seqs: int, num_heads: int, kernel: str = "auto",
-                     block_t: int | None = None, *, cap: int = 64) -> QueryTiles:
-    """Tile plan for queries ``query_seq`` int [T] (values 0..num_seqs-1) with H = ``num_heads``.
-
-    One device->host sync. Build it once per batch and pass it as ``tiles=`` to every
-    :func:`index_scores_triton` call on that batch (every indexer layer, every chunk of the same rows).
-    kernel: "auto" (group kernel when each sequence has <= 4 queries and H is a power of two >= 16),
-    "tile" or "group".
-    """
-    check_choice("kernel", kernel, ("auto", "tile", "group"))
-    check_power_of_two("block_t", block_t, 16, allow_none=True)
-    check_tensor("query_seq", query_seq, dims=1, dtypes=INDEX_DTYPES, message="query_seq must be int [T]")
-    check_int("num_seqs", num_seqs, 0)
-    seq = query_seq.long()
-    out_of_range = ((seq < 0) | (seq >= num_seqs)).sum()
-    # clamped so that bincount never sees a negative value; out-of-range values are refused below
-    per_seq = torch.bincount(seq.clamp(0, max(num_seqs - 1, 0)), minlength=num_seqs)[:num_seqs]
-    # the range check and every candidate tile size's tile count in the same sync as the largest count
-    sizes = (1, 2, 4, 16, 32, 64, 128, 256) if block_t is None else (1, 2, 4, block_t)
-    if num_seqs:
-        tile_counts = [((per_seq + z - 1) // z).sum() for z in sizes]
-        bad, max_per_sequence, *counts = torch.stack([out_of_range, per_seq.max()] + tile_counts).tolist()
-    else:
-        bad, max_per_sequence, counts = seq.numel(), 0, [0] * len(sizes)
-    if bad:
-        raise ValueError(f"query_seq values must be in 0..{num_seqs - 1}, got range "
-                         f"{int(seq.min())}..{int(seq.max())}")
-    choice = kernel
-    if kernel == "auto":
-        choice = "group" if _group_kernel_fits(num_heads, max_per_sequence) else "tile"
-    if choice == "group" and not _group_kernel_fits(num_heads, max_per_sequence):
-        raise ValueError(f"kernel='group' needs a power-of-two head count >= 16 (got H = {num_heads}) and at most "
-                         f"{GROUP_MAX_QUERIES} queries per sequence (got {max_per_sequence})")
-    size = _tile_size(choice, max_per_sequence, block_t, cap)
-    rows = torch.argsort(seq, stable=True)
-    return _tiles_from_counts(per_seq, rows, counts[sizes.index(size)], choice, size)
-
-
-def plan_decode_tiles(batch: int, next_n: int, num_heads: int, device: "torch.device | str") -> QueryTiles:
-    """Tile plan of a decode batch (row b * next_n + i = query i of sequence b) built without any host sync.
-
-    Same plan as :func:`plan_query_tiles` on query_seq = repeat_interleave(arange(B), next_n): every sequence
-    has next_n rows, so its tiles (cdiv(next_n, size) of them) follow from the shape alone.
-    """
-    check_int("batch", batch, 0)
-    check_int("next_n", next_n, 1)
-    kernel = "group" if _group_kernel_fits(num_heads, next_n) else "tile"
-    size = _tile_size(kernel, next_n, None)
-    tiles_per_seq = -(-next_n // size)
-    tile = torch.arange(batch * tiles_per_seq, device=device, dtype=torch.int32)
-    tile_seq = tile // tiles_per_seq
-    first_row_in_seq = (tile % tiles_per_seq) * size
-    return QueryTiles(kernel, size, torch.arange(batch * next_n, device=device, dtype=torch.int32), tile_seq,
-                      tile_seq * next_n + first_row_in_seq, torch.clamp(next_n - first_row_in_seq, max=size))
-
-
-def tiles_from_lens(lens: Sequence[int], num_heads: int, device: torch.device, config: ScoresConfig,
-                    rows: torch.Tensor | None = None) -> QueryTiles:
-    """Tile plan from host queries-per-sequence ``lens`` [B] (rows grouped by sequence in order unless ``rows``,
-    the stable sort of the rows by sequence, is given). No device->host sync; cached when ``rows`` is None."""
-    key = None
-    if rows is None:
-        key = (device, num_heads, config.kernel, config.prefill_block_t, tuple(lens))
-        found = _TILE_CACHE.get(key)
-        if found is not None:
-            _TILE_CACHE.move_to_end(key)
-            return found
-    largest = max(lens, default=0)
-    kernel = config.kernel
-    if kernel == "auto":
-        kernel = "group" if _group_kernel_fits(num_heads, largest) else "tile"
-    elif kernel == "group" and not _group_kernel_fits(num_heads, largest):
-        raise ValueError(f"kernel='group' needs a power-of-two head count >= 16 (got H = {num_heads}) and at most "
-                         f"{GROUP_MAX_QUERIES} queries per sequence (got {largest})")
-    size = _tile_size(kernel, largest, None, config.prefill_block_t)
-    per_seq = torch.tensor(list(lens), dtype=torch.int64)
-    num_tiles = int(((per_seq + size - 1) // size).sum())
-    t = int(per_seq.sum())
-    host = _tiles_from_counts(per_seq, torch.zeros(0), num_tiles, kernel, size)
-    # one asynchronous upload of the three tile arrays (no device sync); rows are made on the device
-    packed = upload(torch.stack([host.tile_seq, host.tile_start, host.tile_len]), torch.device(device))
-    rows = torch.arange(t, dtype=torch.int32, device=device) if rows is None else rows.to(torch.int32)
-    tiles = QueryTiles(kernel, size, rows, packed[0], packed[1], packed[2])
-    if key is not None:
-        _TILE_CACHE[key] = tiles
-        while len(_TILE_CACHE) > _TILE_CACHE_SIZE:
-            _TILE_CACHE.popitem(last=False)
-    return tiles
-
-
-def plan_batch_tiles(batch: PagedBatch, num_heads: int, config: ScoresConfig | None = None) -> QueryTiles:
-    """Tile plan of every query of ``batch``: from its host metadata (no sync; cached by shape for a batch whose
-    rows are grouped by sequence) or, for an unchecked batch, with :func:`plan_query_tiles` (one sync)."""
-    config = config or ScoresConfig.for_device(batch.device)
-    if batch.query_lens is None:
-        return plan_query_tiles(batch.query_seq, batch.num_seqs, num_heads, config.kernel,
-                                cap=config.prefill_block_t)
-    rows = None if batch.rows_sorted else torch.argsort(batch.query_seq, stable=True)
-    return tiles_from_lens(batch.query_lens, num_heads, batch.device, config, rows)
-
-
-def check_q_inputs(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, q_scale: torch.Tensor | None) -> None:
-    """q / weights / q_scale against the batch: shapes, dtypes (q in batch.QUERY_DTYPES, weights in
-    batch.WEIGHT_DTYPES: :func:`dsakit.batch.check_batch_queries`, shared with the reference), devices (no sync)."""
-    check_batch_queries(q, weights, batch)
-    t, num_heads, _ = q.shape
-    if q_scale is not None:
-        check_tensor("q_scale", q_scale, shape=(t, num_heads), dtypes=torch.float32,
-                     message=f"q_scale must be fp32 [T, H] = [{t}, {num_heads}]")
-    check_same_device(batch.device, q=q, weights=weights, q_scale=q_scale)
-
-
-def check_q_scale_values(q_scale: torch.Tensor | None) -> None:
-    """q_scale > 0 everywhere (one sync; only paid by callers that pass a q_scale)."""
-    if q_scale is not None and q_scale.numel() and not bool((q_scale > 0).all()):
-        raise ValueError("q_scale must be > 0 everywhere (it is moved through the relu: relu(c x) = c relu(x))")
 
 
 def prepare_q(q: torch.Tensor) -> torch.Tensor:
@@ -319,39 +142,6 @@ def _check_page_term_tile(codec, fmt, launch: Launch) -> None:
                          f"{launch.block_n}")
 
 
-def gluon_prefill_unsupported_reason(fmt, device: torch.device, capability: "tuple[int, int] | None",
-                                     importable: bool | None = None) -> str | None:
-    """Why the Gluon prefill kernel cannot run (None: it can) for keys of format ``fmt`` (a KeyFormat) on
-    ``device`` with ``capability`` (the GPU's (major, minor), None off CUDA); ``importable``: None = asked of
-    this Triton (:func:`dsakit.ops._backend.gluon_importable`), only on an sm_90 GPU."""
-    if fmt.name != "bf16":
-        return f"the keys are {fmt.name!r}: the Gluon prefill kernel reads bf16 keys only"
-    return gluon_platform_reason(f"the batch is on {device}", capability, "the Gluon prefill kernel", importable)
-
-
-def choose_prefill_kernel(config: ScoresConfig, fmt, device: torch.device, tile_size: int = GLUON_MAX_BLOCK_T, *,
-                          capability: "tuple[int, int] | None | str" = "detect",
-                          importable: bool | None = None) -> str:
-    """"triton" or "gluon": the kernel of a tile plan (prefill) under ``config.prefill_kernel`` for keys of
-    format ``fmt`` on ``device``, the plan's tiles of ``tile_size`` rows. "triton" is always the portable
-    kernel; "gluon" is the Gluon kernel, or a ValueError naming why it cannot run (no fallback: the switch is
-    an explicit opt-in); "auto" is the Gluon kernel where it can run, the portable one elsewhere.
-    ``capability`` / ``importable`` default to the device's and this Triton's (tests pass them to force the
-    choice)."""
-    if config.prefill_kernel == "triton":
-        return "triton"
-    if capability == "detect":
-        capability = device_capability(torch.device(device))
-    reason = gluon_prefill_unsupported_reason(fmt, torch.device(device), capability, importable)
-    if reason is None and tile_size > GLUON_MAX_BLOCK_T:
-        reason = f"the tile plan has {tile_size}-row query tiles, the Gluon kernel takes <= {GLUON_MAX_BLOCK_T}"
-    if reason is not None and config.prefill_kernel == "auto":
-        return "triton"
-    if reason is not None:
-        raise ValueError(f"prefill_kernel='gluon' cannot run here: {reason}; use prefill_kernel='triton'")
-    return "gluon"
-
-
 def page_term_buffer(kernel: str, rows: int, width: int, num_heads: int, device) -> tuple[torch.Tensor, tuple]:
     """The page-term buffer of a launch: fp32 q . c per (sorted query position s, page column p, head h) for
     ``rows`` queries and the cdiv(width, 64) page columns of ``width`` score columns, with its strides
@@ -371,16 +161,12 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
                         config: ScoresConfig) -> torch.Tensor:
     """Launch the scores kernel for batch rows start .. start + len(q) into out [len(q), W'] (no checks, no
     sync). q from :func:`prepare_q`; ``tiles`` plans exactly these rows. Every launch setting comes from
-    ``config`` (:meth:`ScoresConfig.tile_launch`, ``group_launch``, ``tma_launch``, ``page_term_launch``,
-    ``gluon_launch``); tile plans run the kernel :func:`choose_prefill_kernel` picks (ValueError if
-    ``config.prefill_kernel`` asks for one that cannot run here).
+    ``config`` (:meth:`ScoresConfig.tile_launch`, ``group_launch``, ``tma_launch``, ``page_term_launch``).
 
     Page-centred formats first run the page-term pass: q . c once per (query, head, page) into a buffer of
     :func:`page_term_buffer`, which the scores kernel adds to each entry's logit before the relu."""
     t, num_heads, d = q.shape
     width = out.shape[1]
-    # the prefill kernel is chosen (or refused) first, so a refusal never depends on the batch's contents
-    gluon = tiles.kernel == "tile" and choose_prefill_kernel(config, batch.fmt, out.device, tiles.size) == "gluon"
     if t == 0 or width == 0 or batch.num_seqs == 0:
         return out
     pool, fmt, table = batch.pool, batch.fmt, batch.block_table
@@ -390,10 +176,6 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         return out.fill_(float("-inf"))
     codec = key_codec(fmt)
     name = fmt.name if codec.page_term else fmt.kind
-    if gluon:
-        from .gluon import gluon_q, launch_gluon_tile  # imports Gluon: only where it was found usable
-
-        q = gluon_q(q)
     positions = None if batch.query_positions is None else batch.query_positions[start:start + t]
     fp8_dot = q.dtype in _FP8_Q_DTYPES and codec.fp8_dot
     values_view, scales_view = codec.pool_views(pool)
@@ -448,12 +230,6 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
                                          TILES_PER_PROGRAM=launch.per_program, FP4_BLOCKS=fp4_blocks,
                                          **_launch_options(launch), **common)
         return out
-    if gluon:  # bf16 keys on sm_90 (choose_prefill_kernel): the Gluon kernel, same arguments and grid
-        launch = config.gluon_launch()
-        grid = (tiles.num_tiles * triton.cdiv(width, launch.block_n),)
-        launch_gluon_tile(args, grid, has_pos=has_pos, has_q_scale=q_scale is not None, num_heads=num_heads,
-                          launch=launch)
-        return out
     launch = config.tile_launch(name, tiles.size)
     _check_page_term_tile(codec, fmt, launch)
     grid = (tiles.num_tiles * triton.cdiv(width, launch.block_n),)
@@ -468,7 +244,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
                         check_q_scale: bool = True) -> torch.Tensor:
     """Scores of a ragged batch against paged keys, in Triton -> fp32 [T, W], -inf where invisible.
 
-    Semantics of :func:`dsakit.ops.scores.reference.index_scores`: q [T, H, 128] (fp32 / fp16 / bf16 / fp8
+    Semantics of :func:`dsakit.ops.indexer.reference.index_scores`: q [T, H, 128] (fp32 / fp16 / bf16 / fp8
     e4m3fn), weights [T, H], batch a :class:`dsakit.PagedBatch` on q's device (CPU only under
     TRITON_INTERPRET=1).
 
@@ -542,23 +318,10 @@ def index_scores_decode(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatc
         config=config)
 
 
-def decode_rows(name: str, x, b: int, next_n: int, h: int) -> torch.Tensor | None:
-    """A per-head decode input (weights, q_scale) given as [B * next_n, H] or [B, next_n, H] -> [B * next_n, H]
-    (None stays None), else ValueError."""
-    if x is None and name == "q_scale":
-        return None
-    check_tensor(name, x)
-    if x.shape not in ((b * next_n, h), (b, next_n, h)):
-        raise ValueError(f"{name} must be [B * next_n, H] = [{b * next_n}, {h}] or [B, next_n, H], "
-                         f"got {list(x.shape)}")
-    return x.reshape(b * next_n, h)
-
-
 def flops(visible_pairs: int, num_heads: int, head_dim: int = INDEX_HEAD_DIM) -> int:
     """Logit FLOPs for ``visible_pairs`` (query, visible entry) pairs: 2 * H * D each."""
     return 2 * num_heads * head_dim * int(visible_pairs)
 
 
-__all__ = ["index_scores_triton", "index_scores_decode", "launch_index_scores", "plan_query_tiles",
-           "choose_prefill_kernel", "gluon_prefill_unsupported_reason",
-           "plan_decode_tiles", "plan_batch_tiles", "tiles_from_lens", "QueryTiles", "ScoresConfig", "flops"]
+__all__ = ["index_scores_triton", "index_scores_decode", "launch_index_scores", "prepare_q", "page_term_buffer",
+           "ScoresConfig", "flops"]

@@ -1,4 +1,4 @@
-"""Triton kernels of the indexer top-k (launch code: :mod:`dsakit.ops.topk.triton`, which documents the
+"""Triton kernels of the indexer top-k (launch code: :mod:`dsakit.ops.indexer.triton`, which documents the
 selection algorithm).
 """
 

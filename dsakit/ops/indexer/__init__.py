@@ -1,15 +1,20 @@
-"""Indexer top-k: ``index_topk(q, weights, batch, k, backend="auto" | "reference" | "triton")`` and
-``select_topk``.
+"""The lightning indexer as one op: ``index_scores(q, weights, batch)``, ``index_topk(q, weights, batch, k)`` and
+``select_topk(scores, k)``, each with ``backend="auto" | "reference" | "triton"``.
 
-The reference (pure PyTorch fp32, CPU) is the spec and materializes [T, N]. The Triton path
-(:mod:`dsakit.ops.topk.triton`) scores query rows chunk by chunk into a bounded fp32 workspace and selects
-each chunk with an exact radix select, so its memory is O(T * K) plus the workspace; workspaces and tile
-plans are cached by shape, so a repeated call makes no device->host sync. ``auto`` picks Triton for CUDA
-tensors.
+The reference (:mod:`.reference`, pure PyTorch fp32, CPU) is the spec and materializes [T, N]. The Triton
+path scores query rows chunk by chunk into a bounded fp32 workspace (:mod:`.scores`, kernels in
+``_kernels.py``) and selects each chunk with an exact select (:mod:`.select`, kernels in ``_select_kernels.py``
+and ``_topk_kernels.py``), so its memory is O(T * K) plus the workspace; workspaces and tile plans
+(:mod:`.plans`) are cached by shape, so a repeated call makes no device->host sync. ``auto`` picks Triton
+for CUDA tensors. Tuning: :mod:`.config` (``ScoresConfig``, ``SelectConfig``, ``TopkConfig``); input checks:
+:mod:`.inputs`.
 
-Decode inside a CUDA graph: :func:`plan_decode_topk` + :func:`index_topk_decode`
-(:mod:`dsakit.ops.topk.decode`) preallocate the workspace and the outputs once; each call then only
-launches kernels (no sync, no allocation).
+Decode inside a CUDA graph: :func:`plan_decode_topk` + :func:`index_topk_decode` preallocate the workspace
+and the outputs once; each call then only launches kernels (no sync, no allocation).
+
+DeepGEMM-style paged logits (:mod:`.deepgemm_compat`): ``fp8_paged_mqa_logits`` for plain fp8 pools and
+``centred_paged_mqa_logits`` / ``deepgemm_centred_paged_mqa_logits`` (DeepGEMM's positional order) for
+page-centred pools. Every name that needs triton is imported on first use (triton is optional).
 """
 
 from __future__ import annotations
@@ -21,18 +26,37 @@ from ...formats import is_centred
 from ...pool import PageSummaries
 from ..._memory import check_bool, check_instance
 from .._backend import resolve_backend
-from .config import MAX_K, HierarchyConfig, SelectConfig, TopkConfig
+from .config import MAX_K, HierarchyConfig, ScoresConfig, SelectConfig, TopkConfig
 from .reference import hierarchical_topk as hierarchical_topk_reference
+from .reference import index_scores as index_scores_reference
+from .reference import index_scores_dense
 from .reference import index_topk as index_topk_reference
 from .reference import select_topk as select_topk_reference
 from .reference import topk_to_slots
 
 
+def index_scores(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, *, backend: str = "auto",
+                 config: ScoresConfig | None = None) -> torch.Tensor:
+    """Scores of a ragged batch against paged keys -> fp32 [T, batch.max_entries], -inf where invisible.
+
+    q [T, H, 128], weights [T, H], batch: a :class:`dsakit.PagedBatch` (``PagedCache.batch`` or
+    ``PagedBatch.build``). ``backend`` picks the implementation; ``config`` tunes the Triton kernels (ignored
+    by the reference). The reference returns a CPU tensor; Triton returns one on the batch's device.
+    """
+    check_batch(batch)
+    chosen = resolve_backend(backend, q, batch.pool)
+    if chosen == "triton":
+        from .scores import index_scores_triton  # imported lazily: triton is an optional dependency
+
+        return index_scores_triton(q, weights, batch, config=config)
+    return index_scores_reference(q, weights, batch)
+
+
 def select_topk(scores: torch.Tensor, k: int, *, backend: str = "auto") -> torch.Tensor:
-    """scores fp32 [T, N] -> int32 [T, k] indices (rules of :mod:`dsakit.ops.topk.reference`)."""
+    """scores fp32 [T, N] -> int32 [T, k] indices (rules of :mod:`dsakit.ops.indexer.reference`)."""
     chosen = resolve_backend(backend, scores)
     if chosen == "triton":
-        from .triton import select_topk_triton  # imported lazily: triton is an optional dependency
+        from .select import select_topk_triton  # imported lazily: triton is an optional dependency
 
         return select_topk_triton(scores, k)
     return select_topk_reference(scores, k)
@@ -108,14 +132,31 @@ def hierarchical_topk(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
     return out[0] if len(out) == 1 else out
 
 
-def __getattr__(name: str):
-    # the decode plan path needs triton, an optional dependency: import it only when asked for
-    if name in ("DecodeTopkPlan", "plan_decode_topk", "index_topk_decode"):
-        from . import decode
+def index_scores_kernels() -> dict:
+    """The Triton kernels behind ``index_scores`` by name ({"group": ..., "tile": ...}), for tools that
+    inspect their compiled code (benchmarks/sm90_registers.py). Needs triton."""
+    from . import _kernels
 
-        return getattr(decode, name)
+    return {"group": _kernels._index_scores_group_kernel, "tile": _kernels._index_scores_tile_kernel}
+
+
+# names that need triton, by the module that holds them: imported on first use
+LAZY = {
+    "DecodeTopkPlan": "plans", "plan_decode_topk": "plans", "index_topk_decode": "triton",
+    "fp8_paged_mqa_logits": "deepgemm_compat", "deepgemm_fp8_paged_mqa_logits": "deepgemm_compat",
+    "centred_paged_mqa_logits": "deepgemm_compat", "deepgemm_centred_paged_mqa_logits": "deepgemm_compat",
+    "fp8_mqa_logits": "deepgemm_compat",
+}
+
+
+def __getattr__(name: str):
+    if name in LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["index_topk", "hierarchical_topk", "hierarchical_topk_reference", "HierarchyConfig", "index_topk_reference", "select_topk", "select_topk_reference", "topk_to_slots",
-           "DecodeTopkPlan", "plan_decode_topk", "index_topk_decode", "TopkConfig", "SelectConfig"]
+__all__ = ["index_scores", "index_topk", "hierarchical_topk", "select_topk", "topk_to_slots", "index_scores_dense",
+           "index_scores_reference", "index_topk_reference", "hierarchical_topk_reference", "select_topk_reference",
+           "index_scores_kernels", "ScoresConfig", "SelectConfig", "TopkConfig", "HierarchyConfig", *LAZY]

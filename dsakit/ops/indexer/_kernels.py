@@ -1,8 +1,8 @@
-"""Triton kernels of the lightning-indexer scores (launch code: :mod:`dsakit.ops.scores.triton`).
+"""Triton kernels of the lightning-indexer scores (launch code: :mod:`dsakit.ops.indexer.scores`).
 
 Keys are read and decoded in registers by the format codecs of :mod:`dsakit.formats.triton` (``CODE`` = the
 format's :class:`dsakit.formats.codes.KeyCode`); the numerical semantics are described in
-:mod:`dsakit.ops.scores.triton`.
+:mod:`dsakit.ops.indexer.scores`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Triton kernels of the streaming exact top-k (launch code: :mod:`dsakit.ops.topk._select_stream`).
+"""Triton kernels of the streaming exact top-k (launch code: :mod:`dsakit.ops.indexer.select`).
 
 Order keys (``_order_key``, shared with the multi-pass select in ``_kernels``): an fp32 score maps to an
 int32 key whose signed order is the float order (non-negative floats keep their bits, negative ones flip the
@@ -44,9 +44,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernels import _INT32_MIN as INT32_MIN
-from ._kernels import _INT64_MIN as INT64_MIN
-from ._kernels import (_bucket_shift, _keep_bucket, _order_key, _range_histogram, _sort_by_key, _sorted_packed,
+from ._topk_kernels import _INT32_MIN as INT32_MIN
+from ._topk_kernels import _INT64_MIN as INT64_MIN
+from ._topk_kernels import (_bucket_shift, _keep_bucket, _order_key, _range_histogram, _sort_by_key, _sorted_packed,
                        _store_slots)
 from .config import STREAM_STATS
 

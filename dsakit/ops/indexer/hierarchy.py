@@ -1,6 +1,6 @@
 """Hierarchical top-k on the device: page representatives first, exact scores inside the pages kept.
 
-The spec is :func:`dsakit.ops.topk.reference.hierarchical_topk`; this module computes the same selection with
+The spec is :func:`dsakit.ops.indexer.reference.hierarchical_topk`; this module computes the same selection with
 the flat kernels of ``index_topk`` run on two small *derived batches*, so every key format, both query
 layouts (prefill and decode) and every tuning of the flat path carry over unchanged:
 
@@ -8,7 +8,7 @@ layouts (prefill and decode) and every tuning of the flat path carry over unchan
   :class:`dsakit.pool.PageSummaries` centres) of each sequence's pages are gathered into a bf16 key pool of
   ceil(pages / 64) pages per sequence, and ``index_topk`` over it with ratio * 64 (a query sees the pages
   whose 64 entries it all sees) keeps the best m pages of each query: [T, Pmax] scores, never [T, N];
-* the kept pages, the first and the last pages (:func:`dsakit.ops.topk.reference.forced_pages`) are merged
+* the kept pages, the first and the last pages (:func:`dsakit.ops.indexer.reference.forced_pages`) are merged
   in ascending page order and deduplicated: [T, M] page columns, M = m + first + recent;
 * stage 2: each query becomes a sequence of its own whose block table lists its kept pages (ascending, so
   entry order and the tie rule are the flat top-k's); its visible count is all of its kept pages but the
@@ -17,7 +17,7 @@ layouts (prefill and decode) and every tuning of the flat path carry over unchan
 
 No [T, N] tensor and no device->host sync in the approximate mode (the derived batches are built with
 ``validate=False`` from widths known on the host). The exact mode adds the page bounds
-(:func:`~dsakit.ops.topk.reference.page_score_bounds`, fp32 torch, chunked), one sync for the widest page
+(:func:`~dsakit.ops.indexer.reference.page_score_bounds`, fp32 torch, chunked), one sync for the widest page
 set, and a second stage 2 over the pages whose bound reaches the k-th score.
 """
 
@@ -216,10 +216,10 @@ def hierarchical_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: Page
     """Hierarchical top-k on the flat Triton kernels (inputs checked by the caller; ``q_scale`` fp32 [T, H]
     as in ``index_topk_triton``, ``topk_config`` its TopkConfig) -> (indices int32 [T, k], slots int32 [T, k]
     or None, pages scored int64 [T])."""
-    from ..scores.triton import index_scores_triton
+    from .scores import index_scores_triton
     from .triton import index_topk_triton
 
-    from ..scores.triton import check_q_scale_values
+    from .inputs import check_q_scale_values
 
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # its check syncs: once, never in a graph
         check_q_scale_values(q_scale)

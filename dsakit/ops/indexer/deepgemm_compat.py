@@ -45,7 +45,8 @@ import torch
 from ..._memory import INDEX_DTYPES, check_int, check_tensor
 from ...batch import PagedBatch
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM, KeyFormat
-from .triton import index_scores_triton, plan_decode_tiles
+from .plans import plan_decode_tiles
+from .scores import index_scores_triton
 
 _FP8 = KeyFormat.FP8
 # page-centred formats by the last dimension of their [pages, 64, 1, bytes per entry] view

@@ -1,5 +1,6 @@
-"""Input checks, launch arguments and buffer caching shared by the two select launchers (multi-pass radix
-select in :mod:`dsakit.ops.topk.triton`, streaming select in :mod:`dsakit.ops.topk._select_stream`)."""
+"""Input checks of the indexer's launchers, and the launch arguments and buffer caching they share: q /
+weights / q_scale against a batch (scores, fused top-k, decode), a scores matrix (select), decode rows
+([B * next_n, H] or [B, next_n, H])."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from ..._memory import INDEX_DTYPES, check_bool, check_tensor
+from ...batch import PagedBatch, check_batch_queries, check_same_device
 
 
 def lru_get(cache: OrderedDict, key, kept: int, make: Callable[[], object]):
@@ -56,3 +58,32 @@ def slot_args(out: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor | Non
     if slots is None:
         return out, 0, counts, counts, 0
     return slots, slots.stride(0), seq, block_table, block_table.stride(0)
+
+
+def check_q_inputs(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, q_scale: torch.Tensor | None) -> None:
+    """q / weights / q_scale against the batch: shapes, dtypes (q in batch.QUERY_DTYPES, weights in
+    batch.WEIGHT_DTYPES: :func:`dsakit.batch.check_batch_queries`, shared with the reference), devices (no sync)."""
+    check_batch_queries(q, weights, batch)
+    t, num_heads, _ = q.shape
+    if q_scale is not None:
+        check_tensor("q_scale", q_scale, shape=(t, num_heads), dtypes=torch.float32,
+                     message=f"q_scale must be fp32 [T, H] = [{t}, {num_heads}]")
+    check_same_device(batch.device, q=q, weights=weights, q_scale=q_scale)
+
+
+def check_q_scale_values(q_scale: torch.Tensor | None) -> None:
+    """q_scale > 0 everywhere (one sync; only paid by callers that pass a q_scale)."""
+    if q_scale is not None and q_scale.numel() and not bool((q_scale > 0).all()):
+        raise ValueError("q_scale must be > 0 everywhere (it is moved through the relu: relu(c x) = c relu(x))")
+
+
+def decode_rows(name: str, x, b: int, next_n: int, h: int) -> torch.Tensor | None:
+    """A per-head decode input (weights, q_scale) given as [B * next_n, H] or [B, next_n, H] -> [B * next_n, H]
+    (None stays None), else ValueError."""
+    if x is None and name == "q_scale":
+        return None
+    check_tensor(name, x)
+    if x.shape not in ((b * next_n, h), (b, next_n, h)):
+        raise ValueError(f"{name} must be [B * next_n, H] = [{b * next_n}, {h}] or [B, next_n, H], "
+                         f"got {list(x.shape)}")
+    return x.reshape(b * next_n, h)

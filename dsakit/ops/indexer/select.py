@@ -1,10 +1,10 @@
 """Streaming exact top-k: one pass over the scores in the common case (kernels in ``_select_kernels``).
 
-Rules: those of :func:`dsakit.ops.topk.reference.select_topk` (candidates are scores > -inf, NaN ranks above
+Rules: those of :func:`dsakit.ops.indexer.reference.select_topk` (candidates are scores > -inf, NaN ranks above
 +inf, -0.0 == +0.0, equal scores go to the lower index, descending order, -1 padding), bitwise
 deterministic (no atomics; every buffer is written in index order).
 
-Algorithm (details in :mod:`dsakit.ops.topk._select_kernels`): a threshold per row from a fixed sample of
+Algorithm (details in :mod:`dsakit.ops.indexer._select_kernels`): a threshold per row from a fixed sample of
 the row, one streaming pass that keeps the entries above it (and the first ones equal to it) in a per-row
 candidate buffer, then an exact select of that buffer with in-register range narrowing and a sort of the k
 winners. Rows the sample misjudges (buffer overflow, or fewer than k entries >= the threshold) are
@@ -27,7 +27,7 @@ Buffers (``SelectBuffers``; allocated once per shape, reusable, so a decode plan
     selected             int32 [R, k] x 2 (keys, indices) + [R] counts
 
 e.g. R = 2048 rows, k = 2048 (cap 8192, 1 split): 64 + 16 + 2 + 32 MiB; R = 64 decode rows: 9 MiB.
-k up to ``STREAM_MAX_K`` (4096); larger k use the multi-pass kernel of :mod:`dsakit.ops.topk.triton`.
+k up to ``STREAM_MAX_K`` (4096); larger k use the multi-pass kernel of :mod:`dsakit.ops.indexer.triton`.
 """
 
 from __future__ import annotations
@@ -39,10 +39,13 @@ import torch
 import triton
 
 from ..._memory import check_instance, check_int
-from ._inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
+from ...batch import check_k
 from ._select_kernels import (STATS, _filter_kernel, _filter_thread_kernel, _final_kernel, _order_blocked_kernel,
                               _order_chunk_kernel, _order_kernel, _order_merge_kernel, _threshold_kernel)
-from .config import STREAM_MAX_K, SelectConfig, StreamConfig, pow2_floor
+from ._topk_kernels import _radix_select_kernel
+from .config import MAX_K, STREAM_MAX_K, SelectConfig, StreamConfig, pow2_floor
+from .inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
+
 
 @dataclass(frozen=True)
 class SelectBuffers:
@@ -115,7 +118,7 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
     # rows that fit the candidate buffer whole need no threshold: the final kernel reads them directly
     direct = cfg.reads_directly(width)
     if not direct:
-        _launch_filter(scores, counts, k, buffers)
+        _launch_filter(scores, counts, buffers)
     if stages == "filter":
         return
     _final_kernel[(rows,)](
@@ -125,12 +128,11 @@ def launch_stream_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.
         BINS=cfg.bins, DIRECT=direct, FLOAT_BITS=cfg.filter == "thread", num_warps=cfg.final_warps)
     if stages == "filter+final":
         return
-    _launch_order(out, counts, k, sort, buffers, slots, seq, block_table)
+    _launch_order(out, counts, sort, buffers, slots, seq, block_table)
 
 
-def _launch_filter(scores: torch.Tensor, counts: torch.Tensor, k: int, buffers: SelectBuffers) -> None:
-    rows = scores.shape[0]
-    cfg = buffers.config
+def _launch_filter(scores: torch.Tensor, counts: torch.Tensor, buffers: SelectBuffers) -> None:
+    rows, k, cfg = scores.shape[0], buffers.k, buffers.config
     if cfg.filter == "thread":
         shared = cfg.splits > 1  # one threshold per row for its split programs, sampled by a kernel of its own
         if shared:
@@ -153,10 +155,9 @@ def _launch_filter(scores: torch.Tensor, counts: torch.Tensor, k: int, buffers: 
         num_warps=cfg.num_warps)
 
 
-def _launch_order(out: torch.Tensor, counts: torch.Tensor, k: int, sort: bool, buffers: SelectBuffers,
+def _launch_order(out: torch.Tensor, counts: torch.Tensor, sort: bool, buffers: SelectBuffers,
                   slots: torch.Tensor | None, seq: torch.Tensor | None, block_table: torch.Tensor | None) -> None:
-    rows = out.shape[0]
-    cfg = buffers.config
+    rows, k, cfg = out.shape[0], buffers.k, buffers.config
     k_pad = triton.next_power_of_2(k)
     chunks = cfg.sort_chunks(k)
     if sort and chunks > 1:
@@ -193,16 +194,11 @@ def release_select_buffers() -> None:
     _CACHE.clear()
 
 
-def cached_select_buffers(rows: int, width: int, k: int, device, rows_hint: int | None = None,
-                          select: SelectConfig | None = None) -> SelectBuffers:
+def cached_select_buffers(rows: int, width: int, k: int, device, config: StreamConfig) -> SelectBuffers:
     """Buffers for >= rows x width (both rounded up to powers of two, so that a growing width or a short
-    last chunk reuses them), k; the last few shapes are kept. rows_hint: the rows of the whole launch (picks
-    the launch configuration through ``select.stream_for``; default rows). Not for CUDA-graph capture (an
-    entry may be evicted): a graph's caller keeps its own :meth:`SelectBuffers.allocate`."""
-    select = select or SelectConfig()
+    last chunk reuses them), k, launched with ``config``; the last few shapes are kept. Not for CUDA-graph
+    capture (an entry may be evicted): a graph's caller keeps its own :meth:`SelectBuffers.allocate`."""
     rows, width = triton.next_power_of_2(max(rows, 1)), triton.next_power_of_2(max(width, 1))
-    hint = triton.next_power_of_2(max(rows_hint or rows, 1))
-    config = select.stream_for(hint, width, k)
     return lru_get(_CACHE, (torch.device(device), rows, width, k, config), _CACHE_KEPT,
                    lambda: SelectBuffers.allocate(rows, width, k, device, config))
 
@@ -218,9 +214,10 @@ def launch_stream_select_cached(scores: torch.Tensor, counts: torch.Tensor, out:
         return
     select = select or SelectConfig()
     budget = select.cached_bytes if budget is None else budget
-    per_row = select.stream_for(rows, width, k).bytes_per_row(k)
-    step = min(triton.next_power_of_2(rows), pow2_floor(max(1, budget // per_row)))
-    buffers = cached_select_buffers(step, width, k, scores.device, rows_hint=rows, select=select)
+    # one launch configuration for the whole call (picked by the launch's rows, and the buffers' width)
+    config = select.stream_for(triton.next_power_of_2(rows), triton.next_power_of_2(max(width, 1)), k)
+    step = min(triton.next_power_of_2(rows), pow2_floor(max(1, budget // config.bytes_per_row(k))))
+    buffers = cached_select_buffers(step, width, k, scores.device, config)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         launch_stream_select(scores[start:stop], counts[start:stop], out[start:stop], k, sort, buffers,
@@ -254,6 +251,59 @@ def select_topk_stream(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
     return out
 
 
+def launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, k: int, sort: bool, *,
+                  config: SelectConfig | None = None, slots: torch.Tensor | None = None,
+                  seq: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                  cand_vals: torch.Tensor | None = None, cand_idx: torch.Tensor | None = None,
+                  stream_buffers=None) -> None:
+    """Launch the radix select of scores fp32 [R, W] (row r considers its first counts[r] entries) into
+    out int32 [R, k] (and slots, through seq [R] and block_table, when given). No checks, no sync; the
+    candidate buffers (fp32 / int32 [>= R, cap]) are allocated when not given. With the streaming select
+    (``config.algorithm``), ``stream_buffers`` (a ``SelectBuffers``) or cached ones are used."""
+    config = config or SelectConfig()
+    if config.uses_stream(k):
+        if stream_buffers is None:
+            launch_stream_select_cached(scores, counts, out, k, sort, slots=slots, seq=seq, block_table=block_table,
+                                        select=config)
+        else:
+            launch_stream_select(scores, counts, out, k, sort, stream_buffers, slots=slots, seq=seq,
+                                 block_table=block_table)
+        return
+    block, num_warps, bins = config.resolve(scores.shape[0])
+    cap = config.cap
+    rows = scores.shape[0]
+    if rows == 0:
+        return
+    if cand_vals is None or cand_vals.shape[0] < rows or cand_vals.shape[1] != cap:
+        cand_vals = torch.empty((rows, cap), dtype=torch.float32, device=scores.device)
+        cand_idx = torch.empty((rows, cap), dtype=torch.int32, device=scores.device)
+    _radix_select_kernel[(rows,)](
+        scores, scores.stride(0), counts, out, out.stride(0), cand_vals, cand_idx,
+        *slot_args(out, counts, slots, seq, block_table),
+        k, BLOCK=block, BINS=bins, CAP=cap, K_PAD=triton.next_power_of_2(k), SORT=sort,
+        WITH_SLOTS=slots is not None, num_warps=num_warps)
+
+
+def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor | None = None,
+                       sort: bool = True, config: SelectConfig | None = None) -> torch.Tensor:
+    """Exact top-k per row of scores fp32 [T, W] -> int32 [T, k] (rules of the reference ``select_topk``).
+
+    ``row_counts`` int [T] (optional): row t considers only its first row_counts[t] entries (the rest is
+    treated as masked and never read; checking the values costs one sync). ``sort=False`` returns the same
+    set per row in a deterministic order (index order for the multi-pass select; the streaming select's
+    buffer order otherwise) and skips the final sort. ``config``: select tuning (:class:`SelectConfig`).
+    Memory: the [T, k] output plus a candidate scratch of 8 * cap bytes per row.
+    """
+    check_scores_matrix(scores, sort)
+    check_k(k, MAX_K)
+    t = scores.shape[0]
+    counts = row_counts_int32(scores, row_counts)
+    out = torch.empty((t, k), dtype=torch.int32, device=scores.device)
+    launch_select(scores, counts, out, k, sort, config=config)
+    return out
+
+
+
 __all__ = ["SelectBuffers", "cached_select_buffers", "release_select_buffers",
            "launch_stream_select", "launch_stream_select_cached",
-           "select_topk_stream"]
+           "select_topk_stream", "launch_select", "select_topk_triton"]
