@@ -60,9 +60,12 @@ def _stage1_batch(batch: PagedBatch, reps: torch.Tensor) -> tuple[PagedBatch, in
     pages_max = min(width, -(-batch.max_entries // ENTRIES_PER_PAGE))
     rep_pages = max(1, -(-pages_max // ENTRIES_PER_PAGE))  # bf16 pages of 64 representatives per sequence
     columns = rep_pages * ENTRIES_PER_PAGE
-    table = batch.block_table[:, :pages_max].long().clamp(0, reps.shape[0] - 1)
-    gathered = torch.zeros(num_seqs, columns, 128, dtype=torch.bfloat16, device=batch.device)
-    gathered[:, :pages_max] = reps[table.reshape(-1)].reshape(num_seqs, pages_max, 128)
+    # one gather straight into the derived pool: columns past a sequence's pages repeat a valid row (never
+    # visible: the entry counts stop before them)
+    table = torch.zeros(num_seqs, columns, dtype=torch.int64, device=batch.device)
+    table[:, :pages_max] = batch.block_table[:, :pages_max].clamp(0, reps.shape[0] - 1)
+    gathered = torch.empty(num_seqs, columns, 128, dtype=torch.bfloat16, device=batch.device)
+    torch.index_select(reps, 0, table.view(-1), out=gathered.view(-1, 128))
     pool = gathered.view(num_seqs * rep_pages, KeyFormat.BF16.page_bytes // 2).view(torch.uint8)
     rep_table = torch.arange(num_seqs * rep_pages, device=batch.device, dtype=torch.int32).view(num_seqs, rep_pages)
     page_counts = (batch.entry_counts.long() + ENTRIES_PER_PAGE - 1) // ENTRIES_PER_PAGE
@@ -79,9 +82,15 @@ def _merge_columns(parts: list[torch.Tensor]) -> torch.Tensor:
     then _SENTINEL."""
     cols = torch.cat([torch.where(p >= 0, p.long(), torch.full_like(p.long(), _SENTINEL)) for p in parts], dim=1)
     cols = cols.sort(dim=1).values
-    repeated = torch.zeros_like(cols, dtype=torch.bool)
-    repeated[:, 1:] = cols[:, 1:] == cols[:, :-1]
-    return cols.masked_fill(repeated, _SENTINEL).sort(dim=1).values
+    t, width = cols.shape
+    first = torch.ones_like(cols, dtype=torch.bool)  # the first of each run of equal columns
+    first[:, 1:] = cols[:, 1:] != cols[:, :-1]
+    # compact the distinct columns to the front, in order (a scan and a scatter instead of a second sort);
+    # repeats go to a spare column that is dropped
+    place = torch.where(first, first.cumsum(dim=1) - 1, torch.full_like(cols, width))
+    out = torch.full((t, width + 1), _SENTINEL, dtype=torch.long, device=cols.device)
+    out.scatter_(1, place, cols)
+    return out[:, :width]
 
 
 def _forced_columns(visible: torch.Tensor, config: HierarchyConfig) -> torch.Tensor:
