@@ -35,7 +35,7 @@ def passkey_prompts(tokenizer_dir: str, length: int, cases: int, seed: int) -> l
 
 def found_passkeys(model_dir: str, length: int, cases: int, seed: int, index_key_format: str = "bf16",
                    topk: int | None = None, device: str = "cpu") -> list[dict]:
-    from dsakit.serve import ModelRunner, load_model_dir
+    from dsakit.serve.model import ModelRunner, load_model_dir
 
     model, tokenizer = load_model_dir(model_dir, device=device)
     runner = ModelRunner(model, tokenizer, index_key_format=index_key_format, topk=topk, max_new_tokens=16)
