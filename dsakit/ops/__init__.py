@@ -6,7 +6,8 @@ checked-inputs record and checks: ``IndexKeyStore``, ``SparseAttentionInputs``, 
 ``config.py`` (tuning). The dispatcher checks the inputs once; the reference and the launchers trust them.
 
 The indexer's public names are importable from here (``from dsakit.ops import index_topk``) as well as from
-:mod:`dsakit.ops.indexer`: ``index_scores``, ``index_topk``, ``select_topk``, ``topk_to_slots``, the
+:mod:`dsakit.ops.indexer`: ``index_scores``, ``index_topk``, ``hierarchical_topk`` (with ``HierarchyConfig``;
+docs/hierarchy.md), ``select_topk``, ``topk_to_slots``, the
 references, ``ScoresConfig`` / ``SelectConfig`` / ``TopkConfig``, the decode plan (``plan_decode_topk``,
 ``index_topk_decode``, ``DecodeTopkPlan``) and the DeepGEMM-style entry points (``fp8_paged_mqa_logits``, ...).
 They are imported on first use, so ``import dsakit.ops`` needs no triton.
@@ -15,7 +16,8 @@ They are imported on first use, so ``import dsakit.ops`` needs no triton.
 from ._backend import BACKENDS, resolve_backend, triton_available, triton_interpreted
 
 # the indexer's public names (dsakit.ops.indexer.__all__), resolved on first use
-INDEXER_NAMES = ("index_scores", "index_topk", "select_topk", "topk_to_slots", "index_scores_dense",
+INDEXER_NAMES = ("index_scores", "index_topk", "hierarchical_topk", "HierarchyConfig", "select_topk", "topk_to_slots",
+                 "index_scores_dense", "hierarchical_topk_reference",
                  "index_scores_reference", "index_topk_reference", "select_topk_reference", "index_scores_kernels",
                  "ScoresConfig", "SelectConfig", "TopkConfig", "DecodeTopkPlan", "plan_decode_topk",
                  "index_topk_decode", "fp8_paged_mqa_logits", "deepgemm_fp8_paged_mqa_logits",
