@@ -25,7 +25,9 @@ Two ways to get one:
   ``tolist`` of every statistic at once; int64 values are checked before they are narrowed to int32).
   ``validate=False`` (with ``max_entries``) checks shapes, dtypes and devices only and makes no sync:
   ``query_seq`` is clamped into 0..B-1 (one device op) and the kernels clamp every page id and block-table
-  column, so wrong values give wrong scores (or slots) but never an out-of-bounds access.
+  column, so wrong values give wrong scores (or slots) but never an out-of-bounds access. The ops plan their
+  tiles from such a batch's ``query_seq`` once per batch object (one sync, the plan kept with the batch):
+  ``query_seq`` is part of the batch's structure; to change it, build another batch.
 * :meth:`dsakit.PagedCache.batch` builds one from the host-side metadata the cache already holds (no sync).
 
 This module also holds the cheap (sync-free) checks of the query-side inputs shared by every op.
@@ -348,8 +350,9 @@ class PagedBatch:
         if query_positions is not None:
             positions = _as_positions(query_positions, t).contiguous()
         size = packed.numel()
-        if positions is not None and positions.device != device:
-            # the int64 positions ride in the same upload, 8-byte aligned after the int32 values
+        if positions is not None and positions.device.type == "cpu":
+            # host positions ride in the same upload, 8-byte aligned after the int32 values (on a CPU pool too:
+            # the batch then owns a copy, as it does of the rest)
             pad = size % 2
             host = torch.cat([packed, packed.new_zeros(pad), positions.view(torch.int32)])
             buf = upload(host, device)

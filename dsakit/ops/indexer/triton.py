@@ -69,15 +69,11 @@ from ...batch import PagedBatch, check_batch, check_k
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM
 from ._topk_kernels import _visible_kernel
 from .config import MAX_K, SelectConfig, TopkConfig
-from .inputs import check_q_inputs, check_q_scale_values, decode_rows, lru_get
+from .inputs import _BUFFERS, cached_buffer, check_q_inputs, check_q_scale_values, decode_rows, lru_get  # noqa: F401
 from .plans import DecodeTopkPlan, QueryTiles, plan_batch_tiles, plan_chunks, plan_decode_topk, workspace_width
 from .scores import launch_index_scores, prepare_q
 from .select import SelectBuffers, launch_select, release_select_buffers
 
-# Buffers reused across calls, keyed by (role, device, shape); bounded so that a long-running process that
-# sees many shapes keeps only the latest few.
-_BUFFERS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-_BUFFERS_KEPT = 12
 # Decode plans of the eager path (index_topk_triton on a decode-shaped batch), keyed by shape; a decode loop
 # uses one shape until its widest sequence crosses the next power of two, so two are kept.
 _DECODE_PLANS: "OrderedDict[tuple, tuple[TopkConfig, DecodeTopkPlan]]" = OrderedDict()
@@ -90,12 +86,6 @@ def release_workspaces() -> None:
     _BUFFERS.clear()
     _DECODE_PLANS.clear()
     release_select_buffers()
-
-
-def cached_buffer(role: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reusable uninitialized buffer for ``role`` (allocated once per shape and device)."""
-    return lru_get(_BUFFERS, (role, device, shape, dtype), _BUFFERS_KEPT,
-                   lambda: torch.empty(shape, dtype=dtype, device=device))
 
 
 def launch_visible(batch: PagedBatch, out: torch.Tensor, limit: int, config: SelectConfig | None = None) -> None:
