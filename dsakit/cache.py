@@ -101,8 +101,10 @@ class PagedCache:
         if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):
             raise ValueError(f"seq_ids must be a list of sequence ids (e.g. [{seq_ids!r}]), got {seq_ids!r}")
         ids = list(seq_ids)
+        tables = self._tables
         for s in ids:
-            self._check_seq(s)
+            if type(s) is not int or s not in tables:  # the common case costs one lookup per id
+                self._check_seq(s)
         return ids
 
     @property

@@ -294,7 +294,8 @@ def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
     treated as masked and never read; checking the values costs one sync). ``sort=False`` returns the same
     set per row in a deterministic order (index order for the multi-pass select; the streaming select's
     buffer order otherwise) and skips the final sort. ``config``: select tuning (:class:`SelectConfig`).
-    Memory: the [T, k] output plus a candidate scratch of 8 * cap bytes per row.
+    Memory: the [T, k] output (the only allocation of a repeated call) plus scratch cached by shape: the
+    multi-pass select's candidates (8 * cap bytes per row) or the streaming select's buffers, and the counts.
     """
     check_scores_matrix(scores, sort)
     check_k(k, MAX_K)
