@@ -25,7 +25,9 @@ Two ways to get one:
   ``tolist`` of every statistic at once; int64 values are checked before they are narrowed to int32).
   ``validate=False`` (with ``max_entries``) checks shapes, dtypes and devices only and makes no sync:
   ``query_seq`` is clamped into 0..B-1 (one device op) and the kernels clamp every page id and block-table
-  column, so wrong values give wrong scores (or slots) but never an out-of-bounds access.
+  column, so wrong values give wrong scores (or slots) but never an out-of-bounds access. The ops plan their
+  tiles from such a batch's ``query_seq`` once per batch object (one sync, the plan kept with the batch):
+  ``query_seq`` is part of the batch's structure; to change it, build another batch.
 * :meth:`dsakit.PagedCache.batch` builds one from the host-side metadata the cache already holds (no sync).
 
 This module also holds the cheap (sync-free) checks of the query-side inputs shared by every op.
@@ -326,15 +328,41 @@ class PagedBatch:
         else:
             seq = torch.repeat_interleave(torch.arange(b, dtype=torch.int32),
                                           torch.tensor(query_lens, dtype=torch.long), output_size=t)
-        buf = upload(torch.cat([table.reshape(-1), counts, seq]), device)
-        table = buf[: b * width].view(b, width)
-        counts, seq = buf[b * width: b * width + b], buf[b * width + b:]
+        packed = torch.cat([table.reshape(-1), counts, seq])
+        return cls._from_packed(pool, fmt, packed, b, width, max(lengths, default=0), tuple(query_lens),
+                               query_positions, ratio, summaries)
+
+    @classmethod
+    def _from_packed(cls, pool: torch.Tensor, fmt: KeyFormat, packed: torch.Tensor, num_seqs: int, width: int,
+                    max_entries: int, query_lens: tuple[int, ...], query_positions: torch.Tensor | None = None,
+                    ratio: int = 1, summaries: PageSummaries | None = None) -> "PagedBatch":
+        """Batch from host metadata already packed and known to be valid (the last step of :meth:`from_host`
+        and of ``PagedCache.batch``; internal: nothing is checked but the positions): packed int32 CPU [B * W + B + T] = the block table [B, W] (-1 padded)
+        row by row, the entry counts [B], the sequence of each query [T] (rows grouped by sequence in order);
+        max_entries = max(counts); query_lens [B] host ints summing to T. query_positions int [T] or None.
+
+        One host->device copy (asynchronous, from pinned memory on CUDA) carries all of it, query positions
+        given on the CPU included; no device->host sync.
+        """
+        device = pool.device
+        t = sum(query_lens)
         positions = None
         if query_positions is not None:
-            positions = _as_positions(query_positions, t)
-            positions = upload(positions.contiguous(), device) if positions.device != device else positions.contiguous()
-        return cls(pool, fmt, table, counts, seq, positions, ratio, t,
-                   max(lengths, default=0), tuple(query_lens), True, summaries, (id(pool), id(table), id(counts)))
+            positions = _as_positions(query_positions, t).contiguous()
+        size = packed.numel()
+        if positions is not None and positions.device.type == "cpu":
+            # host positions ride in the same upload, 8-byte aligned after the int32 values (on a CPU pool too:
+            # the batch then owns a copy, as it does of the rest)
+            pad = size % 2
+            host = torch.cat([packed, packed.new_zeros(pad), positions.view(torch.int32)])
+            buf = upload(host, device)
+            positions = buf[size + pad:].view(torch.int64)
+        else:
+            buf = upload(packed, device)
+        table = buf[: num_seqs * width].view(num_seqs, width)
+        counts, seq = buf[num_seqs * width: num_seqs * width + num_seqs], buf[num_seqs * width + num_seqs: size]
+        return cls(pool, fmt, table, counts, seq, positions, ratio, t, max_entries, tuple(query_lens), True,
+                   summaries, (id(pool), id(table), id(counts)))
 
     def __repr__(self) -> str:
         return (f"PagedBatch(fmt={self.fmt.name}, B={self.num_seqs}, T={self.num_queries}, "

@@ -12,12 +12,13 @@ written, so bad input leaves the pool unchanged.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import torch
 
-from ._memory import check_bool, check_fits, check_int, parse_device
-from .batch import PagedBatch, check_table_size
+from ._memory import check_bool, check_fits, check_int, check_int_list, parse_device
+from .batch import PagedBatch, check_ratio, check_table_size
 from .formats import ENTRIES_PER_PAGE, EntryFormat, KeyFormat, is_centred
 # the raw pool access lives one floor down (dsakit.pool); these names stay importable from here
 from .pool import (PageSummaries, check_pool, check_slots, check_summaries, dequantize_entries,  # noqa: F401
@@ -60,9 +61,10 @@ class PagedCache:
         check_summaries(self.summaries, self.pool, fmt, None)  # index-key formats only
         self._free = list(range(num_pages - 1, -1, -1))  # stack: pops the lowest page first
         self._tables: dict[int, list[int]] = {}
-        # int32 CPU copies of the tables for PagedCache.batch, rebuilt when a table changes (a decode step
-        # adds a page every 64 entries, so a batch of long sequences does not convert every list every step)
-        self._table_rows: dict[int, torch.Tensor] = {}
+        # int32 host arrays of the tables for PagedCache.batch, extended when pages are appended and dropped when
+        # a table shrinks (a decode step adds a page every 64 entries, so a batch of long sequences does not
+        # convert every list every step; concatenating arrays is a memory copy)
+        self._table_rows: dict[int, array] = {}
         self._lengths: dict[int, int] = {}
         self._next_id = 0
 
@@ -99,8 +101,10 @@ class PagedCache:
         if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):
             raise ValueError(f"seq_ids must be a list of sequence ids (e.g. [{seq_ids!r}]), got {seq_ids!r}")
         ids = list(seq_ids)
+        tables = self._tables
         for s in ids:
-            self._check_seq(s)
+            if type(s) is not int or s not in tables:  # the common case costs one lookup per id
+                self._check_seq(s)
         return ids
 
     @property
@@ -210,24 +214,47 @@ class PagedCache:
         sees all entries of its sequence). ratio: tokens per entry.
         """
         seq_ids = self._seq_list(seq_ids)
-        for s in seq_ids:
-            self._check_seq(s)
         if not isinstance(self.fmt, KeyFormat):
             raise ValueError(f"a PagedBatch reads index keys; this cache holds {self.fmt.name} attention entries")
-        return PagedBatch.from_host(self.pool, self.fmt, [self._table_row(s) for s in seq_ids],
-                                    [self._lengths[s] for s in seq_ids], query_lens, query_positions, ratio,
-                                    summaries=self.summaries)
+        check_ratio(ratio)
+        b = len(seq_ids)
+        if query_lens is None:
+            query_lens = (1,) * b
+        else:
+            query_lens = tuple(check_int_list("query_lens", query_lens, 0, length=b, message=f"query_lens must be "
+                                              f"{b} non-negative ints (queries per sequence)"))
+        rows = [self._table_row(s) for s in seq_ids]
+        width = max(map(len, rows), default=0)
+        t = sum(query_lens)
+        check_table_size(b, width, self.pool.device, queries=t)
+        # the whole host side in one int32 array (block table rows padded with -1, counts, query rows' sequence),
+        # uploaded by PagedBatch in one asynchronous copy
+        packed = array("i")
+        padding = array("i", [-1]) * width
+        for row in rows:
+            packed += row
+            packed += padding[: width - len(row)]
+        lengths = [self._lengths[s] for s in seq_ids]
+        packed += array("i", lengths)
+        if all(n == 1 for n in query_lens):
+            packed += array("i", range(b))
+        else:
+            for number, n in enumerate(query_lens):
+                packed += array("i", [number]) * n
+        host = torch.frombuffer(packed, dtype=torch.int32) if len(packed) else torch.empty(0, dtype=torch.int32)
+        return PagedBatch._from_packed(self.pool, self.fmt, host, b, width, max(lengths, default=0), query_lens,
+                                       query_positions, ratio, summaries=self.summaries)
 
-    def _table_row(self, seq_id: int) -> torch.Tensor:
-        """int32 CPU [pages] of a sequence's table (cached; appends only add pages, truncate / free drop it)."""
+    def _table_row(self, seq_id: int) -> array:
+        """int32 host array [pages] of a sequence's table (cached; appends only add pages, truncate / free drop
+        it)."""
         pages = self._tables[seq_id]
         row = self._table_rows.get(seq_id)
-        if row is None or row.numel() > len(pages):
-            row = torch.tensor(pages, dtype=torch.int32)
+        if row is None or len(row) > len(pages):
+            row = array("i", pages)
             self._table_rows[seq_id] = row
-        elif row.numel() < len(pages):  # pages appended since: extend, the prefix is unchanged
-            row = torch.cat([row, torch.tensor(pages[row.numel():], dtype=torch.int32)])
-            self._table_rows[seq_id] = row
+        elif len(row) < len(pages):  # pages appended since: extend, the prefix is unchanged
+            row.extend(pages[len(row):])
         return row
 
     # -- data (reference path) -----------------------------------------------------------------------

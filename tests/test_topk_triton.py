@@ -381,7 +381,9 @@ def test_candidate_buffers_only_on_the_multipass_path(triton_backend):
         config = TopkConfig(select=SelectConfig(algorithm=algorithm))
         streamed = topk_triton.index_topk_triton(q, w, batch, 8, config=config)
         roles = {key[0] for key in topk_triton._BUFFERS}
-        assert ("cand_vals" in roles) == has_candidates and ("cand_idx" in roles) == has_candidates, roles
+        assert "cand_vals" not in roles and "cand_idx" not in roles, roles  # a decode batch: the cached plan's
+        (_, cached_plan), = topk_triton._DECODE_PLANS.values()
+        assert (cached_plan.cand_vals is not None) == has_candidates and (cached_plan.stream is None) == has_candidates
         plan = plan_decode_topk(2, 1, 128, 8, fmt, device, num_heads=DECODE_HEADS,
                                 select=SelectConfig(algorithm=algorithm))
         assert (plan.cand_vals is not None) == has_candidates and (plan.stream is None) == has_candidates

@@ -27,6 +27,20 @@ def lru_get(cache: OrderedDict, key, kept: int, make: Callable[[], object]):
     return found
 
 
+# Buffers reused across calls, keyed by (role, device, shape, dtype); bounded so that a long-running process
+# that sees many shapes keeps only the latest few.
+_BUFFERS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_BUFFERS_KEPT = 12
+
+
+def cached_buffer(role: str, shape: tuple, dtype: torch.dtype, device: torch.device,
+                  make: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+    """A reusable buffer for ``role`` (allocated once per shape and device): uninitialized, or ``make()``'s
+    tensor (for a constant buffer; its role and shape must then name its contents)."""
+    return lru_get(_BUFFERS, (role, device, shape, dtype), _BUFFERS_KEPT,
+                   make or (lambda: torch.empty(shape, dtype=dtype, device=device)))
+
+
 def check_scores_matrix(scores, sort=False) -> None:
     """scores must be an fp32 [T, W] tensor with unit stride along W (the selects read rows as vectors), and
     ``sort`` a bool, else ValueError."""
@@ -41,10 +55,13 @@ def row_counts_int32(scores: torch.Tensor, row_counts: torch.Tensor | None) -> t
     row_counts checked (int [T] on the scores' device, values in 0..W: one sync)."""
     t, w = scores.shape
     if row_counts is None:
-        return torch.full((t,), w, dtype=torch.int32, device=scores.device)
+        # every row's full width: one constant buffer per (T, W), never written by a kernel
+        device = scores.device
+        return cached_buffer(f"row_counts={w}", (t,), torch.int32, device,
+                             lambda: torch.full((t,), w, dtype=torch.int32, device=device))
     check_tensor("row_counts", row_counts, shape=(t,), dtypes=INDEX_DTYPES, device=scores.device,
                  owner="scores", message=f"row_counts must be int [T] = [{t}]")
-    if t and (bool((row_counts < 0).any()) or bool((row_counts > w).any())):
+    if t and bool(((row_counts < 0) | (row_counts > w)).any()):  # one sync for both bounds
         raise ValueError(f"row_counts must be in 0..{w} (the scores width), got range "
                          f"{int(row_counts.min())}..{int(row_counts.max())}")
     return row_counts.to(torch.int32).contiguous()

@@ -50,8 +50,9 @@ CUDA graph do); clone them to keep them. Semantics are those of the reference
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -305,15 +306,37 @@ def tiles_from_lens(lens: Sequence[int], num_heads: int, device: torch.device, c
     return tiles
 
 
+# Tile plans read from a batch's query_seq (an unchecked batch has no host metadata, so building one reads
+# query_seq back: one sync; rows not grouped by sequence need a device sort), kept with the batch object: a batch
+# is immutable and its query_seq is part of its structure, so the ops read it once per batch rather than once
+# per call. Entries go away with their batch.
+_UNCHECKED_PLANS: "weakref.WeakKeyDictionary[PagedBatch, dict]" = weakref.WeakKeyDictionary()
+
+
+def _per_batch(batch: PagedBatch, key: tuple, make: Callable[[], object]):
+    """make()'s plan for ``batch``, built on the first call with this key and kept with the batch."""
+    plans = _UNCHECKED_PLANS.setdefault(batch, {})
+    found = plans.get(key)
+    if found is None:
+        found = plans[key] = make()
+    return found
+
+
 def plan_batch_tiles(batch: PagedBatch, num_heads: int, config: ScoresConfig | None = None) -> QueryTiles:
     """Tile plan of every query of ``batch``: from its host metadata (no sync; cached by shape for a batch whose
-    rows are grouped by sequence) or, for an unchecked batch, with :func:`plan_query_tiles` (one sync)."""
+    rows are grouped by sequence) or, for an unchecked batch, with :func:`plan_query_tiles` (one sync on the
+    first call with this batch object; the plan is kept with the batch, as is that of rows not grouped by
+    sequence)."""
     config = config or ScoresConfig.for_device(batch.device)
     if batch.query_lens is None:
-        return plan_query_tiles(batch.query_seq, batch.num_seqs, num_heads, config.kernel,
-                                cap=config.prefill_block_t)
-    rows = None if batch.rows_sorted else torch.argsort(batch.query_seq, stable=True)
-    return tiles_from_lens(batch.query_lens, num_heads, batch.device, config, rows)
+        return _per_batch(batch, ("tiles", num_heads, config.kernel, config.prefill_block_t),
+                          lambda: plan_query_tiles(batch.query_seq, batch.num_seqs, num_heads, config.kernel,
+                                                   cap=config.prefill_block_t))
+    if batch.rows_sorted:
+        return tiles_from_lens(batch.query_lens, num_heads, batch.device, config)
+    return _per_batch(batch, ("tiles", num_heads, config.kernel, config.prefill_block_t),
+                      lambda: tiles_from_lens(batch.query_lens, num_heads, batch.device, config,
+                                              torch.argsort(batch.query_seq, stable=True)))
 
 
 def workspace_width(max_entries: int) -> int:
@@ -346,7 +369,15 @@ def _chunk_lens(batch: PagedBatch, chunk: int) -> list[Sequence[int]]:
 
 
 def plan_chunks(batch: PagedBatch, chunk: int, num_heads: int, config: TopkConfig) -> list[QueryTiles]:
-    """Tile plan of every chunk of ``chunk`` rows (no sync for a batch with rows grouped by sequence)."""
+    """Tile plan of every chunk of ``chunk`` rows (no sync for a batch with rows grouped by sequence; one sync
+    on the first call with an unchecked batch object, whose plans are kept with it)."""
+    if batch.query_lens is None or not batch.rows_sorted:  # plans read from query_seq: once per batch object
+        key = ("chunks", chunk, num_heads, config.scores.kernel, config.scores.prefill_block_t)
+        return _per_batch(batch, key, lambda: _plan_chunks(batch, chunk, num_heads, config))
+    return _plan_chunks(batch, chunk, num_heads, config)
+
+
+def _plan_chunks(batch: PagedBatch, chunk: int, num_heads: int, config: TopkConfig) -> list[QueryTiles]:
     if batch.num_queries <= chunk and batch.query_lens is None:
         return [plan_query_tiles(batch.query_seq, batch.num_seqs, num_heads, config.scores.kernel,
                                  cap=config.scores.prefill_block_t)]

@@ -44,7 +44,7 @@ from ._select_kernels import (STATS, _filter_kernel, _filter_thread_kernel, _fin
                               _order_chunk_kernel, _order_kernel, _order_merge_kernel, _threshold_kernel)
 from ._topk_kernels import _radix_select_kernel
 from .config import MAX_K, STREAM_MAX_K, SelectConfig, StreamConfig, pow2_floor
-from .inputs import check_scores_matrix, lru_get, row_counts_int32, slot_args
+from .inputs import cached_buffer, check_scores_matrix, lru_get, row_counts_int32, slot_args
 
 
 @dataclass(frozen=True)
@@ -258,7 +258,7 @@ def launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
                   stream_buffers=None) -> None:
     """Launch the radix select of scores fp32 [R, W] (row r considers its first counts[r] entries) into
     out int32 [R, k] (and slots, through seq [R] and block_table, when given). No checks, no sync; the
-    candidate buffers (fp32 / int32 [>= R, cap]) are allocated when not given. With the streaming select
+    candidate buffers (fp32 / int32 [>= R, cap]) are cached ones when not given. With the streaming select
     (``config.algorithm``), ``stream_buffers`` (a ``SelectBuffers``) or cached ones are used."""
     config = config or SelectConfig()
     if config.uses_stream(k):
@@ -275,8 +275,10 @@ def launch_select(scores: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
     if rows == 0:
         return
     if cand_vals is None or cand_vals.shape[0] < rows or cand_vals.shape[1] != cap:
-        cand_vals = torch.empty((rows, cap), dtype=torch.float32, device=scores.device)
-        cand_idx = torch.empty((rows, cap), dtype=torch.int32, device=scores.device)
+        # cached by shape (rows rounded up to a power of two): an eager call allocates only its output
+        shape = (triton.next_power_of_2(rows), cap)
+        cand_vals = cached_buffer("cand_vals", shape, torch.float32, scores.device)
+        cand_idx = cached_buffer("cand_idx", shape, torch.int32, scores.device)
     _radix_select_kernel[(rows,)](
         scores, scores.stride(0), counts, out, out.stride(0), cand_vals, cand_idx,
         *slot_args(out, counts, slots, seq, block_table),
@@ -292,7 +294,8 @@ def select_topk_triton(scores: torch.Tensor, k: int, *, row_counts: torch.Tensor
     treated as masked and never read; checking the values costs one sync). ``sort=False`` returns the same
     set per row in a deterministic order (index order for the multi-pass select; the streaming select's
     buffer order otherwise) and skips the final sort. ``config``: select tuning (:class:`SelectConfig`).
-    Memory: the [T, k] output plus a candidate scratch of 8 * cap bytes per row.
+    Memory: the [T, k] output (the only allocation of a repeated call) plus scratch cached by shape: the
+    multi-pass select's candidates (8 * cap bytes per row) or the streaming select's buffers, and the counts.
     """
     check_scores_matrix(scores, sort)
     check_k(k, MAX_K)

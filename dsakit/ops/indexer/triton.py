@@ -58,6 +58,7 @@ next tile. Rows with few candidates stop after the stats pass.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 import torch
@@ -68,27 +69,23 @@ from ...batch import PagedBatch, check_batch, check_k
 from ...formats import ENTRIES_PER_PAGE, INDEX_HEAD_DIM
 from ._topk_kernels import _visible_kernel
 from .config import MAX_K, SelectConfig, TopkConfig
-from .inputs import check_q_inputs, check_q_scale_values, decode_rows, lru_get
-from .plans import DecodeTopkPlan, QueryTiles, plan_chunks, workspace_width
+from .inputs import _BUFFERS, cached_buffer, check_q_inputs, check_q_scale_values, decode_rows, lru_get  # noqa: F401
+from .plans import DecodeTopkPlan, QueryTiles, plan_batch_tiles, plan_chunks, plan_decode_topk, workspace_width
 from .scores import launch_index_scores, prepare_q
 from .select import SelectBuffers, launch_select, release_select_buffers
 
-# Buffers reused across calls, keyed by (role, device, shape); bounded so that a long-running process that
-# sees many shapes keeps only the latest few.
-_BUFFERS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-_BUFFERS_KEPT = 12
+# Decode plans of the eager path (index_topk_triton on a decode-shaped batch), keyed by shape; a decode loop
+# uses one shape until its widest sequence crosses the next power of two, so two are kept.
+_DECODE_PLANS: "OrderedDict[tuple, tuple[TopkConfig, DecodeTopkPlan]]" = OrderedDict()
+_DECODE_PLANS_KEPT = 2
 
 
 def release_workspaces() -> None:
-    """Free the workspaces cached by :func:`index_topk_triton` (the next call allocates them again)."""
+    """Free the workspaces and decode plans cached by :func:`index_topk_triton` (the next call allocates them
+    again)."""
     _BUFFERS.clear()
+    _DECODE_PLANS.clear()
     release_select_buffers()
-
-
-def cached_buffer(role: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reusable uninitialized buffer for ``role`` (allocated once per shape and device)."""
-    return lru_get(_BUFFERS, (role, device, shape, dtype), _BUFFERS_KEPT,
-                   lambda: torch.empty(shape, dtype=dtype, device=device))
 
 
 def launch_visible(batch: PagedBatch, out: torch.Tensor, limit: int, config: SelectConfig | None = None) -> None:
@@ -155,6 +152,13 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
 
     columns = workspace_width(width)
     chunk = config.chunk_rows(t, columns)
+    next_n = batch.next_n
+    if next_n is not None and chunk >= t:
+        # a decode-shaped batch scored in one chunk: the launches of index_topk_decode through a plan cached by
+        # shape, into the outputs allocated above
+        plan = cached_decode_plan(batch, next_n, num_heads, k, q.dtype, return_slots, config)
+        _launch_decode(q, weights, batch, plan, indices, slots, q_scale)
+        return (indices, slots) if return_slots else indices
     plans = plan_chunks(batch, chunk, num_heads, config)
     visible = cached_buffer("visible", (t,), torch.int32, device)
     launch_visible(batch, visible, min(width, batch.block_table.shape[1] * 64), config.select)
@@ -171,6 +175,41 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
         _score_chunk(q, weights, batch, scores, tiles, start, q_scale, config)
         _select_chunk(scores, batch, visible, indices, slots, start, config, cand_vals, cand_idx)
     return (indices, slots) if return_slots else indices
+
+
+def cached_decode_plan(batch: PagedBatch, next_n: int, num_heads: int, k: int, q_dtype: torch.dtype,
+                       return_slots: bool, config: TopkConfig) -> DecodeTopkPlan:
+    """The decode plan of the eager path for this batch shape, built on first use and kept by shape: (device,
+    B, next_n, workspace width = batch.max_entries rounded up to a power of two, k, format, H, q dtype, slots or
+    not, config). Its tile plan is the batch's own (:func:`plan_batch_tiles`, cached by shape), so the kernels
+    launched are those of the chunked path. Its indices / slots buffers are not used by the eager path."""
+    columns = workspace_width(batch.max_entries)
+    # the config by identity (hashing a TopkConfig walks every field: microseconds per call); the entry keeps
+    # the config alive, so its id names it for as long as the entry lives
+    key = (batch.device, batch.num_seqs, next_n, columns, k, batch.fmt, num_heads, q_dtype, return_slots,
+           id(config))
+
+    def build() -> tuple[TopkConfig, DecodeTopkPlan]:
+        plan = plan_decode_topk(batch.num_seqs, next_n, columns, k, batch.fmt, batch.device, num_heads=num_heads,
+                                return_slots=return_slots, sort=config.sort, scores=config.scores,
+                                select=config.select)
+        return config, dataclasses.replace(plan, tiles=plan_batch_tiles(batch, num_heads, config.scores))
+
+    return lru_get(_DECODE_PLANS, key, _DECODE_PLANS_KEPT, build)[1]
+
+
+def _launch_decode(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch, plan: DecodeTopkPlan,
+                   indices: torch.Tensor, slots: torch.Tensor | None, q_scale: torch.Tensor | None) -> None:
+    """The three launches of a decode top-k (visible counts, scores, select) through ``plan``'s workspace and
+    scratch into indices int32 [R, k] (and slots); q [R, H, 128], weights / q_scale [R, H]. No checks, no sync."""
+    # the batch's widest sequence bounds the columns worth scoring (an unchecked batch states it itself)
+    width = max(1, min(batch.max_entries, plan.max_entries))
+    launch_visible(batch, plan.visible, min(width, batch.block_table.shape[1] * ENTRIES_PER_PAGE), plan.select)
+    scores = plan.workspace[:, :width]
+    launch_index_scores(prepare_q(q), weights, batch, scores, plan.tiles, q_scale=q_scale, config=plan.scores)
+    launch_select(scores, plan.visible, indices, plan.k, plan.sort, config=plan.select, slots=slots,
+                  seq=batch.query_seq, block_table=batch.block_table if slots is not None else None,
+                  cand_vals=plan.cand_vals, cand_idx=plan.cand_idx, stream_buffers=plan.stream)
 
 
 def _check_plan(q, weights, batch, k, plan, q_scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -217,14 +256,7 @@ def index_topk_decode(q: torch.Tensor, weights: torch.Tensor, batch: PagedBatch,
     once the kernels are compiled (run it once eagerly first).
     """
     q, weights, q_scale = _check_plan(q, weights, batch, k, plan, q_scale)
-    # the batch's widest sequence bounds the columns worth scoring (an unchecked batch states it itself)
-    width = max(1, min(batch.max_entries, plan.max_entries))
-    launch_visible(batch, plan.visible, min(width, batch.block_table.shape[1] * ENTRIES_PER_PAGE), plan.select)
-    scores = plan.workspace[:, :width]
-    launch_index_scores(prepare_q(q), weights, batch, scores, plan.tiles, q_scale=q_scale, config=plan.scores)
-    launch_select(scores, plan.visible, plan.indices, plan.k, plan.sort, config=plan.select, slots=plan.slots,
-                  seq=batch.query_seq, block_table=batch.block_table if plan.slots is not None else None,
-                  cand_vals=plan.cand_vals, cand_idx=plan.cand_idx, stream_buffers=plan.stream)
+    _launch_decode(q, weights, batch, plan, plan.indices, plan.slots, q_scale)
     return (plan.indices, plan.slots) if plan.slots is not None else plan.indices
 
 
