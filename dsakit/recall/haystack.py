@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .._memory import check_instance
 from ..cache import PagedCache
 from ..pool import read_centres, read_entries, summarize_pages
 from ..formats import ENTRIES_PER_PAGE, KeyFormat, is_centred
@@ -96,8 +97,8 @@ class StoredHaystack:
     def __init__(self, haystack: Haystack, formats: Sequence[str], fault: Fault, rope_cos_sin: torch.Tensor,
                  backend: str, device: torch.device, hierarchy: HierarchyConfig | None = None,
                  summaries: bool = False):
-        if hierarchy is not None and not isinstance(hierarchy, HierarchyConfig):
-            raise ValueError(f"hierarchy must be a HierarchyConfig or None, got {hierarchy!r}")
+        if hierarchy is not None:
+            check_instance("hierarchy", hierarchy, HierarchyConfig, "or None")
         self.hierarchy = hierarchy
         self.haystack = haystack
         self.config = haystack.config

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .._memory import check_int, check_int_list
+from .._memory import check_instance, check_int, check_int_list
 from ..batch import visible_counts
 from ..cache import PagedCache
 from ..formats import KeyFormat
@@ -126,8 +126,7 @@ def compare_hierarchy_captured(captured: CapturedTensors, formats: Sequence[str]
     """Captured tensors (q, k, weights of a real indexer; keys written with each format's codec as
     :func:`dsakit.recall.run_captured` does) with the flat and the hierarchical top-k side by side. The needle
     counts as found when every query row that sees a needle entry selects one."""
-    if not isinstance(captured, CapturedTensors):
-        raise ValueError(f"captured must be CapturedTensors (see load_captured), got {type(captured).__name__}")
+    check_instance("captured", captured, CapturedTensors, "see load_captured")
     formats = [KeyFormat.parse(name).name for name in formats]
     topks = [check_int("topks", kk, 1, MAX_K) for kk in check_int_list("topks", topks)]
     device = lab_device(backend)
