@@ -33,7 +33,7 @@ from .._memory import check_choice, check_instance, check_int, check_int_list, c
 from ..formats import KeyFormat
 from ..ops import indexer as indexer_ops
 from ..ops import resolve_backend
-from ..ops.indexer.config import MAX_K
+from ..ops.indexer.config import MAX_K, HierarchyConfig
 from ..transforms import hadamard_transform
 from . import metrics
 
@@ -144,13 +144,14 @@ def load_captured(path: "str | Path") -> CapturedTensors:
 
 def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Sequence[int],
                  backend: str = "reference", source: str = "captured",
-                 on_run: "Callable[[dict], None] | None" = None) -> list[dict]:
+                 on_run: "Callable[[dict], None] | None" = None, hierarchy: HierarchyConfig | None = None) -> list[dict]:
     """Quantize the captured keys into a paged cache per format and compare the ops' top-k with exact scoring.
 
     One record per (format, k), also handed to ``on_run`` as it is made. Needle metrics use, per query row,
     the best needle entry; ``needle_rank`` and ``found`` report the worst row among the rows that can see a
     needle entry (every such row must find it). A k above the number of entries N selects what k = N does
     (the rest is -1 padding, which no metric counts), so it runs as N: a huge k costs nothing.
+    ``hierarchy``: the top-k op is ``hierarchical_topk`` with this config (the caches keep page summaries).
     """
     from .haystack import finite_or_none, pages_for
     from .settings import lab_device
@@ -164,6 +165,8 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
     if any(min(k, captured.k.shape[0]) > MAX_K for k in topks):  # k > N runs as N (below)
         raise ValueError(f"topks: the top-k ops select at most {MAX_K} entries, got {list(topks)!r} over "
                          f"{captured.k.shape[0]} entries")
+    if hierarchy is not None:
+        check_instance("hierarchy", hierarchy, HierarchyConfig, "HierarchyConfig or None")
     if on_run is not None and not callable(on_run):
         raise ValueError(f"on_run must be callable, got {on_run!r}")
     device = lab_device(backend)
@@ -178,7 +181,7 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
     records = []
     for name in formats:
         fmt = KeyFormat.parse(name)
-        cache = PagedCache(fmt, pages_for(n), device=device)
+        cache = PagedCache(fmt, pages_for(n), device=device, summaries=hierarchy is not None)
         seq = cache.add_sequence()
         cache.write(cache.append(seq, n), k)  # the format's reference codec: the keys are already transformed
         common = dict(q=q.to(device), weights=captured.weights.to(device),
@@ -188,11 +191,14 @@ def run_captured(captured: CapturedTensors, formats: Sequence[str], topks: Seque
         for kk in topks:
             k_run = min(kk, n)
             exact_topk = indexer_ops.select_topk(exact_scores, k_run)
-            if resolve_backend(backend, cache.pool) == "reference":
+            if hierarchy is not None:
+                topk = indexer_ops.hierarchical_topk(**common, k=k_run, config=hierarchy, backend=backend).cpu()
+            elif resolve_backend(backend, cache.pool) == "reference":
                 topk = indexer_ops.select_topk(scores, k_run)
             else:
                 topk = indexer_ops.index_topk(**common, k=k_run, backend=backend).cpu()
             rec = {"kind": "run", "source": source, "fault": "none", "format": fmt.name, "index_topk": kk,
+                   "selection": "flat" if hierarchy is None else "hierarchical",
                    "context_tokens": n * captured.ratio, "entries": n, "query_tokens": t, "depth": None,
                    "set_recall": metrics.set_recall(topk, exact_topk),
                    "nan_fraction": max(metrics.nan_fraction(row) for row in scores),

@@ -1,5 +1,6 @@
 """``dsakit recall``: the needle-in-a-haystack recall lab on the command line (a thin layer over dsakit.recall)."""
 
+import dataclasses
 import stat
 import time
 from pathlib import Path
@@ -75,6 +76,17 @@ def recall(
                                     help="Pool keys from token states through the V4 compressor (off: draw entries directly)."),
     captured: Optional[Path] = typer.Option(None, "--captured",
                                             help="Run on a captured safetensors file (q, k, weights[, needle_entries]) instead."),
+    hierarchy: bool = typer.Option(False, "--hierarchy/--no-hierarchy",
+                                   help="Sweep (and --captured) top-k through hierarchical_topk instead of the flat "
+                                        "index_topk (docs/hierarchy.md); the horizon and the fault rows stay flat."),
+    hierarchy_pages: Optional[int] = typer.Option(None, "--hierarchy-pages",
+                                                  help="m, the pages stage 1 keeps (default: max(16, 4 ceil(k/64)))."),
+    hierarchy_exact: bool = typer.Option(False, "--hierarchy-exact",
+                                         help="The hierarchy's exact mode (equal to the flat top-k)."),
+    compare_hierarchy: bool = typer.Option(False, "--compare-hierarchy",
+                                           help="Only measure hierarchical vs flat top-k (IoU, needle found, pages "
+                                                "scored; 0.5x / 1x / 2x default m and the exact mode) on the sweep's "
+                                                "contexts x depths x formats x --topk, or on --captured."),
     backend: str = typer.Option("reference", "--backend", help="reference (CPU) | triton (GPU) | auto."),
     seed: int = typer.Option(0, "--seed", help="Seed of every random draw (same seed, same numbers)."),
     out: Path = typer.Option(Path("recall-out"), "--out", help="Output folder: runs.jsonl and heatmap.png."),
@@ -101,7 +113,12 @@ def recall(
         topks = _numbers(topk, "--topk")
         if captured is not None:
             _check_captured_path(captured)
-            _run_captured_cli(console, captured, sweep_formats, topks, backend, seed, out, quiet)
+            if compare_hierarchy:
+                _compare_captured_cli(console, captured, sweep_formats, topks, backend, seed, out)
+                return
+            config = RecallSettings(hierarchy=hierarchy, hierarchy_pages=hierarchy_pages, hierarchy_exact=hierarchy_exact,
+                                    horizon=False, faults=()).hierarchy_config()
+            _run_captured_cli(console, captured, sweep_formats, topks, backend, seed, out, quiet, config)
             return
         config = SyntheticConfig(preset=preset, shared_ratio=shared_ratio, needle_strength=needle_strength,
                                  outlier_channels=outlier_channels, outlier_scale=outlier_scale,
@@ -113,13 +130,22 @@ def recall(
             horizon_topks=_numbers(horizon_topk, "--horizon-topk"), horizon_trials=horizon_trials,
             horizon_min=horizon_min, horizon_max=horizon_max,
             faults=tuple(f.name for f in parse_faults(faults)), fault_format=fault_format,
-            fault_contexts=_numbers(fault_contexts, "--fault-contexts"), seed=seed, backend=backend)
+            fault_contexts=_numbers(fault_contexts, "--fault-contexts"), seed=seed, backend=backend,
+            hierarchy=hierarchy, hierarchy_pages=hierarchy_pages, hierarchy_exact=hierarchy_exact)
         common = {"seed": seed, "versions": report.versions(), "commit": report.git_commit(),
                   "settings": settings.as_dict(), "ops_backend": op_backends(backend)}
         # opened before the sweep (a bad --out fails now, not after it); records are written as they finish
         writer = report.RunWriter(out / report.JSONL_NAME, common)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
+    if compare_hierarchy:
+        from .hierarchy import compare_hierarchy as compare, summarize_comparison
+
+        with writer:
+            rows = compare(settings, on_record=writer.write)
+        console.print(_comparison_table(summarize_comparison(rows), "hierarchical vs flat top-k (synthetic)"))
+        console.print(f"runs: {writer.path}")
+        return
     with writer:
         _run_synthetic(console, settings, topks, writer, quiet, plot, out, preset, shared_ratio, needle_strength,
                        backend, seed)
@@ -190,8 +216,40 @@ def _check_captured_path(path: Path) -> None:
                      f"holding q [T,H,D], k [N,D] and weights [T,H]")
 
 
+def _comparison_table(rows: list, title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for name in ("source", "format", "ctx tokens", "top-k", "mode", "m", "IoU mean", "IoU min", "needle flat",
+                 "needle hier", "pages scored", "= flat"):
+        table.add_column(name, justify="left" if name in ("source", "format", "mode") else "right")
+    for r in rows:
+        table.add_row(r["source"], r["format"], str(r["context_tokens"]), str(r["index_topk"]), r["mode"],
+                      str(r["pages"]), f"{r['iou_mean']:.3f}", f"{r['iou_min']:.3f}",
+                      f"{r['needle_found_flat']}/{r['needle_runs']}", f"{r['needle_found']}/{r['needle_runs']}",
+                      f"{r['pages_scored']:.3f}", str(r["equal_flat"]))
+    return table
+
+
+def _compare_captured_cli(console: Console, path: Path, formats: tuple, topks: tuple, backend: str, seed: int,
+                          out: Path) -> None:
+    from . import report
+    from .captured import load_captured
+    from .hierarchy import compare_hierarchy_captured, summarize_comparison
+
+    captured = load_captured(path)
+    common = {"seed": seed, "versions": report.versions(), "commit": report.git_commit(),
+              "settings": {"captured": str(path), "formats": list(formats), "topks": list(topks), "backend": backend,
+                           "compare_hierarchy": True}}
+    with report.RunWriter(out / report.JSONL_NAME, common) as writer:
+        rows = compare_hierarchy_captured(captured, formats, topks, backend=backend, source=str(path),
+                                          on_record=writer.write)
+    console.print(_comparison_table(summarize_comparison(rows), f"hierarchical vs flat top-k ({path})"))
+    console.print(f"runs: {writer.path}")
+
+
 def _run_captured_cli(console: Console, path: Path, formats: tuple, topks: tuple, backend: str, seed: int,
-                      out: Path, quiet: bool) -> None:
+                      out: Path, quiet: bool, hierarchy=None) -> None:
     from rich.table import Table
 
     from . import report
@@ -200,9 +258,11 @@ def _run_captured_cli(console: Console, path: Path, formats: tuple, topks: tuple
     captured = load_captured(path)
     common = {"seed": seed, "versions": report.versions(), "commit": report.git_commit(),
               "settings": {"captured": str(path), "formats": list(formats), "topks": list(topks), "backend": backend,
-                           "ratio": captured.ratio, "rotated": captured.rotated}}
+                           "ratio": captured.ratio, "rotated": captured.rotated,
+                           "hierarchy": None if hierarchy is None else dataclasses.asdict(hierarchy)}}
     with report.RunWriter(out / report.JSONL_NAME, common) as writer:  # a bad --out fails before the work
-        records = run_captured(captured, formats, topks, backend=backend, source=str(path), on_run=writer.write)
+        records = run_captured(captured, formats, topks, backend=backend, source=str(path), on_run=writer.write,
+                               hierarchy=hierarchy)
     table = Table(title=f"captured tensors {path} (T={captured.q.shape[0]}, N={captured.k.shape[0]}, "
                         f"rotated={captured.rotated})")
     for name in ("format", "top-k", "needle rank", "exact rank", "found", "set recall", "margin", "NaN", "leaked"):

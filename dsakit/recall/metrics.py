@@ -93,6 +93,19 @@ def set_recall(topk: torch.Tensor, topk_exact: torch.Tensor) -> float:
     return total / a_all.shape[0]
 
 
+def set_iou(topk: torch.Tensor, topk_other: torch.Tensor) -> list[float]:
+    """Per row of two index sets [T, K] (-1 padded): |A ∩ B| / |A ∪ B| (1.0 where both are empty)."""
+    if topk.dim() != 2 or topk_other.dim() != 2 or topk.shape[0] != topk_other.shape[0]:
+        raise ValueError(f"top-k sets must be [T, K] with the same T, got {list(topk.shape)} and "
+                         f"{list(topk_other.shape)}")
+    out = []
+    for a, b in zip(topk.detach().cpu().long(), topk_other.detach().cpu().long()):
+        a, b = torch.unique(a[a >= 0]), torch.unique(b[b >= 0])
+        union = torch.unique(torch.cat([a, b])).numel()
+        out.append(1.0 if union == 0 else float(torch.isin(a, b).sum()) / union)
+    return out
+
+
 def score_margin(scores: torch.Tensor, needle_entries) -> float:
     """(best needle score - best other visible score) / std of the other visible scores.
 

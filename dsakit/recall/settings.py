@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._memory import check_choice, check_instance, check_int, check_int_list, is_int
+from .._memory import check_bool, check_choice, check_instance, check_int, check_int_list, is_int
 from ..formats import KeyFormat
 from ..ops._backend import resolve_backend, triton_available
-from ..ops.indexer.config import MAX_K
+from ..ops.indexer.config import MAX_K, HierarchyConfig
 from .faults import FAULTS
 from .synthetic import SyntheticConfig
 
@@ -88,6 +88,10 @@ class RecallSettings:
     fault_trials: int = 1
     seed: int = 0
     backend: str = "reference"
+    # hierarchical selection (docs/hierarchy.md): the sweep's top-k op becomes hierarchical_topk
+    hierarchy: bool = False
+    hierarchy_pages: int | None = None  # m, the pages stage 1 keeps (None = HierarchyConfig's default rule)
+    hierarchy_exact: bool = False  # the exact mode: equal to the flat top-k
 
     def __post_init__(self):
         check_instance("config", self.config, SyntheticConfig)
@@ -129,6 +133,12 @@ class RecallSettings:
                 and ratio <= self.horizon_min <= self.horizon_max):
             raise ValueError(f"need ratio <= horizon_min <= horizon_max, got {self.horizon_min!r}, {self.horizon_max!r}")
         check_int("seed", self.seed)
+        check_bool("hierarchy", self.hierarchy)
+        check_bool("hierarchy_exact", self.hierarchy_exact)
+        if not self.hierarchy and (self.hierarchy_pages is not None or self.hierarchy_exact):
+            raise ValueError("hierarchy_pages / hierarchy_exact set without hierarchy=True (--hierarchy): they "
+                             "would change nothing")
+        self.hierarchy_config()  # checks hierarchy_pages
         for name in self.faults:
             check_choice("fault", name, sorted(FAULTS))
         resolved_backend(self.backend)  # 'triton' on a machine that cannot run it fails here, not mid-sweep
@@ -137,6 +147,12 @@ class RecallSettings:
             check_haystack_fits("fault_contexts", max(self.fault_contexts))
         if self.horizon:
             check_haystack_fits("horizon_max", self.horizon_max)
+
+    def hierarchy_config(self) -> HierarchyConfig | None:
+        """The sweep's :class:`HierarchyConfig` (None: the flat ``index_topk``)."""
+        if not self.hierarchy:
+            return None
+        return HierarchyConfig(pages=self.hierarchy_pages, exact=self.hierarchy_exact)
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)

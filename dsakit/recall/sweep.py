@@ -9,7 +9,8 @@ from .settings import ProgressFn, RecallSettings, generator_for, lab_device, rop
 
 
 def run_sweep(settings: RecallSettings, on_run: ProgressFn | None = None) -> list[dict]:
-    """The needle sweep: contexts x depths x trials x formats x topks through the ops. One record per run."""
+    """The needle sweep: contexts x depths x trials x formats x topks through the ops. One record per run.
+    With ``settings.hierarchy`` the top-k op is ``hierarchical_topk`` (``settings.hierarchy_config()``)."""
     device = lab_device(settings.backend)
     pool = HaystackPool(settings)
     table = rope_table(settings, max(settings.contexts))
@@ -17,7 +18,8 @@ def run_sweep(settings: RecallSettings, on_run: ProgressFn | None = None) -> lis
     records = []
     for ctx in settings.contexts:
         for trial in range(settings.trials):
-            stored = StoredHaystack(pool.get(ctx, trial), settings.formats, none, table, settings.backend, device)
+            stored = StoredHaystack(pool.get(ctx, trial), settings.formats, none, table, settings.backend, device,
+                                    hierarchy=settings.hierarchy_config())
             for d_index, depth in enumerate(settings.depths):
                 gen = generator_for(settings.seed, "needle", ctx, trial, d_index)
                 for rec in stored.run_depth(depth, gen, settings.topks):
