@@ -309,7 +309,7 @@ def test_dense_scoring_used_by_the_horizon_matches_the_paged_op():
     q = torch.randn(3, 64, 128, generator=gen)
     w = torch.rand(3, 64, generator=gen)
     pos = torch.tensor([509, 510, 511])
-    paged, _ = stored._scores_and_topk("fp8", q, w, pos, [8])
+    paged, _, _ = stored._scores_and_topk("fp8", q, w, pos, [8])
     dense = index_scores_dense(q, w, cache.gather(seq), pos, 4)
     torch.testing.assert_close(paged, dense)
 
