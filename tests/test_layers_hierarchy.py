@@ -10,6 +10,7 @@ A CSA block with ``hierarchy=HierarchyConfig(...)`` keeps page summaries in its 
   option is really on;
 * the summaries the layer cache holds after a chunked prefill (the pool grows twice while it has entries) and
   decode steps equal ``summarize_pages`` of its pool;
+* a call that fails after its stores leaves the summaries as they were;
 * the block's select stage on the Triton top-k ops (``TRITON_INTERPRET=1`` on the CPU; a few queries: the
   interpreter runs the whole block at ~10 s per 20 tokens): covering pages and the exact mode select the flat
   top-k's entries.
@@ -135,6 +136,43 @@ def test_triton_selection_in_the_layer(triton_backend, device):
     entry_of = {s: e for e, s in enumerate(cache.slot_map("extra", seq)[1:].tolist()) if s >= 0}
     for row in chosen["fewest"]:
         assert len({entry_of[int(s)] // ENTRIES_PER_PAGE for s in row if s >= 0}) <= 2
+
+
+def summaries_of(cache, seq) -> dict:
+    index = cache.index
+    pages = index.slots(cache.id_in("index", seq))[::ENTRIES_PER_PAGE] // ENTRIES_PER_PAGE
+    return {field: getattr(index.summaries, field)[pages].view(torch.int16).clone()
+            for field in ("centre", "lower", "upper")}
+
+
+def test_failed_call_puts_the_summaries_back(monkeypatch):
+    """A call that fails after its index keys are stored (in the attention) leaves the summary rows of the
+    sequence's pages as they were (its partial last page was re-summarized by the stores, then back over
+    the entries kept), and the retry gives the output of a run that never failed."""
+    layer = make_layer("fp8", HierarchyConfig(pages=1))
+    x = hidden(400)
+    clean = layer.new_cache(1024)
+    clean_seq = clean.add_sequence()
+    cache = layer.new_cache(1024)
+    seq = cache.add_sequence()
+    with torch.no_grad():
+        want = [layer(x[:300], clean, clean_seq), layer(x[300:], clean, clean_seq)]
+        assert torch.equal(layer(x[:300], cache, seq), want[0])  # 75 entries: page 1 holds 11
+        before = summaries_of(cache, seq)
+        attend = layer.attend
+
+        def failing_attend(*args, **kwargs):
+            raise RuntimeError("injected failure")
+
+        monkeypatch.setattr(layer, "attend", failing_attend)
+        with pytest.raises(RuntimeError, match="injected"):
+            layer(x[300:], cache, seq)  # stores 25 more entries into page 1, then fails
+        monkeypatch.setattr(layer, "attend", attend)
+        after = summaries_of(cache, seq)
+        assert all(torch.equal(before[f], after[f]) for f in before)
+        assert torch.equal(layer(x[300:], cache, seq), want[1])
+    assert all(torch.equal(a, b) for a, b in zip(summaries_of(cache, seq).values(),
+                                                 summaries_of(clean, clean_seq).values()))
 
 
 def test_hierarchy_setting_is_checked():
