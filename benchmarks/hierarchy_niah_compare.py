@@ -1,9 +1,10 @@
 """Needle recall of each hierarchical rule against the flat top-k, from benchmarks/hierarchy_niah_tiny.sh's runs.
 
 Reads ``ROOT/<rule>/<format>_k<topk>/results.jsonl`` (``dsakit niah`` rows) and pairs every row of a rule with
-the flat run's row of the same cell (length, depth, trial: the same prompt and needle, the niah seed being
-fixed). Per (rule, format, top-k, length): needles found by the flat top-k and by the rule over the paired
-cells, and how many answers are the same text. Writes ``ROOT/compare.md`` and ``ROOT/compare.json``.
+the flat run's row of the same cell (length, depth, trial) holding the same needle code (the niah seed being
+fixed, that is the same prompt). Per (rule, format, top-k, length): needles found by the flat top-k and by the rule over the paired
+cells (found = niah's ``found`` is true; "unscored" = niah left it unscored: the answer ran into max_tokens,
+not the needle), and how many answers are the same text. Writes ``ROOT/compare.md`` and ``ROOT/compare.json``.
 
     python benchmarks/hierarchy_niah_compare.py benchmarks/results/hierarchy/niah_tiny_<commit>
 """
@@ -37,14 +38,16 @@ def compare(root: Path) -> list[dict]:
     for rule_dir in sorted(p for p in root.iterdir() if p.is_dir() and p.name != "flat"):
         for (fmt, k), rows in sorted(load(rule_dir).items(), key=lambda x: (FORMATS.index(x[0][0]), x[0][1])):
             base = flat.get((fmt, k), {})
-            by_length = defaultdict(lambda: {"cells": 0, "flat_found": 0, "found": 0, "same_answer": 0})
+            by_length = defaultdict(lambda: {"cells": 0, "flat_found": 0, "found": 0, "unscored": 0, "same_answer": 0})
             for cell, row in rows.items():
-                if cell not in base:
-                    continue
+                codes = [n["code"] for n in row["needles"]]
+                if cell not in base or [n["code"] for n in base[cell]["needles"]] != codes:
+                    continue  # paired only on the very same needle (and so the same prompt)
                 stats = by_length[row["length"]]
                 stats["cells"] += 1
-                stats["flat_found"] += int(base[cell]["found"])
-                stats["found"] += int(row["found"])
+                stats["flat_found"] += int(base[cell]["found"] is True)
+                stats["found"] += int(row["found"] is True)
+                stats["unscored"] += int(row["found"] is None)  # niah: the answer ran into max_tokens
                 stats["same_answer"] += int(base[cell]["answer"] == row["answer"])
             for length, stats in sorted(by_length.items()):
                 out.append({"rule": rule_dir.name, "format": fmt, "topk": k, "length": length, **stats})
@@ -52,11 +55,11 @@ def compare(root: Path) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| rule | format | top-k | length | cells | found flat | found rule | same answer |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| rule | format | top-k | length | cells | found flat | found rule | rule unscored | same answer |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['rule']} | {r['format']} | {r['topk']} | {r['length']} | {r['cells']} | "
-                     f"{r['flat_found']} | {r['found']} | {r['same_answer']} |")
+                     f"{r['flat_found']} | {r['found']} | {r['unscored']} | {r['same_answer']} |")
     return "\n".join(lines) + "\n"
 
 
