@@ -280,6 +280,32 @@ def test_second_patch_with_other_arguments_repatches(saved_model):
         assert torch.equal(model(prompt).logits, once(prompt).logits)
 
 
+def test_hierarchy_reaches_the_csa_blocks(saved_model):
+    """patch_deepseek_v4(..., hierarchy=...): the CSA blocks select hierarchically (their caches keep page
+    summaries), the others have no indexer and keep None; the logits equal the flat patch's (the exact mode at
+    top-k 16; the 300-token prompt has 2 index pages, which m 1 + one recent page keep anyway: this checks the
+    plumbing, tests/test_layers_hierarchy.py drops pages); a different hierarchy re-patches; a bad one is refused
+    before any layer changes."""
+    from dsakit.ops.indexer import HierarchyConfig
+
+    path, prompt = saved_model
+    rule = HierarchyConfig(pages=1, first_pages=0, recent_pages=1, exact=True)
+    flat = patch_deepseek_v4(load(path, index_topk=16), "fp8")
+    model = patch_deepseek_v4(load(path, index_topk=16), "fp8", hierarchy=rule)
+    kinds = {layer.self_attn.layer_type: layer.self_attn.hierarchy for layer in model.model.layers}
+    assert kinds == {"window": None, "csa": rule, "hca": None}
+    with torch.no_grad():
+        assert torch.equal(model(prompt).logits, flat(prompt).logits)
+    blocks = [layer.self_attn for layer in model.model.layers]
+    patch_deepseek_v4(model, "fp8", hierarchy=rule)  # the same arguments: nothing changes
+    assert all(layer.self_attn is block for layer, block in zip(model.model.layers, blocks))
+    patch_deepseek_v4(model, "fp8", hierarchy=None)
+    assert model.model.layers[1].self_attn is not blocks[1] and model.model.layers[1].self_attn.hierarchy is None
+    with pytest.raises(ValueError, match="hierarchy must be a HierarchyConfig or None"):
+        patch_deepseek_v4(model, "fp8", hierarchy=16)
+    assert model.model.layers[1].self_attn.hierarchy is None
+
+
 def test_unpatch_restores_the_exact_modules_of_a_bf16_model(saved_model):
     """Unpatching a bf16-cast model gives back its own attention modules: the rotary inv_freq buffers stay
     bf16 with their values (they were rebuilt in fp32: logits off by 8e-3 of the max), logits bitwise equal."""

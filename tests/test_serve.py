@@ -30,6 +30,8 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from dsakit.formats import KeyFormat  # noqa: E402
+from dsakit.ops import indexer as indexer_ops  # noqa: E402
+from dsakit.ops.indexer import HierarchyConfig  # noqa: E402
 from dsakit.niah.retrieval import SimpleTokenizer  # noqa: E402
 from dsakit.niah.tokens import ReferenceCounter  # noqa: E402
 from dsakit.serve.chat import render_chat  # noqa: E402
@@ -461,6 +463,11 @@ def negative_positions(tmp_path, checkpoint) -> Path:
     (["--request-memory-mb", "1"], "affords", None),
     (["--max-pending", "0"], "--max-pending must be an int >= 1", None),
     (["--max-new-tokens", "600"], "must leave room for a prompt", None),
+    (["--hierarchy-pages", "4"], "--hierarchy-pages needs --hierarchy", None),
+    (["--hierarchy-exact"], "--hierarchy-exact needs --hierarchy", None),
+    (["--hierarchy", "--hierarchy-pages", "0"], "--hierarchy-pages must be an int in 1..16384", None),
+    (["--hierarchy", "--hierarchy-recent-pages", "0"], "--hierarchy-recent-pages must be an int in 1..1024", None),
+    (["--hierarchy", "--hierarchy-first-pages", "-1"], "--hierarchy-first-pages must be an int in 0..1024", None),
     ([], "chat template does not render", "broken_template"),
     ([], "max_position_embeddings must be an int >= 1", "negative_positions"),
 ])
@@ -478,6 +485,81 @@ def test_every_setting_is_checked_before_the_server_listens(request, checkpoint,
     assert result.exit_code == 2, result.output
     assert needle in result.output, result.output
     assert _error_lines(result.output) == 1 and "Traceback" not in result.output
+
+
+def test_hierarchy_flags_reach_the_csa_layers(checkpoint, monkeypatch):
+    """``dsakit serve --hierarchy --hierarchy-pages 2 --hierarchy-exact``: the runner and every CSA block get
+    that HierarchyConfig (the other blocks have no indexer), the banner names it, the memory model counts the
+    page summaries."""
+    from typer.testing import CliRunner
+
+    from dsakit.cli import app
+
+    seen = {}
+
+    def listened(server, banner, *args):
+        runner = server.service.runner
+        seen["banner"] = banner
+        seen["runner"] = runner.hierarchy
+        seen["blocks"] = {layer.self_attn.layer_type: layer.self_attn.hierarchy for layer in runner.model.model.layers}
+        seen["bytes"] = runner.memory.cache_bytes_per_token
+
+    monkeypatch.setattr(CompletionHTTPServer, "run_until_stopped", listened)
+    result = CliRunner().invoke(app, ["serve", "--model", str(checkpoint), "--port", "0", "--hierarchy",
+                                      "--hierarchy-pages", "2", "--hierarchy-exact"])
+    assert result.exit_code == 0, result.output
+    rule = HierarchyConfig(pages=2, exact=True)
+    assert seen["runner"] == rule and seen["blocks"]["csa"] == rule
+    assert all(h is None for kind, h in seen["blocks"].items() if kind != "csa")
+    assert "hierarchical top-k (m 2, first 1, recent 2, exact)" in seen["banner"]
+    with_summaries = seen["bytes"]
+    result = CliRunner().invoke(app, ["serve", "--model", str(checkpoint), "--port", "0"])
+    assert result.exit_code == 0 and "flat top-k" in seen["banner"] and seen["blocks"]["csa"] is None
+    assert with_summaries > seen["bytes"]  # the summaries' 12 B per index entry
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory, checkpoint) -> Path:
+    """The test checkpoint with 1024 positions: room for prompts of 3+ index pages (> 512 tokens)."""
+    directory = Path(shutil.copytree(checkpoint, tmp_path_factory.mktemp("long") / "tiny"))
+    raw = json.loads((directory / "config.json").read_text())
+    raw["max_position_embeddings"] = 1024
+    (directory / "config.json").write_text(json.dumps(raw))
+    return directory
+
+
+def test_a_request_served_with_the_hierarchy_on(long_checkpoint, monkeypatch):
+    """One completion through a server whose CSA layers select hierarchically (the exact mode with the fewest
+    pages: m 1, no first page, one recent page) over a 3-page prompt: it calls hierarchical_topk (prefill and
+    every decode step) and answers what the flat runner answers."""
+    prompt = "\n".join([PROMPT] * 22)
+    flat = ModelRunner(*load_model_dir(long_checkpoint), topk=4, max_new_tokens=8, request_memory_mb=BUDGET_MB)
+    ids = flat.encode(prompt)
+    assert 2 * 64 * 4 < len(ids) <= 1000  # 3 index pages of 64 entries (ratio 4)
+    expected = flat.generate(ids, 2)
+    runner = ModelRunner(*load_model_dir(long_checkpoint), topk=4, max_new_tokens=8, request_memory_mb=BUDGET_MB,
+                         hierarchy=HierarchyConfig(pages=1, first_pages=0, recent_pages=1, exact=True))
+    calls = []
+    real = indexer_ops.hierarchical_topk
+
+    def counted(q, weights, batch, k, **kwargs):
+        calls.append((q.shape[0], batch.summaries is not None))
+        return real(q, weights, batch, k, **kwargs)
+
+    monkeypatch.setattr(indexer_ops, "hierarchical_topk", counted)
+    server, thread = start(ModelService(runner, "tiny"), max_body_bytes=runner.limits.max_body_bytes)
+    try:
+        r = post(server.url, "/completions", {"prompt": prompt, "max_tokens": 2})
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    assert r.status_code == 200, r.text
+    assert (r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]) == expected[:2]
+    csa_layers = sum(layer.self_attn.layer_type == "csa" for layer in runner.model.model.layers)
+    assert calls and all(has_summaries for _, has_summaries in calls)
+    decode_steps = expected[1] - (expected[2] == "length")  # the last token is fed back only before an EOS
+    assert sum(t for t, _ in calls) == csa_layers * (len(ids) + decode_steps)  # every query of every CSA layer
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

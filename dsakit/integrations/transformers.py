@@ -36,6 +36,7 @@ from ..presets import get_preset
 from ..layers.from_transformers import (LAYER_TYPE_NAMES, adopt_parameters, check_attention_module,
                                         layer_config_from_transformers)
 from ..layers.kv_cache import V4LayerCache
+from ..ops.indexer.config import HierarchyConfig
 
 __all__ = ["patch_deepseek_v4", "unpatch_deepseek_v4", "layer_settings", "PatchedDeepseekV4Attention",
            "LAYER_TYPE_NAMES"]
@@ -60,9 +61,12 @@ class PatchedDeepseekV4Attention(V4Attention):
     module is kept (not as a submodule: its parameters are this block's) so :func:`unpatch_deepseek_v4` puts
     back the very object, buffers included."""
 
-    def __init__(self, original: nn.Module, *, index_key_format, topk, kv_format, backend, max_tokens):
+    def __init__(self, original: nn.Module, *, index_key_format, topk, kv_format, backend, max_tokens,
+                 hierarchy=None):
         config = layer_config_from_transformers(original, index_key_format=index_key_format, topk=topk,
                                                 kv_format=kv_format, backend=backend)
+        if hierarchy is not None and config.layer_type == "csa":  # the only layers with an indexer
+            config = config.replace(hierarchy=hierarchy)
         with torch.device("meta"):  # placeholders only: every parameter is replaced by the original's below
             super().__init__(config)
         adopt_parameters(self, original)
@@ -192,20 +196,23 @@ def _decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     return inner, layers
 
 
-def _patch_settings(index_key_format, topk, kv_format, backend, max_tokens) -> dict:
+def _patch_settings(index_key_format, topk, kv_format, backend, max_tokens, hierarchy) -> dict:
     """The patch's arguments, checked and in canonical form (compared to decide whether to re-patch)."""
     check_positive_int("max_tokens", max_tokens)
+    if hierarchy is not None:
+        check_instance("hierarchy", hierarchy, HierarchyConfig, label="HierarchyConfig or None")
     if topk is not None:
         check_positive_int("topk", topk)
     if index_key_format is not None:
         index_key_format = KeyFormat.parse(index_key_format)
     return dict(index_key_format=index_key_format, topk=topk, kv_format=AttentionKVFormat.parse(kv_format),
-                backend=backend, max_tokens=max_tokens)
+                backend=backend, max_tokens=max_tokens, hierarchy=hierarchy)
 
 
 def patch_deepseek_v4(model: nn.Module, index_key_format: "KeyFormat | str | None" = "bf16",
                       topk: int | None = None, *, kv_format: "AttentionKVFormat | str" = "bf16",
-                      backend: str = "auto", max_tokens: int = 4096) -> nn.Module:
+                      backend: str = "auto", max_tokens: int = 4096,
+                      hierarchy: HierarchyConfig | None = None) -> nn.Module:
     """Swap every attention block of a loaded transformers DeepseekV4 model for dsakit's, in place.
 
     index_key_format: index-key cache format of the CSA layers ("bf16", "fp8", "fp4", ...; None = the
@@ -213,6 +220,9 @@ def patch_deepseek_v4(model: nn.Module, index_key_format: "KeyFormat | str | Non
     topk: compressed entries per query (default: the config's ``index_topk``).
     kv_format: main / compressed KV cache format ("bf16" | "fp8-rope-bf16").
     max_tokens: initial cache capacity per sequence (caches grow when exceeded).
+    hierarchy: None (the default: the flat indexer top-k) or a
+        :class:`~dsakit.ops.indexer.HierarchyConfig`: the CSA layers select with hierarchical top-k, their
+        index-key caches keeping page summaries (docs/hierarchy.md).
     Returns the model. Parameters are shared, not copied.
 
     Every layer is checked and its block built before the first one is replaced: a model that is not a
@@ -221,7 +231,7 @@ def patch_deepseek_v4(model: nn.Module, index_key_format: "KeyFormat | str | Non
     layer with them (caches filled under the earlier patch are refused by the new blocks: start a new
     ``generate``).
     """
-    settings = _patch_settings(index_key_format, topk, kv_format, backend, max_tokens)
+    settings = _patch_settings(index_key_format, topk, kv_format, backend, max_tokens, hierarchy)
     inner, layers = _decoder(model)
     # the format a block gets (None: $DSAKIT_INDEX_KEY_FORMAT or the preset's), compared to decide a re-patch
     resolved = resolve_index_key_format(settings["index_key_format"], get_preset(_DEFAULT_PRESET))

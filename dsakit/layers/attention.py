@@ -19,6 +19,7 @@ interleaved pairs, trailing), Hi index heads, Di = 128 index head dim, K top-k, 
             -> RMSNorm -> rope(j * ratio) -> extra KV pool (one entry per block)         [n, D]
     (csa) index keys = indexer's compressor -> RMSNorm -> rope(4j) -> Hadamard -> key format -> index pool
     (csa) top-k = index_topk(Hadamard(rope(q_res @ iq_b.T)), weights_proj(x) * Di^-0.5 * Hi^-0.5, ...)
+          (hierarchical_topk instead when the config has a ``hierarchy``: the index pool then keeps page summaries)
     out   = sparse_attention(q, window slots ++ top-k / all visible entries, sink) * D^-0.5 softmax
     out   = rope(out, -pos) on the rope dims, then grouped output projection o_a (g groups) and o_b.
 
@@ -47,6 +48,7 @@ from ..cache import PagedCache
 from ..formats import ATTENTION_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ..ops import attention as attention_ops
 from ..ops import indexer as indexer_ops
+from ..ops.indexer.config import HierarchyConfig
 from ..ops._backend import resolve_backend
 from ..ops.store import AttentionKVStore, IndexKeyStore, store_checked
 from ..transforms import ROPE_V4
@@ -110,10 +112,13 @@ def _store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: torch.
 
 
 def _topk(q: torch.Tensor, weights: torch.Tensor, cache: PagedCache, seq: int, k: int, positions: torch.Tensor,
-          ratio: int, backend: str) -> torch.Tensor:
-    """index_topk for the queries of one sequence -> int32 [T, k] entry indices (-1 padded), on q's device.
-    The batch comes from the cache's host metadata (no device sync)."""
+          ratio: int, backend: str, hierarchy: HierarchyConfig | None = None) -> torch.Tensor:
+    """index_topk (``hierarchy`` None) or hierarchical_topk (with that config and the cache's page summaries,
+    which the batch carries) for the queries of one sequence -> int32 [T, k] entry indices (-1 padded), on q's
+    device. The batch comes from the cache's host metadata (no device sync)."""
     batch = cache.batch([seq], query_lens=[q.shape[0]], query_positions=positions, ratio=ratio)
+    if hierarchy is not None:
+        return indexer_ops.hierarchical_topk(q, weights, batch, k, config=hierarchy, backend=backend).to(q.device)
     return indexer_ops.index_topk(q, weights, batch, k, backend=backend).to(q.device)
 
 
@@ -128,8 +133,8 @@ class V4Attention(nn.Module):
     q_lora_rank, **settings)``, which makes one with :meth:`V4AttentionConfig.from_preset` (every setting not
     given comes from the preset: ``preset``, ``num_heads``, ``o_groups``, ``o_lora_rank``, ``index_heads``,
     ``index_topk``, ``index_key_format``, ``kv_format``, ``window``, ``rope``, ``eps``, ``hca_ratio``,
-    ``backend``, ``query_chunk``). The settings are read through ``layer.layer_config`` and, by name, as
-    read-only attributes (``layer.window``, ``layer.index_topk``, ...).
+    ``backend``, ``query_chunk``, ``hierarchy``). The settings are read through ``layer.layer_config`` and, by
+    name, as read-only attributes (``layer.window``, ``layer.index_topk``, ...).
     """
 
     layer_type = _config_property("layer_type", '"csa" | "hca" | "window"')
@@ -148,6 +153,7 @@ class V4Attention(nn.Module):
     rope = _config_property("rope", "RopeConfig of the attention and compressed entries")
     o_groups = _config_property("o_groups", "groups of the output projection")
     o_lora_rank = _config_property("o_lora_rank", "rank of each output-projection group")
+    hierarchy = _config_property("hierarchy", "HierarchyConfig of hierarchical selection (csa), None = flat top-k")
 
     def __init__(self, config: "V4AttentionConfig | str | None" = None, hidden_size: int | None = None,
                  q_lora_rank: int | None = None, **settings):
@@ -195,7 +201,7 @@ class V4Attention(nn.Module):
     def extra_repr(self) -> str:
         return (f"layer_type={self.layer_type}, heads={self.num_heads}, window={self.window}, "
                 f"index_topk={self.index_topk}, index_key_format={self.index_key_format.name}, "
-                f"kv_format={self.kv_format.name}")
+                f"kv_format={self.kv_format.name}" + (f", hierarchy={self.hierarchy}" if self.hierarchy else ""))
 
     # -- helpers ------------------------------------------------------------------------------------
     def new_cache(self, max_tokens: int = 4096, max_sequences: int = 1, device=None) -> V4LayerCache:
@@ -290,7 +296,8 @@ class V4Attention(nn.Module):
     def select(self, qi: torch.Tensor, w: torch.Tensor, cache: V4LayerCache, seq: int,
                positions: torch.Tensor) -> torch.Tensor:
         """Top-k compressed entries of each query -> extra-pool slots int32 [S, K] (-1 padded)."""
-        entries = _topk(qi, w, cache.index, cache.id_in("index", seq), self.index_topk, positions, 4, self.backend)
+        entries = _topk(qi, w, cache.index, cache.id_in("index", seq), self.index_topk, positions, 4, self.backend,
+                        self.layer_config.hierarchy)
         slot_map = cache.slot_map("extra", seq)
         if slot_map is None:  # no entry yet: the top-k is all padding
             return entries

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .._memory import check_choice, check_float, check_instance, check_positive_int
 from ..formats import ATTENTION_HEAD_DIM, AttentionKVFormat, KeyFormat
 from ..ops._backend import BACKENDS
+from ..ops.indexer.config import HierarchyConfig
 from ..presets import DSAPreset, get_preset
 from ..transforms import ROPE_V4, RopeConfig, RopeLayout
 
@@ -53,7 +54,10 @@ class V4AttentionConfig:
     rope on window-only layers, the YaRN "compress" rope on csa / hca). eps: RMSNorm epsilon (each norm
     module may carry its own, see :mod:`dsakit.layers.from_transformers`). hca_ratio: tokens per entry of
     an hca block. backend: "auto" | "reference" | "triton" for the ops. query_chunk: queries per prefill
-    chunk. preset: the DSAPreset of the model (its key transform is the index keys').
+    chunk. preset: the DSAPreset of the model (its key transform is the index keys'). hierarchy: None (the
+    default) for the flat indexer top-k (``index_topk``), or a :class:`~dsakit.ops.indexer.HierarchyConfig`
+    (csa only) for hierarchical selection: the layer's index-key cache then keeps page summaries and the
+    indexer selects with ``hierarchical_topk`` (docs/hierarchy.md).
     """
 
     layer_type: str
@@ -73,6 +77,7 @@ class V4AttentionConfig:
     hca_ratio: int = 128
     backend: str = "auto"
     query_chunk: int = DEFAULT_QUERY_CHUNK
+    hierarchy: HierarchyConfig | None = None
 
     def __post_init__(self):
         check_choice("layer_type", self.layer_type, LAYER_TYPES)
@@ -95,6 +100,11 @@ class V4AttentionConfig:
             raise ValueError(f"rope_dim must be {preset.attention_rope_dim}, got {self.rope.rope_dim}")
         eps = check_float("eps", self.eps, minimum=0)
         check_choice("backend", self.backend, BACKENDS)
+        if self.hierarchy is not None:
+            check_instance("hierarchy", self.hierarchy, HierarchyConfig, label="HierarchyConfig or None")
+            if self.layer_type != "csa":
+                raise ValueError(f"hierarchy selects the CSA indexer's entries; a {self.layer_type!r} layer has no "
+                                 f"indexer (give it hierarchy=None)")
         # the formats as objects (strings accepted), the epsilon as a float
         object.__setattr__(self, "kv_format", AttentionKVFormat.parse(self.kv_format))
         object.__setattr__(self, "index_key_format", KeyFormat.parse(self.index_key_format))
@@ -107,7 +117,7 @@ class V4AttentionConfig:
                     index_key_format: "KeyFormat | str | None" = None, window: int | None = None,
                     rope: RopeConfig | None = None, **settings) -> "V4AttentionConfig":
         """The config with every setting left None taken from ``preset``; ``settings``: kv_format, o_groups,
-        o_lora_rank, eps, hca_ratio, backend, query_chunk."""
+        o_lora_rank, eps, hca_ratio, backend, query_chunk, hierarchy."""
         preset = get_preset(preset)
         unknown = set(settings) - {f.name for f in dataclasses.fields(cls)}
         if unknown:

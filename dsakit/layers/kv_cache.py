@@ -39,7 +39,8 @@ class V4LayerCache:
 
     * ``kv``: main KV pool, one entry per raw token (slot of token p = its entry p), AttentionKVFormat;
     * ``extra``: compressed entries of the layer's compressor (csa / hca), same format;
-    * ``index``: index keys of the CSA indexer, KeyFormat;
+    * ``index``: index keys of the CSA indexer, KeyFormat, with its :class:`dsakit.pool.PageSummaries`
+      (``index.summaries``) when the layer's config asks for hierarchical selection (None otherwise);
     * per sequence: the compressors' decode states (fp32 rings, :class:`CompressorState`);
     * per sequence and attention pool (``kv``, ``extra``): a *slot map* on the device, int32
       ``[pad + capacity]``: the global slot of entry e at index ``pad + e``, -1 in the ``pad`` leading
@@ -73,8 +74,9 @@ class V4LayerCache:
         self.kv = PagedCache(config.kv_format, pages(max_tokens), device=self.device)
         self.extra = PagedCache(config.kv_format, pages(max_tokens // config.ratio), device=self.device) \
             if config.ratio else None
-        self.index = PagedCache(config.index_key_format, pages(max_tokens // 4), device=self.device) \
-            if config.layer_type == "csa" else None
+        # hierarchical selection reads the index pool's page summaries: the cache keeps them (768 B per page)
+        self.index = PagedCache(config.index_key_format, pages(max_tokens // 4), device=self.device,
+                                summaries=config.hierarchy is not None) if config.layer_type == "csa" else None
         self._max_tokens = max_tokens
         # copy-on-write: the dicts below are replaced, never changed in place, once a sequence exists in them,
         # so a checkpoint holds them by reference
@@ -230,8 +232,11 @@ class V4LayerCache:
     def _grow(self, name: str, old: PagedCache, short: int) -> None:
         """Replace pool ``name`` by one with at least ``short`` more free pages: every sequence's pages copied
         on the device, its slot map rewritten in a new tensor (the old pool and maps are only read, so a
-        checkpoint taken before still holds them as they were)."""
-        new = PagedCache(old.fmt, max(2 * old.num_pages, old.num_pages + short), device=self.device)
+        checkpoint taken before still holds them as they were). Page summaries, if the pool keeps them, move
+        with their pages (a row is a pure function of its page's bytes, so the copy is the row a store would
+        compute)."""
+        new = PagedCache(old.fmt, max(2 * old.num_pages, old.num_pages + short), device=self.device,
+                         summaries=old.summaries is not None)
         ids, maps = {}, dict(self._maps)
         for seq, seq_ids in self._ids.items():
             length = old.length(seq_ids[name])
@@ -241,7 +246,11 @@ class V4LayerCache:
                 # each used page's entry 0 -> its page id, in both pools (host lists: no sync)
                 src = old.slots(seq_ids[name])[::ENTRIES_PER_PAGE] // ENTRIES_PER_PAGE
                 dst = new.slots(nid)[::ENTRIES_PER_PAGE] // ENTRIES_PER_PAGE
-                new.pool[upload(dst, self.device)] = old.pool[upload(src, self.device)]
+                src, dst = upload(src, self.device), upload(dst, self.device)
+                new.pool[dst] = old.pool[src]
+                if old.summaries is not None:
+                    for field in ("centre", "lower", "upper"):
+                        getattr(new.summaries, field)[dst] = getattr(old.summaries, field)[src]
                 if (name, seq) in maps:  # every slot moved: rewrite the map's valid prefix
                     pad = self.map_pad(name)
                     maps[(name, seq)] = fresh = maps[(name, seq)].clone()

@@ -28,10 +28,11 @@ from typing import Callable, Iterator, Optional
 import torch
 import typer
 
-from .._memory import check_choice, check_int
+from .._memory import check_choice, check_instance, check_int
 from ..formats import AttentionKVFormat, KeyFormat
 from ..ops._backend import BACKENDS
-from ..ops.indexer.config import MAX_K
+from ..formats import ENTRIES_PER_PAGE
+from ..ops.indexer.config import MAX_K, HierarchyConfig
 from .chat import chat_messages, render_chat
 from .http import CompletionHTTPServer, RequestError, check_loopback
 from .limits import MemoryModel, ServerLimits, cache_bytes_per_token, derive_limits
@@ -43,6 +44,7 @@ DEFAULT_MAX_PENDING = 16
 MAX_STOP_SEQUENCES = 4
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOCK_POLL_S = 0.05
+SUMMARY_BYTES_PER_PAGE = 3 * 128 * 2  # dsakit.pool.PageSummaries: centre, lower, upper bf16 [128] per page
 
 
 def load_model_dir(path: "str | Path", device: "str | torch.device" = "cpu", dtype: torch.dtype = torch.float32):
@@ -112,6 +114,8 @@ def memory_model(model) -> MemoryModel:
     kv = max(_entry_bytes(AttentionKVFormat.parse(b.kv_format)) for b in blocks)
     # the widest index format any request may pick (an fp8 server still gets bf16 requests)
     index = _entry_bytes(KeyFormat.parse("bf16"))
+    if any(b.layer_config.hierarchy is not None for b in blocks):  # the index pools keep page summaries
+        index += SUMMARY_BYTES_PER_PAGE // ENTRIES_PER_PAGE
     hca = max((b.layer_config.hca_ratio for b in blocks), default=128)
     return MemoryModel(cache_bytes_per_token(kinds, kv, index, hca), window=max(b.window for b in blocks))
 
@@ -136,12 +140,13 @@ class ModelRunner:
     """A patched DeepseekV4ForCausalLM and its tokenizer; runs one greedy generation at a time.
 
     ``index_key_format`` (a KeyFormat or its name, parsed here once) / ``topk``: the defaults of every request
-    (``topk`` None = the config's index_topk)."""
+    (``topk`` None = the config's index_topk). ``hierarchy``: None (flat top-k) or the
+    :class:`~dsakit.ops.indexer.HierarchyConfig` of every request's CSA layers (no per-request override)."""
 
     def __init__(self, model, tokenizer, *, index_key_format: "KeyFormat | str" = "bf16", topk: int | None = None,
                  backend: str = "auto", max_context: int | None = None,
                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, request_memory_mb: int = DEFAULT_REQUEST_MEMORY_MB,
-                 max_pending: int = DEFAULT_MAX_PENDING):
+                 max_pending: int = DEFAULT_MAX_PENDING, hierarchy: HierarchyConfig | None = None):
         from ..integrations.transformers import patch_deepseek_v4
 
         self.model, self.tokenizer = model, tokenizer
@@ -154,7 +159,10 @@ class ModelRunner:
         config_topk = getattr(model.config, "index_topk", None)
         self.default_topk = config_topk if topk is None else topk
         check_int("--topk", self.default_topk, 1, MAX_K, message=f"--topk must be an int in 1..{MAX_K}")
-        patch_deepseek_v4(model, self.default_format, self.default_topk, backend=backend)
+        if hierarchy is not None:
+            check_instance("hierarchy", hierarchy, HierarchyConfig, label="HierarchyConfig or None")
+        self.hierarchy = hierarchy
+        patch_deepseek_v4(model, self.default_format, self.default_topk, backend=backend, hierarchy=hierarchy)
         self.memory = memory_model(model)
         self.limits: ServerLimits = derive_limits(
             self.memory, request_mb=request_memory_mb, model_context=model.config.max_position_embeddings,
@@ -354,14 +362,48 @@ def check_device(device: str | None) -> str:
     return device
 
 
+def hierarchy_config(enabled: bool, pages: int | None = None, exact: bool = False, first_pages: int | None = None,
+                     recent_pages: int | None = None) -> HierarchyConfig | None:
+    """The server's :class:`HierarchyConfig` from its ``--hierarchy*`` flags (None: off, the default); each flag
+    checked with a one-line error naming it (the page options need ``--hierarchy``)."""
+    given = {"--hierarchy-pages": pages is not None, "--hierarchy-exact": exact,
+             "--hierarchy-first-pages": first_pages is not None, "--hierarchy-recent-pages": recent_pages is not None}
+    if not enabled:
+        named = [flag for flag, on in given.items() if on]
+        if named:
+            raise ValueError(f"{named[0]} needs --hierarchy (hierarchical selection is off by default)")
+        return None
+    check_int("--hierarchy-pages", pages, 1, MAX_K, allow_none=True,
+              message=f"--hierarchy-pages must be an int in 1..{MAX_K} (pages stage 1 keeps per query)")
+    check_int("--hierarchy-first-pages", first_pages, 0, 1024, allow_none=True,
+              message="--hierarchy-first-pages must be an int in 0..1024")
+    check_int("--hierarchy-recent-pages", recent_pages, 1, 1024, allow_none=True,
+              message="--hierarchy-recent-pages must be an int in 1..1024 (a query's own last page is always kept)")
+    defaults = HierarchyConfig()
+    return HierarchyConfig(pages=pages, exact=exact,
+                           first_pages=defaults.first_pages if first_pages is None else first_pages,
+                           recent_pages=defaults.recent_pages if recent_pages is None else recent_pages)
+
+
+def describe_hierarchy(hierarchy: HierarchyConfig | None) -> str:
+    """The banner's words for the selection rule."""
+    if hierarchy is None:
+        return "flat top-k"
+    pages = "default m" if hierarchy.pages is None else f"m {hierarchy.pages}"
+    return (f"hierarchical top-k ({pages}, first {hierarchy.first_pages}, recent {hierarchy.recent_pages}"
+            f"{', exact' if hierarchy.exact else ''})")
+
+
 def serve_model(model_dir: str, *, index_key_format: str = "bf16", topk: int | None = None,
                 device: str | None = None, dtype: str = "float32", backend: str = "auto",
                 host: str = "127.0.0.1", port: int = 0, model_name: str | None = None,
                 max_context: int | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                 request_memory_mb: int = DEFAULT_REQUEST_MEMORY_MB, max_pending: int = DEFAULT_MAX_PENDING,
-                threads: int = 0, port_file: str | None = None, verbose: bool = False) -> None:
+                threads: int = 0, port_file: str | None = None, verbose: bool = False,
+                hierarchy: HierarchyConfig | None = None) -> None:
     """Load ``model_dir`` and serve it until SIGINT/SIGTERM (``port = 0`` picks a free port). Every setting is
-    checked before the model loads, and the derived limits before the server listens (ValueError)."""
+    checked before the model loads, and the derived limits before the server listens (ValueError).
+    ``hierarchy``: None (flat top-k) or the CSA layers' :class:`HierarchyConfig` (:func:`hierarchy_config`)."""
     host = check_loopback(host)
     check_int("--port", port, 0, 65535, message="--port must be an int in 0..65535 (0 = any free port)")
     key_format = KeyFormat.parse(index_key_format)  # the one parse of the server's format
@@ -372,6 +414,8 @@ def serve_model(model_dir: str, *, index_key_format: str = "bf16", topk: int | N
     check_int("--max-pending", max_pending, 1, message="--max-pending must be an int >= 1")
     check_int("--request-memory-mb", request_memory_mb, 1, message="--request-memory-mb must be an int >= 1")
     check_choice("--dtype", dtype, sorted(DTYPES))
+    if hierarchy is not None:
+        check_instance("hierarchy", hierarchy, HierarchyConfig, label="HierarchyConfig or None")
     check_choice("--backend", backend, BACKENDS)
     device = check_device(device)
     check_choice("--backend", backend, BACKENDS if device.startswith("cuda") else ("auto", "reference"),
@@ -388,13 +432,14 @@ def serve_model(model_dir: str, *, index_key_format: str = "bf16", topk: int | N
     model, tokenizer = load_model_dir(model_dir, device, DTYPES[dtype])
     runner = ModelRunner(model, tokenizer, index_key_format=key_format, topk=topk, backend=backend,
                          max_context=max_context, max_new_tokens=max_new_tokens,
-                         request_memory_mb=request_memory_mb, max_pending=max_pending)
+                         request_memory_mb=request_memory_mb, max_pending=max_pending, hierarchy=hierarchy)
     name = model_name or Path(model_dir).resolve().name
     limits = runner.limits
     server = CompletionHTTPServer((host, port), ModelService(runner, name), verbose=verbose,
                                   max_body_bytes=limits.max_body_bytes, max_pending=limits.max_pending)
     banner = (f"dsakit serve: listening on {server.url} (model '{name}' from {model_dir} on {device}, index keys "
-              f"{runner.default_format.name}, top-k {runner.default_topk} (at most {limits.max_topk}), max context "
+              f"{runner.default_format.name}, top-k {runner.default_topk} (at most {limits.max_topk}, "
+              f"{describe_hierarchy(hierarchy)}), max context "
               f"{limits.max_context}, {limits.request_bytes >> 20} MiB per request, {limits.max_pending} requests "
               f"held at most)")
     server.run_until_stopped(banner, "dsakit serve", port_file)
@@ -422,13 +467,29 @@ def serve_command(
                                     help="completion requests held at once (running + queued); more get 503"),
     threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch's default)"),
     verbose: bool = typer.Option(False, "--verbose", help="log every request"),
+    hierarchy: bool = typer.Option(False, "--hierarchy",
+                                   help="hierarchical top-k in the CSA layers (page representatives, then exact "
+                                        "scores in the pages kept; off by default: flat top-k)"),
+    hierarchy_pages: Optional[int] = typer.Option(None, "--hierarchy-pages",
+                                                  help="pages stage 1 keeps per query (default: max(16, 4 * "
+                                                       "ceil(k / 64))); needs --hierarchy"),
+    hierarchy_exact: bool = typer.Option(False, "--hierarchy-exact",
+                                         help="also score every page whose bound reaches the k-th score (equals the "
+                                              "flat top-k); needs --hierarchy"),
+    hierarchy_first_pages: Optional[int] = typer.Option(None, "--hierarchy-first-pages",
+                                                        help="first pages always kept (default 1); needs --hierarchy"),
+    hierarchy_recent_pages: Optional[int] = typer.Option(None, "--hierarchy-recent-pages",
+                                                         help="last pages always kept (default 2); needs --hierarchy"),
 ) -> None:
     """OpenAI-compatible server running a DeepSeek-V4 checkpoint on dsakit's attention blocks."""
     try:
+        rule = hierarchy_config(hierarchy, hierarchy_pages, hierarchy_exact, hierarchy_first_pages,
+                                hierarchy_recent_pages)
         serve_model(str(model), index_key_format=index_key_format, topk=topk, device=device, dtype=dtype,
                     backend=backend, host=host, port=port, model_name=model_name, max_context=max_context,
                     max_new_tokens=max_new_tokens, request_memory_mb=request_memory_mb, max_pending=max_pending,
-                    threads=threads, port_file=str(port_file) if port_file else None, verbose=verbose)
+                    threads=threads, port_file=str(port_file) if port_file else None, verbose=verbose,
+                    hierarchy=rule)
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {' '.join(str(exc).split())}", err=True)  # one line, whatever the message holds
         sys.exit(2)
