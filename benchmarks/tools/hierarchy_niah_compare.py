@@ -1,4 +1,4 @@
-"""Needle recall of each hierarchical rule against the flat top-k, from benchmarks/hierarchy_niah_tiny.sh's runs.
+"""Needle recall of each hierarchical rule against the flat top-k, from benchmarks/tools/hierarchy_niah_tiny.sh's runs.
 
 Reads ``ROOT/<rule>/<format>_k<topk>/results.jsonl`` (``dsakit niah`` rows) and pairs every row of a rule with
 the flat run's row of the same cell (length, depth, trial) holding the same needle code (the niah seed being
@@ -6,7 +6,7 @@ fixed, that is the same prompt). Per (rule, format, top-k, length): needles foun
 cells (found = niah's ``found`` is true; "unscored" = niah left it unscored: the answer ran into max_tokens,
 not the needle), and how many answers are the same text. Writes ``ROOT/compare.md`` and ``ROOT/compare.json``.
 
-    python benchmarks/hierarchy_niah_compare.py benchmarks/results/hierarchy/niah_tiny_<commit>
+    python benchmarks/tools/hierarchy_niah_compare.py benchmarks/results/hierarchy/niah_tiny_<commit>
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 1 or not Path(argv[0]).is_dir():
-        sys.exit("usage: python benchmarks/hierarchy_niah_compare.py ROOT (a directory holding flat/ and the rules)")
+        sys.exit("usage: python benchmarks/tools/hierarchy_niah_compare.py ROOT (a directory holding flat/ and the rules)")
     root = Path(argv[0])
     rows = compare(root)
     (root / "compare.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -4,7 +4,7 @@
 # top-k 8 and 16, depths 0.1..0.9), CPU. One server per selection rule (the hierarchy is a server setting);
 # formats and top-k per request, as in niah.sh. Results: benchmarks/results/hierarchy/niah_tiny_<commit>/<rule>/.
 #
-#   benchmarks/hierarchy_niah_tiny.sh          # the committed run (about 20 minutes on 2 busy CPU cores)
+#   benchmarks/tools/hierarchy_niah_tiny.sh          # the committed run (about 20 minutes on 2 busy CPU cores)
 #
 # Rules and grids (TRIALS, DEPTHS, LENGTHS per rule below; the model card's grid has 3 trials at 5 depths: this
 # one is smaller to stay near 20 minutes of CPU):
@@ -18,7 +18,7 @@
 #   pages: 2 of 4 at 1K, 2 of 8 at 2K); 1K and 2K, 2 trials, depths 0.1 0.5 0.9.
 # RULES picks some (default: all four).
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD)}
 ROOT=${ROOT:-benchmarks/results/hierarchy/niah_tiny_$COMMIT}
 export PY=${PY:-python3}
