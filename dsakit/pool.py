@@ -307,12 +307,11 @@ class PageSummaries:
     __slots__ = ("centre", "lower", "upper")
 
     def __init__(self, centre: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor):
-        for what, t in (("centre", centre), ("lower", lower), ("upper", upper)):
-            check_tensor(what, t, dims=2, dtypes=(torch.bfloat16,),
-                         message=f"PageSummaries.{what} must be a bf16 [P, 128] tensor")
-            if t.shape != centre.shape or t.shape[1] != 128 or t.device != centre.device:
-                raise ValueError(f"PageSummaries.{what} must be bf16 [P, 128] on centre's device "
-                                 f"({list(centre.shape)}, {centre.device}), got {list(t.shape)} on {t.device}")
+        check_tensor("centre", centre, shape=(None, 128), dtypes=(torch.bfloat16,),
+                     message="PageSummaries.centre must be a bf16 [P, 128] tensor")
+        for what, t in (("lower", lower), ("upper", upper)):
+            check_tensor(what, t, shape=tuple(centre.shape), dtypes=(torch.bfloat16,), device=centre.device,
+                         owner="centre", message=f"PageSummaries.{what} must be bf16 {list(centre.shape)} like centre")
         self.centre, self.lower, self.upper = centre, lower, upper
 
     @classmethod

@@ -38,22 +38,30 @@ def check_loaded(model: torch.nn.Module, info: dict, *, source: str) -> None:
             raise ValueError(f"{source}: tensor {name!r} has non-finite values (NaN or Inf)")
 
 
+def read_checkpoint_config(path: "str | Path") -> dict:
+    """config.json of a DeepseekV4ForCausalLM checkpoint directory as a dict; ValueError naming what is wrong
+    (no such directory, no config.json, not a JSON object, another model_type)."""
+    path = Path(path)
+    config_file = path / "config.json"
+    try:  # no directory or config.json, not JSON, or JSON that is not an object (no .get)
+        raw = json.loads(config_file.read_text())
+        model_type = raw.get("model_type")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"{str(path)!r} is not a checkpoint directory with a config.json that is a JSON object: "
+                         f"{exc}") from None
+    if model_type != "deepseek_v4":
+        raise ValueError(f"{config_file} has model_type {model_type!r}; dsakit runs 'deepseek_v4' checkpoints")
+    return raw
+
+
 def load_causal_lm_strict(path: "str | Path", dtype: torch.dtype = torch.float32):
     """A DeepseekV4ForCausalLM loaded from ``path`` with exactly the weights its config needs, in eval mode on
-    the CPU. ValueError names what is wrong: no or unreadable config, a config transformers refuses, weights
-    that cannot be read, a missing / unexpected / mis-shaped / non-finite tensor."""
+    the CPU. ValueError names what is wrong: no or unreadable config (:func:`read_checkpoint_config`), a config
+    transformers refuses, weights that cannot be read, a missing / unexpected / mis-shaped / non-finite tensor."""
     from transformers import DeepseekV4ForCausalLM
 
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{path} has no config.json: not a transformers checkpoint directory")
-    try:
-        raw = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{config_file} is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_file} is not a JSON object")
+    read_checkpoint_config(path)
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"{path} has no *.safetensors weights")
     try:

@@ -16,7 +16,6 @@ goes away is stopped between two tokens, and streamed tokens are sent as they ar
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import threading
@@ -50,19 +49,11 @@ SUMMARY_BYTES_PER_PAGE = 3 * 128 * 2  # dsakit.pool.PageSummaries: centre, lower
 def load_model_dir(path: "str | Path", device: "str | torch.device" = "cpu", dtype: torch.dtype = torch.float32):
     """(model, tokenizer) of a DeepseekV4ForCausalLM checkpoint directory, loaded strictly; ValueError naming
     what is wrong (the directory, config.json, the weights' first bad tensor, the tokenizer, its chat template)."""
+    from ..models.checkpoint import read_checkpoint_config
+
     path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"model directory {str(path)!r} does not exist (or is not a directory)")
+    raw = read_checkpoint_config(path)
     config_file = path / "config.json"
-    try:  # no config.json, not JSON, or JSON that is not an object (no .get)
-        raw = json.loads(config_file.read_text())
-        raw.get("model_type")
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-        raise ValueError(f"{path} has no config.json that is a JSON object (not a transformers checkpoint "
-                         f"directory): {exc}") from None
-    if raw.get("model_type") != "deepseek_v4":
-        raise ValueError(f"{config_file} has model_type {raw.get('model_type')!r}; dsakit serve runs 'deepseek_v4' "
-                         f"checkpoints")
     positions = raw.get("max_position_embeddings")
     check_int("max_position_embeddings", positions, 1,
               message=f"{config_file}: max_position_embeddings must be an int >= 1")

@@ -119,12 +119,9 @@ class ScoresConfig:
     formats: tuple[tuple[str, FormatLaunch], ...] = field(default=H200_FORMATS, repr=False)
 
     def __post_init__(self):
-        if self.kernel not in KERNELS:
-            raise ValueError(f"kernel must be 'auto', 'tile' or 'group', got {self.kernel!r}")
-        if self.decode_fp4 not in DECODE_FP4:
-            raise ValueError(f"decode_fp4 must be 'blocks' or 'dequant', got {self.decode_fp4!r}")
-        if self.decode_loads not in DECODE_LOADS:
-            raise ValueError(f"decode_loads must be 'gather' or 'tma', got {self.decode_loads!r}")
+        check_choice("kernel", self.kernel, KERNELS)
+        check_choice("decode_fp4", self.decode_fp4, DECODE_FP4)
+        check_choice("decode_loads", self.decode_loads, DECODE_LOADS)
         bt = self.prefill_block_t
         check_power_of_two("block_t (prefill_block_t)", bt, 16)
         for name in ("prefill_block_n", "decode_block_n"):

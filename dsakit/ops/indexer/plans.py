@@ -195,6 +195,18 @@ def _group_kernel_fits(num_heads: int, max_per_sequence: int) -> bool:
     return heads_ok and max_per_sequence <= GROUP_MAX_QUERIES and max_per_sequence * num_heads <= 256
 
 
+def _choose_kernel(kernel: str, num_heads: int, largest: int) -> str:
+    """The scores kernel of a plan: ``kernel`` ("auto" picks the group kernel where it fits), else ValueError
+    when "group" is asked for where it does not fit."""
+    fits = _group_kernel_fits(num_heads, largest)
+    if kernel == "auto":
+        return "group" if fits else "tile"
+    if kernel == "group" and not fits:
+        raise ValueError(f"kernel='group' needs a power-of-two head count >= 16 (got H = {num_heads}) and at most "
+                         f"{GROUP_MAX_QUERIES} queries per sequence (got {largest})")
+    return kernel
+
+
 def _tile_size(kernel: str, max_per_sequence: int, block_t: int | None, cap: int = 64) -> int:
     if kernel == "group":
         return max(1, triton.next_power_of_2(max(1, max_per_sequence)))
@@ -243,12 +255,7 @@ def plan_query_tiles(query_seq: torch.Tensor, num_seqs: int, num_heads: int, ker
     if bad:
         raise ValueError(f"query_seq values must be in 0..{num_seqs - 1}, got range "
                          f"{int(seq.min())}..{int(seq.max())}")
-    choice = kernel
-    if kernel == "auto":
-        choice = "group" if _group_kernel_fits(num_heads, max_per_sequence) else "tile"
-    if choice == "group" and not _group_kernel_fits(num_heads, max_per_sequence):
-        raise ValueError(f"kernel='group' needs a power-of-two head count >= 16 (got H = {num_heads}) and at most "
-                         f"{GROUP_MAX_QUERIES} queries per sequence (got {max_per_sequence})")
+    choice = _choose_kernel(kernel, num_heads, max_per_sequence)
     size = _tile_size(choice, max_per_sequence, block_t, cap)
     rows = torch.argsort(seq, stable=True)
     return _tiles_from_counts(per_seq, rows, counts[sizes.index(size)], choice, size)
@@ -284,12 +291,7 @@ def tiles_from_lens(lens: Sequence[int], num_heads: int, device: torch.device, c
             _TILE_CACHE.move_to_end(key)
             return found
     largest = max(lens, default=0)
-    kernel = config.kernel
-    if kernel == "auto":
-        kernel = "group" if _group_kernel_fits(num_heads, largest) else "tile"
-    elif kernel == "group" and not _group_kernel_fits(num_heads, largest):
-        raise ValueError(f"kernel='group' needs a power-of-two head count >= 16 (got H = {num_heads}) and at most "
-                         f"{GROUP_MAX_QUERIES} queries per sequence (got {largest})")
+    kernel = _choose_kernel(config.kernel, num_heads, largest)
     size = _tile_size(kernel, largest, None, config.prefill_block_t)
     per_seq = torch.tensor(list(lens), dtype=torch.int64)
     num_tiles = int(((per_seq + size - 1) // size).sum())
