@@ -18,7 +18,9 @@ layouts (prefill and decode) and every tuning of the flat path carry over unchan
 No [T, N] tensor and no device->host sync in the approximate mode (the derived batches are built with
 ``validate=False`` from widths known on the host). The exact mode adds the page bounds
 (:func:`~dsakit.ops.indexer.reference.page_score_bounds`, fp32 torch, chunked), one sync for the widest page
-set, and a second stage 2 over the pages whose bound reaches the k-th score.
+set, and a second stage 2 over the pages whose bound reaches the k-th score: each sequence keeps the union of
+its queries' pages and every query its own row and position (:func:`_stage2_per_sequence`), so the flat
+kernels run with the original query layout and score every entry with the flat top-k's own arithmetic.
 """
 
 from __future__ import annotations
