@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -83,7 +84,7 @@ class Completion:
         self.close()
 
 
-class CompletionService:
+class CompletionService(ABC):
     """Base of the services: subclasses set ``model_name`` and ``max_context`` and implement :meth:`begin`."""
 
     model_name: str
@@ -159,8 +160,10 @@ class CompletionService:
         return check_text("prompt", prompt)
 
     # -- answers --------------------------------------------------------------------------------------
+    @abstractmethod
     def begin(self, body, chat: bool, cancelled: Callable[[], bool] = never_cancelled) -> Completion:
-        raise NotImplementedError
+        """Start answering a checked request body: the :class:`Completion` whose pieces are generated as they
+        are read (each service: the reference echo or the model)."""
 
     def response(self, body, chat: bool, cancelled: Callable[[], bool] = never_cancelled) -> dict:
         """The whole answer as one response body."""
