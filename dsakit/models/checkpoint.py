@@ -47,8 +47,9 @@ def read_checkpoint_config(path: "str | Path") -> dict:
         raw = json.loads(config_file.read_text())
         model_type = raw.get("model_type")
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-        raise ValueError(f"{str(path)!r} is not a checkpoint directory with a config.json that is a JSON object: "
-                         f"{exc}") from None
+        reason = ("does not exist (or is not a directory)" if not path.is_dir() else
+                  f"has no config.json that is a JSON object (not a transformers checkpoint directory): {exc}")
+        raise ValueError(f"model directory {str(path)!r} {reason}") from None
     if model_type != "deepseek_v4":
         raise ValueError(f"{config_file} has model_type {model_type!r}; dsakit runs 'deepseek_v4' checkpoints")
     return raw
