@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from _common import (DIM, bench_parser, environment, make_queries, median_ms, peak_extra_bytes, timing_pool,
                      write_json)
-from bench_peers import fp8_keys, load_peers, ordered_pool
+from bench_peers import deepgemm_prefill_step, load_peers, ordered_pool
 
 from dsakit import PagedBatch
 from dsakit.formats import KeyFormat, is_centred
@@ -198,16 +198,7 @@ def main() -> int:
                     row[f"{key}_ms"] = bench(fn)
                 row["hier_vs_flat"] = row["hier_ms"] / row["flat_ms"]
                 if name == "fp8" and "deep_gemm" in peers:
-                    dg = peers["deep_gemm"]
-                    kv = fp8_keys(pool, n)
-                    ks = torch.zeros(t, dtype=torch.int32, device=dev)
-                    ke = torch.full((t,), n, dtype=torch.int32, device=dev)
-                    wq = (w * qs).contiguous()  # DeepGEMM has no q scale: folded into the weights
-
-                    def dg_step():
-                        logits = dg.fp8_fp4_mqa_logits((q, None), kv, wq, ks, ke, clean_logits=False)
-                        return torch.topk(logits, k, dim=1)[1]
-
+                    dg_step = deepgemm_prefill_step(peers["deep_gemm"], pool, n, q, w, qs, k)
                     try:
                         row["deepgemm_topk_peak_gib"] = peak_extra_bytes(dg_step, dev) / 2**30
                         row["deepgemm_topk_ms"] = bench(dg_step)

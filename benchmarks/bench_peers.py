@@ -250,6 +250,23 @@ def bf16_keys_paged(pool: torch.Tensor, table: torch.Tensor, n: int) -> torch.Te
     return pages.reshape(table.shape[0], -1).view(torch.bfloat16).reshape(table.shape[0], -1, DIM)[:, :n].contiguous()
 
 
+def deepgemm_prefill_step(dg, pool: torch.Tensor, n: int, q: torch.Tensor, w: torch.Tensor, qs: torch.Tensor,
+                          k: int):
+    """DeepGEMM's prefill indexer step on an ordered fp8 pool of n entries (every query sees every entry):
+    fp8 MQA logits, then torch.topk. DeepGEMM has no q scale: it is folded into the weights."""
+    t = q.shape[0]
+    kv = fp8_keys(pool, n)
+    ks = torch.zeros(t, dtype=torch.int32, device=q.device)
+    ke = torch.full((t,), n, dtype=torch.int32, device=q.device)
+    wq = (w * qs).contiguous()
+
+    def step():
+        logits = dg.fp8_fp4_mqa_logits((q, None), kv, wq, ks, ke, clean_logits=False)
+        return torch.topk(logits, k, dim=1)[1]
+
+    return step
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = bench_parser(commit_default=None)
@@ -331,16 +348,7 @@ def run_indexer(args, commit: str, sections: list[str]) -> int:
             row["dsakit_fp8_peak_gib"] = peak_extra_bytes(ours, dev) / 2**30
             row["dsakit_fp8_ms"] = bench(ours)
             if "deep_gemm" in peers:
-                dg = peers["deep_gemm"]
-                kv = fp8_keys(pool, n)
-                ks = torch.zeros(t, dtype=torch.int32, device=dev)
-                ke = torch.full((t,), n, dtype=torch.int32, device=dev)
-                wq = (w * qs).contiguous()  # DeepGEMM has no q scale: folded into the weights
-
-                def dg_step():
-                    logits = dg.fp8_fp4_mqa_logits((q, None), kv, wq, ks, ke, clean_logits=False)
-                    return torch.topk(logits, k, dim=1)[1]
-
+                dg_step = deepgemm_prefill_step(peers["deep_gemm"], pool, n, q, w, qs, k)
                 _time_prefill_peer(row, "deepgemm", "deepgemm_topk", dg_step, mine, "dsakit_fp8_ms", bench, dev)
             del pool, q, w, qs, batch, mine
             # bf16 keys: dsakit vs StreamIndex on the same bf16 bytes

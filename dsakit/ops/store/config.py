@@ -13,6 +13,13 @@ from .._tuning import gpu_key
 KERNELS = ("auto", "generic")
 
 
+# The page-summary launch that follows a store whose pages may get several rows (each program walks the entries
+# of the pages its rows end, so few rows a program): fixed launch constants, not tuning. They are not a config
+# field until a per-GPU table sets them from a measurement (docs/layout.md).
+SUMMARY_ROWS_PER_PROGRAM = 4
+SUMMARY_WARPS = 1
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Every launch setting of the store kernels; the launchers (``triton.py``) read them and derive nothing.
@@ -26,9 +33,6 @@ class StoreConfig:
     page_term_two_launches_from: a page-centred store of at least this many rows takes two launches (the
     pages' centres, then the entries) instead of one (entry 0's row transformed again by the programs that
     need its centre); 0 = always one launch.
-    summary_*: rows per program and warps of the page-summary launch that follows a store whose pages may get
-    several rows (each program walks the entries of the pages its rows end; few rows per program, since a
-    program iterates over the longest of its pages for all its rows; not measured yet).
     """
 
     index_block_n: int = 32
@@ -43,8 +47,6 @@ class StoreConfig:
     index_kernel: str = "auto"
     attention_kernel: str = "auto"
     page_term_two_launches_from: int = 0
-    summary_block_n: int = 4
-    summary_warps: int = 1
 
     def __post_init__(self):
         for name, value in self.__dict__.items():

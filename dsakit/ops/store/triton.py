@@ -74,7 +74,7 @@ from ...pool import PageSummaries
 from ._kernels import (PAGE_ENTRIES, PAGE_NONE, PAGE_ONE_LAUNCH, PAGE_SIDES, SUMMARY_IN_STORE, SUMMARY_NONE,
                        _store_attention_kv_generic_kernel, _store_attention_kv_kernel, _store_index_keys_generic_kernel,
                        _store_index_keys_kernel, _summarize_pages_kernel)
-from .config import StoreConfig
+from .config import SUMMARY_ROWS_PER_PROGRAM, SUMMARY_WARPS, StoreConfig
 
 # compile-time codes of the options
 _NORMS = {"rmsnorm": 0, "layernorm": 1}
@@ -154,10 +154,10 @@ def launch_store_index_keys(keys: torch.Tensor, positions: torch.Tensor, slots: 
             _store_index_keys_generic_kernel[(triton.cdiv(n, block_n),)](
                 *args, ROPE_DIM=table.shape[1], BLOCK_N=block_n, num_warps=warps, PAGE_STEP=step, **common)
     if summaries is not None and not in_store:
-        _summarize_pages_kernel[(triton.cdiv(n, config.summary_block_n),)](
+        _summarize_pages_kernel[(triton.cdiv(n, SUMMARY_ROWS_PER_PROGRAM),)](
             slots, positions, pool, *summary_rows, n, pool.shape[0] * ENTRIES_PER_PAGE, table.shape[0],
             CODE=int(codec.code), D=fmt.head_dim, PAGE=fmt.entries_per_page, PAGE_BYTES=fmt.page_bytes,
-            BLOCK_N=config.summary_block_n, num_warps=config.summary_warps)
+            BLOCK_N=SUMMARY_ROWS_PER_PROGRAM, num_warps=SUMMARY_WARPS)
 
 
 def launch_store_attention_kv(kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
